@@ -1,0 +1,13 @@
+"""Errors the engine raises. All are ValueError subclasses so callers can map them to 4xx."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory cannot be loaded: names the file and, where relevant, the tensor."""
+
+
+class InvalidSettingError(ValueError):
+    """A setting or sampling parameter is out of range: names the field and the limit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
