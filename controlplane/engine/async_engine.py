@@ -1,0 +1,182 @@
+"""Run the engine's step loop in a background thread; stream outputs to asyncio callers.
+
+The step thread owns the Engine. Callers on the event loop hand it work through a thread-safe
+queue (add, abort) and get outputs back through per-request asyncio queues, filled with one
+`call_soon_threadsafe` per step, so the event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from controlplane.engine.engine import Engine, RequestOutput, StepStats
+from controlplane.engine.sampling_params import SamplingParams
+from controlplane.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the finished output."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                # The consumer went away (client disconnect, cancellation): free its blocks.
+                self._engine.abort(self.request_id)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings | None = None, **overrides: Any) -> AsyncEngine:
+        return cls(Engine(settings, **overrides))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        """Start the step thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # -- API for the event loop -------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Validate here (raising ValueError naming the field), then queue for the step thread."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        params = params or SamplingParams()
+        prompt_ids = (
+            self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        )
+        self.engine.validate_request(prompt_ids, params)
+        request_id = request_id or f"areq-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._commands.put(("add", (prompt_ids, params, request_id)))
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        async for out in self.add_request(prompt, params, request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def update_settings(self, **changes: Any) -> EngineSettings:
+        return self.engine.update_settings(**changes)
+
+    def stats(self) -> StepStats:
+        return self.engine.stats()
+
+    # -- the step thread ---------------------------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # Runs on the event loop.
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._put(exc)
+        self._streams.clear()
+
+    def _drain_commands(self, block: bool) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        try:
+            cmd, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            while True:
+                if cmd == "add":
+                    prompt_ids, params, request_id = arg
+                    try:
+                        self.engine.add_request(prompt_ids, params, request_id)
+                    except ValueError as exc:
+                        loop = self._loop
+                        assert loop is not None
+                        stream = self._streams.pop(request_id, None)
+                        if stream is not None:
+                            loop.call_soon_threadsafe(stream._put, exc)
+                elif cmd == "abort":
+                    out = self.engine.abort(arg)
+                    if out is not None:
+                        outputs.append(out)
+                cmd, arg = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        return outputs
+
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            while not self._stop.is_set():
+                outputs = self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    outputs += self.engine.step()
+                if outputs:
+                    loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:  # the engine is dead: tell every waiter, don't hang them
+            log.exception("engine step loop died")
+            self.error = exc
+            loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine stopped: {exc!r}"))

@@ -1,0 +1,360 @@
+"""The engine: add_request / step / abort, live settings and a per-step stats snapshot.
+
+Single-threaded by design: one thread calls `step()`. `update_settings` and `stats` are also
+safe to call from other threads (they only swap immutable objects under a lock);
+`AsyncEngine` routes add and abort through the step thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from controlplane.engine.attention import TorchPagedAttention
+from controlplane.engine.block_pool import BlockPool
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from controlplane.engine.loader import load_model
+from controlplane.engine.model.config import load_model_config
+from controlplane.engine.runner import ModelRunner
+from controlplane.engine.sampler import Sampler, TokenLogprobs
+from controlplane.engine.sampling_params import SamplingParams
+from controlplane.engine.scheduler import Scheduler
+from controlplane.engine.sequence import RequestMetrics, Sequence
+from controlplane.engine.settings import EngineSettings, check, validate_changes
+from controlplane.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Immutable snapshot published after every step; readers never lock the engine."""
+
+    step: int
+    time: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    step_duration: float  # seconds inside step(), forward included
+    num_preemptions: int  # cumulative
+    num_finished: int  # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far (the live list: do not mutate)
+    new_token_ids: list[int]  # produced by this step
+    text: str  # all output text released so far
+    delta_text: (
+        str  # released by this step (never a broken UTF-8 char, never part of a stop string)
+    )
+    finished: bool
+    finish_reason: str | None  # stop | length | abort
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InvalidSettingError("device", "cuda requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings | None = None, **overrides: Any) -> None:
+        unknown = set(overrides) - set(EngineSettings.field_names())
+        if unknown:
+            key = sorted(unknown)[0]
+            raise InvalidSettingError(
+                key, f"unknown setting; known settings: {', '.join(EngineSettings.field_names())}"
+            )
+        self._settings = check(dataclasses.replace(settings or EngineSettings(), **overrides))
+        s = self._settings
+        if not s.model:
+            raise InvalidSettingError("model", "a model directory is required")
+        model_dir = Path(s.model)
+        self.model_config = cfg = load_model_config(model_dir)
+        self.device = resolve_device(s.device)
+        self.dtype = (
+            _DTYPES[cfg.torch_dtype if s.dtype == "auto" else s.dtype]
+            if (s.dtype != "auto" or cfg.torch_dtype in _DTYPES)
+            else torch.float32
+        )
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None and cfg.sliding_window < limit:
+            # Full attention equals sliding-window attention while sequences fit the window.
+            log.info("capping max_model_len at the model's sliding window (%d)", cfg.sliding_window)
+            limit = cfg.sliding_window
+        self.max_model_len = min(s.max_model_len or limit, limit)
+
+        t0 = time.perf_counter()
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.model = load_model(model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        log.info(
+            "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
+            model_dir,
+            cfg.architecture,
+            cfg.num_params / 1e6,
+            self.dtype,
+            self.device,
+            time.perf_counter() - t0,
+        )
+        spec = KVCacheSpec.for_model(cfg, s.block_size, self.dtype)
+        num_blocks, why = plan_num_blocks(
+            spec,
+            self.device,
+            cpu_bytes=s.kv_cache_memory_bytes,
+            gpu_fraction=s.gpu_memory_utilization,
+            explicit=s.num_kv_blocks,
+        )
+        if num_blocks < 1:
+            raise InvalidSettingError("kv_cache_memory_bytes", f"budget holds no KV block ({why})")
+        num_swap = s.swap_space_bytes // spec.bytes_per_block
+        log.info("KV cache: %s; swap space: %d blocks", why, num_swap)
+        self.kv_cache = KVCache(spec, num_blocks, num_swap, self.device)
+        self.block_pool = BlockPool(num_blocks)
+        self.swap_pool = BlockPool(num_swap)
+        self.scheduler = Scheduler(s, self.block_pool, self.swap_pool, s.block_size)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, TorchPagedAttention(self.kv_cache), self.device
+        )
+        self.sampler = Sampler(s.seed, self.device)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending: EngineSettings | None = None
+        self._step = 0
+        self._num_finished = 0
+        self._stats = self._snapshot(0, 0, 0.0)
+
+    # -- settings -------------------------------------------------------------------------
+    @property
+    def settings(self) -> EngineSettings:
+        """The settings in force (pending changes not yet applied are excluded)."""
+        return self._settings
+
+    def update_settings(self, **changes: Any) -> EngineSettings:
+        """Validate now, apply at the next step boundary. Raises InvalidSettingError, changing nothing."""
+        with self._lock:
+            base = self._pending or self._settings
+            new = validate_changes(base, changes)
+            self._pending = new
+        log.info("settings change staged: %s", changes)
+        return new
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            new, self._pending = self._pending, None
+        if new is not None:
+            self._settings = new
+            self.scheduler.settings = new
+
+    # -- requests -------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidSettingError naming the field and the limit; touches no engine state."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidSettingError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidSettingError("prompt", f"token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidSettingError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})",
+            )
+        blocks = -(-(n + params.max_tokens) // self._settings.block_size)
+        if blocks > self.block_pool.num_blocks:
+            raise InvalidSettingError(
+                "max_tokens",
+                f"prompt + max_tokens needs {blocks} KV blocks, the cache has {self.block_pool.num_blocks}",
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidSettingError("prompt", "must not be empty")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        self.validate_request(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidSettingError("request_id", f"{request_id!r} is already in flight")
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time or time.time(), num_prompt_tokens=len(prompt_ids)),
+            detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
+            generator=generator,
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with reason `abort`; its blocks are free when this returns."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort", time.time(), [], [])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        self._apply_pending()
+        now = time.time()
+        sched = self.scheduler.schedule(now)
+        outputs: list[RequestOutput] = []
+        if not sched.is_empty:
+            logits, seqs = self.runner.execute(sched)
+            for item in sched.scheduled:
+                item.seq.num_computed_tokens += item.num_new_tokens
+            if seqs:
+                tokens, logprobs = self.sampler(logits, seqs)
+                now = time.time()
+                for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+                    outputs.append(self._append(seq, token, lp, now))
+        self._step += 1
+        self._stats = self._snapshot(
+            sched.num_prefill_tokens, sched.num_decode_tokens, time.perf_counter() - t0
+        )
+        return outputs
+
+    def _append(
+        self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
+    ) -> RequestOutput:
+        p = seq.params
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        seq.append_token(token)
+        m.num_output_tokens += 1
+        reason = None
+        stop_string = False
+        if token in p.stop_token_ids or (
+            not p.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            reason = "stop"  # the stop token's text is not part of the output
+        else:
+            piece = seq.detokenizer.add(token)
+            seq.output_text += piece
+            if p.stop and self._truncate_at_stop(seq, len(piece)):
+                reason, stop_string = "stop", True
+        if reason is None and (
+            len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            return self._finish(seq, reason, now, [token], [lp], flush=not stop_string)
+        return self._output(seq, [token], [lp], finished=False)
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence, new_chars: int) -> bool:
+        """Cut the text before the first stop string; only a match touching the new text is new."""
+        text = seq.output_text
+        start = max(0, len(text) - new_chars - max(len(s) for s in seq.params.stop) + 1)
+        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i != -1]
+        if hits:
+            seq.output_text = text[: min(hits)]
+        return bool(hits)
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        now: float,
+        new: list[int],
+        lps: list[TokenLogprobs | None],
+        flush: bool = True,
+    ) -> RequestOutput:
+        if flush:
+            seq.output_text += seq.detokenizer.flush()  # bytes held back for an unfinished char
+        seq.finish_reason = reason
+        seq.metrics.finish_time = now
+        self.scheduler.remove(seq)
+        del self.requests[seq.request_id]
+        self._num_finished += 1
+        return self._output(seq, new, lps, finished=True)
+
+    def _output(
+        self, seq: Sequence, new: list[int], lps: list[TokenLogprobs | None], finished: bool
+    ) -> RequestOutput:
+        # Hold back text that could still turn out to be the start of a stop string.
+        release = len(seq.output_text)
+        if not finished and seq.params.stop:
+            release = max(seq.num_emitted_chars, release - max(len(s) for s in seq.params.stop) + 1)
+        delta = seq.output_text[seq.num_emitted_chars : release]
+        seq.num_emitted_chars = release
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            new_token_ids=new,
+            text=seq.output_text[:release],
+            delta_text=delta,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+            logprobs=lps if seq.params.logprobs is not None else [],
+        )
+
+    # -- stats ----------------------------------------------------------------------------
+    def _snapshot(self, prefill: int, decode: int, duration: float) -> StepStats:
+        sch = self.scheduler
+        return StepStats(
+            step=self._step,
+            time=time.time(),
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_swapped=len(sch.swapped),
+            kv_blocks_used=self.block_pool.num_used,
+            kv_blocks_total=self.block_pool.num_blocks,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=decode,
+            step_duration=duration,
+            num_preemptions=sch.num_preemptions,
+            num_finished=self._num_finished,
+        )
+
+    def stats(self) -> StepStats:
+        return self._stats

@@ -1,0 +1,54 @@
+"""Turn a scheduled step into tensors, run the forward, return logits of the sampling rows."""
+
+from __future__ import annotations
+
+import torch
+
+from controlplane.engine.attention import AttentionBackend, SeqSpan
+from controlplane.engine.kv_cache import KVCache
+from controlplane.engine.model.llama import CausalLM
+from controlplane.engine.scheduler import SchedulerOutput
+from controlplane.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.backend = backend
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """Returns logits [N, vocab] (float32) and the N sequences they belong to."""
+        if step.swap_out:
+            self.kv.swap_out(*map(list, zip(*step.swap_out, strict=True)))
+        if step.swap_in:
+            self.kv.swap_in(*map(list, zip(*step.swap_in, strict=True)))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        logits_rows: list[int] = []
+        samplers: list[Sequence] = []
+        for item in step.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            spans.append(SeqSpan(n, start + n, seq.block_table))
+            if start + n == seq.num_tokens:
+                # The chunk reaches the end of what is known: its last row predicts a new token.
+                logits_rows.append(len(input_ids) - 1)
+                samplers.append(seq)
+        meta = self.backend.prepare(spans, self.device)
+        dev = self.device
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.backend,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        return logits, samplers

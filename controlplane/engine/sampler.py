@@ -1,0 +1,108 @@
+"""Turn the last-position logits of each sampling sequence into its next token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from controlplane.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        # HF semantics: over prompt and output; shrink positive logits, push negative ones down.
+        ids = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+        sel = row[ids]
+        row[ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        # OpenAI semantics: over output tokens only.
+        out = torch.tensor(seq.output_token_ids, device=row.device)
+        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p for rows that sample at random; returns probabilities."""
+    device = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], device=device)
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    ks = [s.params.top_k for s in seqs]
+    ps = [s.params.top_p for s in seqs]
+    if any(k > 0 for k in ks) or any(p < 1.0 for p in ps):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[-1]
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        k_t = torch.tensor([k if k > 0 else vocab for k in ks], device=device).unsqueeze(1)
+        drop = rank >= k_t
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        cum = sorted_p.cumsum(-1) - sorted_p
+        drop |= cum >= torch.tensor(ps, device=device).unsqueeze(1)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    min_ps = [s.params.min_p for s in seqs]
+    if any(m > 0 for m in min_ps):
+        floor = (
+            torch.tensor(min_ps, device=device).unsqueeze(1) * probs.max(-1, keepdim=True).values
+        )
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        # logits: [N, vocab] float32, one row per sequence in `seqs`
+        params = [s.params for s in seqs]
+        want_lp = [p.logprobs is not None for p in params]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if any(p.needs_penalties for p in params):
+            logits = logits.clone()
+            for i, seq in enumerate(seqs):
+                if seq.params.needs_penalties:
+                    _apply_penalties(logits[i], seq)
+
+        tokens = logits.argmax(dim=-1)
+        rand_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rand_rows:
+            rows = torch.tensor(rand_rows, device=logits.device)
+            probs = _filter(logits[rows], [seqs[i] for i in rand_rows])
+            # argmax(p / Exp(1)) samples from p; each seeded request draws from its own
+            # generator, so its tokens do not depend on what else shares the batch.
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(rand_rows) if seqs[i].generator is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(
+                    len(unseeded), probs.shape[1], device=probs.device
+                ).exponential_(generator=self.generator)
+            for j, i in enumerate(rand_rows):
+                gen = seqs[i].generator
+                if gen is not None:
+                    noise[j].exponential_(generator=gen)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(seqs)
+        if raw_lp is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                top: list[tuple[int, float]] = []
+                if p.logprobs > 0:
+                    vals, ids = raw_lp[i].topk(p.logprobs)
+                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                lps[i] = TokenLogprobs(token_list[i], float(raw_lp[i, token_list[i]]), top)
+        return token_list, lps

@@ -1,0 +1,132 @@
+"""Engine settings: one typed model, one validator, shared by every caller.
+
+`Engine.update_settings`, the admin API, the TUI and config reload all go through
+`validate_changes`, so a value is judged by the same rule wherever it comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.engine.errors import InvalidSettingError
+
+
+class RestartRequiredError(InvalidSettingError):
+    """A restart-only field was changed on a running engine."""
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _live(doc: str, default: Any) -> Any:
+    return field(default=default, metadata={"live": True, "doc": doc})
+
+
+def _restart(doc: str, default: Any) -> Any:
+    return field(default=default, metadata={"live": False, "doc": doc})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    # Restart-only: they shape memory or the model itself.
+    model: str = _restart("Path of a Hugging Face-format model directory.", "")
+    dtype: str = _restart(
+        "Weights and KV dtype: auto (checkpoint's), float32, bfloat16, float16.", "auto"
+    )
+    device: str = _restart("auto (cuda if available), cpu or cuda.", "auto")
+    block_size: int = _restart("Tokens per KV block.", 16)
+    kv_cache_memory_bytes: int = _restart("KV cache budget on CPU, in bytes.", 1 << 30)
+    gpu_memory_utilization: float = _restart(
+        "KV cache budget on GPU: fraction of free memory.", 0.8
+    )
+    num_kv_blocks: int | None = _restart("Exact number of KV blocks (overrides the budgets).", None)
+    swap_space_bytes: int = _restart("Host memory for swapped-out KV blocks, in bytes.", 1 << 28)
+    max_model_len: int | None = _restart("Longest prompt + output; default: the model's.", None)
+    seed: int = _restart("Seed of the engine's shared sampling generator.", 0)
+    # Live: applied at the next step boundary.
+    max_num_seqs: int = _live("Most sequences in one batch.", 32)
+    max_num_batched_tokens: int = _live("Token budget of one step (prefill + decode).", 1024)
+    prefill_chunk_size: int = _live("Most prompt tokens one request may prefill in one step.", 512)
+    preemption_mode: str = _live(
+        "What to do when KV blocks run out: recompute or swap.", "recompute"
+    )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def live_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["live"])
+
+    def live_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.live_fields()}
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    # bool is an int subclass; `max_num_seqs=True` is a bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSettingError(name, f"must be an integer in [{lo}, {hi}], got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidSettingError(name, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InvalidSettingError(name, f"must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def check(settings: EngineSettings) -> EngineSettings:
+    """Validate every field and the relations between them; return the settings unchanged."""
+    s = settings
+    _choice("dtype", s.dtype, DTYPES)
+    _choice("device", s.device, DEVICES)
+    _int("block_size", s.block_size, 1, 1024)
+    _int("kv_cache_memory_bytes", s.kv_cache_memory_bytes, 1, 1 << 50)
+    if not (
+        isinstance(s.gpu_memory_utilization, float | int) and 0 < s.gpu_memory_utilization <= 1
+    ):
+        raise InvalidSettingError(
+            "gpu_memory_utilization", f"must be in (0, 1], got {s.gpu_memory_utilization!r}"
+        )
+    if s.num_kv_blocks is not None:
+        _int("num_kv_blocks", s.num_kv_blocks, 1, 1 << 40)
+    _int("swap_space_bytes", s.swap_space_bytes, 0, 1 << 50)
+    if s.max_model_len is not None:
+        _int("max_model_len", s.max_model_len, 1, 1 << 24)
+    _int("seed", s.seed, 0, 2**63 - 1)
+    _int("max_num_seqs", s.max_num_seqs, 1, 4096)
+    _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
+    _int("prefill_chunk_size", s.prefill_chunk_size, 1, 1 << 20)
+    _choice("preemption_mode", s.preemption_mode, PREEMPTION_MODES)
+    if s.max_num_batched_tokens < s.max_num_seqs:
+        # Every running sequence must be able to decode one token per step.
+        raise InvalidSettingError(
+            "max_num_batched_tokens",
+            f"must be >= max_num_seqs ({s.max_num_seqs}), got {s.max_num_batched_tokens}",
+        )
+    return s
+
+
+def validate_changes(
+    current: EngineSettings, changes: dict[str, Any], *, live_only: bool = True
+) -> EngineSettings:
+    """Return `current` with `changes` applied, or raise naming the first bad field.
+
+    All or nothing: the caller gets either a fully valid new settings object or an error,
+    never a half-applied one.
+    """
+    names = EngineSettings.field_names()
+    live = EngineSettings.live_fields()
+    for key in changes:
+        if key not in names:
+            raise InvalidSettingError(key, f"unknown setting; known settings: {', '.join(names)}")
+        if live_only and key not in live and changes[key] != getattr(current, key):
+            raise RestartRequiredError(key, "cannot change on a running engine; restart needed")
+    return check(dataclasses.replace(current, **changes))
