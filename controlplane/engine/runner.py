@@ -19,6 +19,9 @@ class ModelRunner:
         self.kv = kv_cache
         self.backend = backend
         self.device = device
+        # Tests set this to a list to receive (request_id, positions, logits) for every row
+        # of every step, prefill-chunk rows included; None in production (no extra work).
+        self.trace: list[tuple[str, list[int], torch.Tensor]] | None = None
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
@@ -44,11 +47,19 @@ class ModelRunner:
                 samplers.append(seq)
         meta = self.backend.prepare(spans, self.device)
         dev = self.device
+        rows = list(range(len(input_ids))) if self.trace is not None else logits_rows
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             self.backend,
             meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(rows, dtype=torch.long, device=dev),
         )
+        if self.trace is not None:
+            row = 0
+            for item in step.scheduled:
+                n = item.num_new_tokens
+                self.trace.append((item.seq.request_id, positions[row : row + n], logits[row : row + n]))
+                row += n
+            logits = logits[logits_rows]
         return logits, samplers

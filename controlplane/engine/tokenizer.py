@@ -1,0 +1,394 @@
+"""Tokenizer wrapper on the `tokenizers` library, with chat templates rendered by jinja2.
+
+`Tokenizer.from_dir` reads a Hugging Face model directory (tokenizer.json, and optionally
+tokenizer_config.json, config.json and generation_config.json) without importing transformers.
+Chat templates are rendered the way transformers renders them: an immutable sandboxed jinja2
+environment with `trim_blocks` and `lstrip_blocks`, the `raise_exception` and `strftime_now`
+globals and a `tojson` filter that does not escape HTML.
+
+`IncrementalDetokenizer` turns a stream of token ids into a stream of text without ever emitting
+half a UTF-8 character, decoding only a short window of recent tokens per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from controlplane.engine.errors import ModelLoadError
+
+# What a byte-level decoder produces for a byte sequence that is not (yet) valid UTF-8.
+REPLACEMENT_CHAR = "\ufffd"
+
+# tokenizer_config.json keys that transformers hands to chat templates (its special_tokens_map).
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None if there is no such file, ModelLoadError if not JSON."""
+    if not path.is_file():
+        return None
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _int_ids(value: Any) -> list[int]:
+    """An `eos_token_id`-style value (int, list of ints or null) as a list of ints."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _plain(value: Any) -> Any:
+    """A copy of `value` made of plain JSON types, so templates never see callers' rich objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+def _compile_chat_template(source: str):
+    """Compile a chat template in the environment transformers uses for chat templates."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    class GenerationTag(jinja2.ext.Extension):
+        # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+        # transformers; for rendering it is a no-op, but templates using it must still parse.
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
+                lineno
+            )
+
+        def _render(self, caller):
+            return caller()
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        # Namespaces refuse underscore-prefixed attributes, as in transformers.
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot set underscore-prefixed namespace attributes: {name!r}"
+                )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer (tokenizer.json) plus its special tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        config: Mapping[str, Any] | None = None,
+        model_config: Mapping[str, Any] | None = None,
+        generation_config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        source: str = "tokenizer_config.json",
+    ) -> None:
+        """`backend` is a `tokenizers.Tokenizer`; the mappings are the parsed JSON files."""
+        config = dict(config or {})
+        model_config = dict(model_config or {})
+        generation_config = dict(generation_config or {})
+        self._backend = backend
+        self._config_source = source
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+        self.special_tokens: dict[str, str] = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            content = _token_content(config.get(key))
+            if content is not None:
+                self.special_tokens[key] = content
+        self.bos_token: str | None = self.special_tokens.get("bos_token")
+        self.eos_token: str | None = self.special_tokens.get("eos_token")
+
+        bos_id = backend.token_to_id(self.bos_token) if self.bos_token is not None else None
+        if bos_id is None:
+            for cfg in (model_config, generation_config):
+                ids = _int_ids(cfg.get("bos_token_id"))
+                if ids:
+                    bos_id = ids[0]
+                    break
+        self.bos_token_id: int | None = bos_id
+
+        eos: set[int] = set()
+        if self.eos_token is not None:
+            eos_id = backend.token_to_id(self.eos_token)
+            if eos_id is not None:
+                eos.add(eos_id)
+        eos.update(_int_ids(model_config.get("eos_token_id")))
+        eos.update(_int_ids(generation_config.get("eos_token_id")))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+        # What tokenizer.json's post-processor does on its own, probed once.
+        with_special = backend.encode("a", add_special_tokens=True).ids
+        without = backend.encode("a", add_special_tokens=False).ids
+        self._post_processor_adds_bos = (
+            self.bos_token_id is not None
+            and len(with_special) > len(without)
+            and with_special[0] == self.bos_token_id
+        )
+        add_bos = config.get("add_bos_token")
+        if isinstance(add_bos, bool):
+            self.add_bos_token: bool = add_bos and self.bos_token_id is not None
+        else:
+            self.add_bos_token = self._post_processor_adds_bos
+
+        template = config.get("chat_template", chat_template)
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            if "default" not in named:
+                raise ModelLoadError(
+                    f"{source}: 'chat_template' is a list without a template named 'default' "
+                    f"(names: {sorted(str(n) for n in named)})"
+                )
+            template = named["default"]
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(f"{source}: 'chat_template' must be a string or a list")
+        self.chat_template: str | None = template
+        self._compiled_template = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load tokenizer.json (required) and the optional config files from a model directory."""
+        from tokenizers import Tokenizer as BackendTokenizer
+
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{tokenizer_file}: tokenizer file not found")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust side raises plain Exception subclasses
+            raise ModelLoadError(f"{tokenizer_file}: cannot load tokenizer: {e}") from e
+
+        config_file = model_dir / "tokenizer_config.json"
+        config = _read_json(config_file) or {}
+        chat_template = None
+        jinja_file = model_dir / "chat_template.jinja"
+        if "chat_template" not in config and jinja_file.is_file():
+            # Newer transformers versions save the template next to tokenizer_config.json.
+            chat_template = jinja_file.read_text(encoding="utf-8")
+        return cls(
+            backend,
+            config=config,
+            model_config=_read_json(model_dir / "config.json"),
+            generation_config=_read_json(model_dir / "generation_config.json"),
+            chat_template=chat_template,
+            source=str(config_file),
+        )
+
+    @property
+    def backend(self) -> Any:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._backend
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token != self._post_processor_adds_bos:
+            if self.add_bos_token:
+                ids = [self.bos_token_id, *ids]
+            elif ids and ids[0] == self.bos_token_id:
+                ids = ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render the chat template to a prompt string (which already holds any bos token, so
+        encode it with `add_special_tokens=False`). Template errors, including the template's
+        own `raise_exception(...)`, come out as ValueError."""
+        import jinja2
+
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self._config_source} has no 'chat_template': this model has no chat template, "
+                "so it can only serve plain completions"
+            )
+        if self._compiled_template is None:
+            try:
+                self._compiled_template = _compile_chat_template(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"{self._config_source}: invalid 'chat_template': {e}") from e
+
+        # Like transformers: keys whose value is None are dropped, since many templates test
+        # `is defined` rather than `is none`.
+        chat = [
+            {k: v for k, v in _plain(message).items() if v is not None}
+            for message in messages
+            if isinstance(message, Mapping)
+        ]
+        if len(chat) != len(messages):
+            raise ValueError("chat messages must be objects")
+        variables: dict[str, Any] = dict(self.special_tokens)
+        variables.update({k: _plain(v) for k, v in extra.items()})
+        variables.setdefault("tools", None)
+        variables.setdefault("documents", None)
+        variables["messages"] = chat
+        variables["add_generation_prompt"] = add_generation_prompt
+        try:
+            return self._compiled_template.render(**variables)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._backend, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing sequence of token ids.
+
+    Uses the prefix-offset trick of vLLM/TGI: the tokens in `[prefix_offset, read_offset)` are the
+    last ones already emitted and are decoded again only as context (so decoders that treat the
+    start of a sequence specially, or merge bytes across tokens, give the right text); everything
+    from `read_offset` on is new. Text is emitted only when it does not end in U+FFFD, so a
+    character whose bytes span several tokens comes out whole once its last byte arrives.
+    """
+
+    # Drop consumed ids once this many have piled up in front of the window.
+    _COMPACT_AT = 1024
+
+    def __init__(self, backend: Any, skip_special_tokens: bool = True) -> None:
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_text: str | None = ""
+        self._parts: list[str] = []
+        self._text_cache: str | None = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip)
+
+    def _emit(self, new_text: str) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = None
+        if self._prefix_offset >= self._COMPACT_AT:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        if delta:
+            self._parts.append(delta)
+            self._text_cache = None
+        return delta
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is incomplete)."""
+        self._ids.append(int(token_id))
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            return self._emit(new_text)
+        return ""
+
+    def flush(self) -> str:
+        """Emit whatever is held back (U+FFFD included, if the bytes really are invalid)."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if len(new_text) <= len(self._prefix_text):
+            return ""
+        return self._emit(new_text)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._parts)
+            self._parts = [self._text_cache] if self._text_cache else []
+        return self._text_cache

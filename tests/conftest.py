@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-weight models built locally (no downloads)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+# Tiny reference configurations: GQA Llama with Llama 3 RoPE scaling, Qwen2 (q/k/v bias) with
+# tied embeddings, Mistral with MQA. Large init std keeps logits well separated so greedy
+# decoding is not decided by float noise.
+HF_CONFIGS = {
+    "llama": dict(
+        arch="LlamaConfig",
+        num_key_value_heads=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "qwen2": dict(arch="Qwen2Config", num_key_value_heads=2, tie_word_embeddings=True),
+    "mistral": dict(arch="MistralConfig", num_key_value_heads=1, sliding_window=None),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from controlplane.engine.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("tiny") / "model", size="tiny")
+
+
+def build_hf_model(kind: str, out: Path, tokenizer_src: Path, **extra: object) -> Path:
+    import torch
+    import transformers
+
+    spec = dict(HF_CONFIGS[kind])
+    cls = getattr(transformers, spec.pop("arch"))
+    cfg = cls(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1019,
+        eos_token_id=1023,
+        **spec,
+        **extra,
+    )
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_src / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: build_hf_model(kind, root / kind, tiny_model_dir) for kind in HF_CONFIGS}
