@@ -14,6 +14,40 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import logging
+    import time
+
+    from controlplane.config import demo_model_path, engine_settings, read_config
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = engine_settings(read_config(args.config), model=args.model, dtype=args.dtype)
+    if not settings.model:
+        from controlplane.engine.demo_model import write_demo_model
+
+        path = write_demo_model(demo_model_path(), size="small")
+        settings = engine_settings(read_config(args.config), model=str(path), dtype=args.dtype)
+    from controlplane.engine import LLM, SamplingParams
+
+    llm = LLM(settings.model, settings)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    t0 = time.perf_counter()
+    outs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+    wall = time.perf_counter() - t0
+    for out in outs:
+        print(f"--- {out.request_id} ({out.finish_reason}, {len(out.token_ids)} tokens)")
+        print(out.text)
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(
+        f"--- {len(outs)} requests, {tokens} tokens in {wall:.2f}s ({tokens / wall:.1f} tokens/s)"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="controlplane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,12 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("dir", help="output directory (created if missing)")
     demo.add_argument("--size", choices=["tiny", "small"], default="small")
     demo.set_defaults(func=_cmd_demo_model)
+
+    gen = sub.add_parser(
+        "generate", help="run prompts through the engine offline and print the text"
+    )
+    gen.add_argument("prompts", nargs="+", help="prompt strings")
+    gen.add_argument("--config", help="TOML config file (its [engine] table is used)")
+    gen.add_argument(
+        "--model", help="model directory (default: the small demo model, generated on first use)"
+    )
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad config or input: one clear line, not a traceback
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_update_settings_validates_all_or_nothing(engine):
         InvalidSettingError, match="preemption_mode: must be one of recompute, swap"
     ):
         engine.update_settings(preemption_mode="evict")
-    with pytest.raises(RestartRequiredError, match="block_size: .*restart"):
+    with pytest.raises(RestartRequiredError, match=r"block_size: .*restart"):
         engine.update_settings(block_size=32)
     with pytest.raises(InvalidSettingError, match="max_num_seqs: must be an integer"):
         engine.update_settings(max_num_seqs=True)
@@ -435,7 +435,7 @@ def test_missing_and_misshaped_tensors_name_file_and_tensor(tiny_model_dir, tmp_
         Engine(model=str(d))
     (d / "model.safetensors").unlink()
     with pytest.raises(
-        ModelLoadError, match="no model.safetensors or model.safetensors.index.json"
+        ModelLoadError, match=r"no model\.safetensors or model\.safetensors\.index\.json"
     ):
         Engine(model=str(d))
 

@@ -9,11 +9,14 @@ from tqdm import tqdm
 
 from controlplane.engine.engine import Engine, RequestOutput
 from controlplane.engine.sampling_params import SamplingParams
+from controlplane.engine.settings import EngineSettings
 
 
 class LLM:
-    def __init__(self, model: str, **settings: Any) -> None:
-        self.engine = Engine(model=str(model), **settings)
+    def __init__(
+        self, model: str, settings: EngineSettings | None = None, **overrides: Any
+    ) -> None:
+        self.engine = Engine(settings, model=str(model), **overrides)
 
     @property
     def tokenizer(self):

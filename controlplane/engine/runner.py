@@ -59,7 +59,9 @@ class ModelRunner:
             row = 0
             for item in step.scheduled:
                 n = item.num_new_tokens
-                self.trace.append((item.seq.request_id, positions[row : row + n], logits[row : row + n]))
+                self.trace.append(
+                    (item.seq.request_id, positions[row : row + n], logits[row : row + n])
+                )
                 row += n
             logits = logits[logits_rows]
         return logits, samplers
