@@ -469,9 +469,28 @@ def test_sharded_checkpoint_loads_and_missing_shard_is_named(tiny_model_dir, tmp
 
 
 def test_weights_are_memory_mapped_not_copied(tiny_model_dir):
-    eng = Engine(model=str(tiny_model_dir), dtype="float32")
-    w = eng.model.model.layers[0].mlp.up_proj.weight
-    # A tensor backed by the file mapping does not own a private allocation we could resize.
-    storage = w.untyped_storage()
-    with pytest.raises(RuntimeError):
-        storage.resize_(storage.nbytes() + 8)
+    eng = Engine(model=str(tiny_model_dir), dtype="float32", cpu_weight_packing=False)
+    for w in (eng.model.model.layers[0].mlp.up_proj.weight, eng.model.model.embed_tokens.weight):
+        # A tensor backed by the file mapping has no private allocation that could be resized.
+        storage = w.untyped_storage()
+        with pytest.raises(RuntimeError):
+            storage.resize_(storage.nbytes() + 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_cpu_linears_match_plain_linears(tiny_model_dir, dtype):
+    from controlplane.engine.model.linear import PackedLinear
+
+    traces = []
+    for packing in (True, False):
+        eng = Engine(model=str(tiny_model_dir), dtype=dtype, cpu_weight_packing=packing)
+        is_packed = isinstance(eng.model.model.layers[0].self_attn.q_proj, PackedLinear)
+        assert is_packed == packing
+        eng.runner.trace = []
+        eng.add_request(
+            list(range(1, 40)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        )
+        drain(eng)
+        traces.append(torch.cat([t[2] for t in eng.runner.trace]))
+    packed, plain = traces
+    assert (packed - plain).abs().max() <= 1e-5 * plain.abs().max()

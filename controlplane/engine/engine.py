@@ -112,7 +112,9 @@ class Engine:
 
         t0 = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.model = load_model(model_dir, cfg, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(
+            model_dir, cfg, self.dtype, self.device, self.max_model_len, s.cpu_weight_packing
+        )
         log.info(
             "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
             model_dir,

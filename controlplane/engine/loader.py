@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from controlplane.engine.errors import ModelLoadError
 from controlplane.engine.model.config import ModelConfig
+from controlplane.engine.model.linear import cpu_packing_supported, pack_linears
 from controlplane.engine.model.llama import CausalLM, RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,12 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    cpu_weight_packing: bool = True,
 ) -> CausalLM:
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
@@ -70,5 +76,9 @@ def load_model(
     model.tie_weights()
     # Buffers computed, not loaded: build them for real now.
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
+    if device.type == "cpu" and cpu_weight_packing and cpu_packing_supported(dtype):
+        # A tied lm_head stays unpacked: packing it would duplicate the embedding table.
+        skip = ("lm_head",) if cfg.tie_word_embeddings else ()
+        log.info("packed %d linear layers for oneDNN", pack_linears(model, skip))
     model.eval()
     return model

@@ -47,6 +47,9 @@ class EngineSettings:
     swap_space_bytes: int = _restart("Host memory for swapped-out KV blocks, in bytes.", 1 << 28)
     max_model_len: int | None = _restart("Longest prompt + output; default: the model's.", None)
     seed: int = _restart("Seed of the engine's shared sampling generator.", 0)
+    cpu_weight_packing: bool = _restart(
+        "On CPU, pre-pack linear weights for oneDNN (faster).", True
+    )
     # Live: applied at the next step boundary.
     max_num_seqs: int = _live("Most sequences in one batch.", 32)
     max_num_batched_tokens: int = _live("Token budget of one step (prefill + decode).", 1024)
@@ -101,6 +104,10 @@ def check(settings: EngineSettings) -> EngineSettings:
     if s.max_model_len is not None:
         _int("max_model_len", s.max_model_len, 1, 1 << 24)
     _int("seed", s.seed, 0, 2**63 - 1)
+    if not isinstance(s.cpu_weight_packing, bool):
+        raise InvalidSettingError(
+            "cpu_weight_packing", f"must be true or false, got {s.cpu_weight_packing!r}"
+        )
     _int("max_num_seqs", s.max_num_seqs, 1, 4096)
     _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
     _int("prefill_chunk_size", s.prefill_chunk_size, 1, 1 << 20)
