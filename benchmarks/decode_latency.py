@@ -30,7 +30,8 @@ How to run
 The checkpoint is generated once into ``.bench/llama-1b`` (repo root; ~2.2 GB: config.json,
 model.safetensors written directly with safetensors from a seeded torch.Generator, plus the
 tokenizer files of the ``small`` demo model, written with
-``controlplane.engine.demo_model.write_demo_model`` into ``.bench/small`` if missing).
+``controlplane.engine.demo_model.write_demo_model`` into ``.bench/small`` if missing, or a
+byte-level ``tokenizers`` BPE if that module cannot be imported).
 """
 
 from __future__ import annotations
@@ -122,6 +123,28 @@ def _tokenizer_source() -> Path:
     return SMALL_DEMO_DIR
 
 
+def _write_byte_tokenizer(path: Path) -> dict[str, int]:
+    """Fallback: a byte-level BPE with no merges (256 byte tokens + BOS/EOS); returns their ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    tok.add_special_tokens([bos, eos])
+    tok.save(str(path / "tokenizer.json"))
+    tok_cfg = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": True,
+        "model_max_length": LLAMA_1B["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return {"bos_token_id": tok.token_to_id(bos), "eos_token_id": tok.token_to_id(eos)}
+
+
 def ensure_checkpoint(path: Path) -> Path:
     """Write config.json, model.safetensors and tokenizer files into `path` unless present."""
     needed = ("config.json", "model.safetensors", *TOKENIZER_FILES)
@@ -131,14 +154,19 @@ def ensure_checkpoint(path: Path) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    src = _tokenizer_source()
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(src / name, path / name)
-    demo_cfg = json.loads((src / "config.json").read_text())
     cfg = dict(LLAMA_1B)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if demo_cfg.get(key) is not None:
-            cfg[key] = demo_cfg[key]
+    try:
+        src = _tokenizer_source()
+    except Exception as exc:
+        log(f"demo model unavailable ({exc!r}): writing a byte-level tokenizer instead")
+        cfg.update(_write_byte_tokenizer(path))
+    else:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(src / name, path / name)
+        demo_cfg = json.loads((src / "config.json").read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if demo_cfg.get(key) is not None:
+                cfg[key] = demo_cfg[key]
 
     log(f"generating the ~1.1B random bf16 checkpoint in {path} (seed {WEIGHT_SEED}) ...")
     gen = torch.Generator().manual_seed(WEIGHT_SEED)
@@ -340,10 +368,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_MODEL_DIR,
         help="checkpoint directory; the ~1.1B checkpoint is generated there if missing",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weights dtype")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per contender (medians)")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens to generate")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument(
         "--kv-cache-memory-bytes", type=int, default=256 * 1024**2, help="engine KV cache budget"

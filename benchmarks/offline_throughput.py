@@ -184,8 +184,8 @@ def make_workload(facts: ModelFacts, num_requests: int, seed: int) -> Workload:
     return Workload(prompts=prompts, out_lens=out_lens)
 
 
-def ensure_model_dir(model_dir: Path | None) -> Path:
-    if model_dir is not None:
+def ensure_model_dir(model_dir: Path) -> Path:
+    if model_dir.resolve() != DEFAULT_MODEL_DIR:
         if not (model_dir / "config.json").exists():
             sys.exit(f"--model-dir {model_dir}: no config.json there")
         return model_dir
@@ -603,12 +603,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model-dir",
         type=Path,
-        default=None,
-        help=f"model directory (default: {DEFAULT_MODEL_DIR}, created with write_demo_model)",
+        default=DEFAULT_MODEL_DIR,
+        help="model directory; the default one is created with write_demo_model(size='small')",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weights dtype")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per contender (medians)")
-    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=128, help="requests in the workload")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--batch-size", type=int, default=16, help="B: max concurrent sequences")
     p.add_argument(
