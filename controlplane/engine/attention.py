@@ -31,16 +31,24 @@ class PrefillSpan:
     start: int  # first row in the flat batch
     end: int
     context_len: int
-    context_slots: torch.Tensor | None  # [context_len]; None when the chunk is the whole context
+    context_blocks: torch.Tensor | None  # [blocks]; None when the chunk is the whole context
     mask: torch.Tensor | None  # [q_len, context_len] bool, True = attend
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decode rows of similar context length, padded to the longest of them."""
+
+    start: int  # first row in the flat batch
+    end: int
+    blocks: torch.Tensor  # [rows * max_blocks] block ids (padded with block 0)
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] True = attend
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot for each row's new K/V
-    num_decode_rows: int  # the first rows are single-query sequences (decodes)
-    decode_slots: torch.Tensor | None = None  # [Nd, L] slots each decode row attends to (padded)
-    decode_mask: torch.Tensor | None = None  # [Nd, 1, 1, L] bool, True = attend
+    decodes: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -51,7 +59,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, spans: list[SeqSpan], device: torch.device) -> AttentionMetadata:
-        """Build per-step metadata; spans must list single-token sequences first."""
+        """Build per-step metadata. Spans list single-token sequences first, longest context
+        first among them (the runner's order), then prefill chunks."""
 
     @abstractmethod
     def forward(
@@ -61,57 +70,71 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedAttention(AttentionBackend):
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+    """Gathers whole blocks (index_select of contiguous block_size x Hkv x D chunks, 5x faster
+    here than per-slot indexing) and folds the query heads of each KV group into the query
+    length, so SDPA needs no GQA expansion and takes its fast path."""
+
+    # A bucket closes when the next row's context is shorter than this fraction of the
+    # bucket's longest: padding then wastes at most ~1/BUCKET_RATIO of the gathered K/V, for a
+    # few more kernel calls. Decode attention is memory-bound, so bytes are what count.
+    BUCKET_RATIO = 0.7
 
     def prepare(self, spans: list[SeqSpan], device: torch.device) -> AttentionMetadata:
         bs = self.block_size
         slot_mapping: list[int] = []
         decode_rows = 0
         for span in spans:
-            slot_mapping += self._slots(
-                span.block_table, span.context_len - span.num_new_tokens, span.context_len
-            )
+            table = span.block_table
+            slot_mapping += [
+                table[p // bs] * bs + p % bs
+                for p in range(span.context_len - span.num_new_tokens, span.context_len)
+            ]
             if span.num_new_tokens == 1:
                 decode_rows += 1
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            num_decode_rows=decode_rows,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device)
         )
-        decodes = spans[:decode_rows]
-        if decodes:
-            # Gather whole blocks: [Nd, max_blocks] block ids -> [Nd, max_blocks * bs] slots.
-            max_blocks = max((s.context_len + bs - 1) // bs for s in decodes)
-            table = torch.tensor(
-                [
-                    s.block_table[:max_blocks]
-                    + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                    for s in decodes
-                ],
-                dtype=torch.long,
-            )
-            offsets = torch.arange(bs, dtype=torch.long)
-            slots = (table.unsqueeze(-1) * bs + offsets).view(len(decodes), max_blocks * bs)
-            lens = torch.tensor([s.context_len for s in decodes], dtype=torch.long)
-            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_slots = slots.to(device)
-            meta.decode_mask = mask[:, None, None, :].to(device)
+        start = 0
+        while start < decode_rows:
+            longest = spans[start].context_len
+            end = start + 1
+            while end < decode_rows and spans[end].context_len >= self.BUCKET_RATIO * longest:
+                end += 1
+            meta.decodes.append(self._bucket(spans, start, end, device))
+            start = end
         row = decode_rows
         for span in spans[decode_rows:]:
             q_len, ctx = span.num_new_tokens, span.context_len
             if ctx == q_len:
                 meta.prefills.append(PrefillSpan(row, row + q_len, ctx, None, None))
             else:
-                slots_t = torch.tensor(self._slots(span.block_table, 0, ctx), dtype=torch.long)
+                blocks_t = torch.tensor(
+                    span.block_table[: -(-ctx // bs)], dtype=torch.long, device=device
+                )
                 # Row i sits at position ctx - q_len + i and sees keys 0..that position.
                 q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= q_pos
-                meta.prefills.append(
-                    PrefillSpan(row, row + q_len, ctx, slots_t.to(device), mask.to(device))
-                )
+                meta.prefills.append(PrefillSpan(row, row + q_len, ctx, blocks_t, mask.to(device)))
             row += q_len
         return meta
+
+    def _bucket(
+        self, spans: list[SeqSpan], start: int, end: int, device: torch.device
+    ) -> DecodeBucket:
+        bs = self.block_size
+        max_blocks = max(-(-s.context_len // bs) for s in spans[start:end])
+        blocks: list[int] = []
+        for s in spans[start:end]:
+            used = s.block_table[: -(-s.context_len // bs)]
+            blocks += used + [0] * (max_blocks - len(used))
+        lens = torch.tensor([s.context_len for s in spans[start:end]], dtype=torch.long)
+        mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
+        return DecodeBucket(
+            start,
+            end,
+            torch.tensor(blocks, dtype=torch.long, device=device),
+            mask[:, None, None, :].to(device),
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -119,25 +142,32 @@ class TorchPagedAttention(AttentionBackend):
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = k.shape[1]
+        group = num_heads // kv_heads
+        k_blocks = k_cache.view(-1, self.block_size, kv_heads, head_dim)
+        v_blocks = v_cache.view(-1, self.block_size, kv_heads, head_dim)
         out = torch.empty_like(q)
-        nd = meta.num_decode_rows
-        if nd:
-            # q: [Nd, H, 1, D]; k/v: [Nd, Hkv, L, D]
-            kd = k_cache[meta.decode_slots].transpose(1, 2)
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
-            )
-            out[:nd] = o.squeeze(2)
+        for b in meta.decodes:
+            n = b.end - b.start
+            # q: [n, Hkv, group, D] (a group's heads act as `group` queries); k/v: [n, Hkv, L, D]
+            kd = k_blocks.index_select(0, b.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            vd = v_blocks.index_select(0, b.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            qd = q[b.start : b.end].view(n, kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.mask)
+            out[b.start : b.end] = o.reshape(n, num_heads, head_dim)
         for p in meta.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if p.context_slots is None:
+            if p.context_blocks is None:
                 kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
                 vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
-                kp = k_cache[p.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-                vp = v_cache[p.context_slots].transpose(0, 1).unsqueeze(0)
+                ctx = p.context_len
+                kp = k_blocks.index_select(0, p.context_blocks).view(-1, kv_heads, head_dim)[:ctx]
+                vp = v_blocks.index_select(0, p.context_blocks).view(-1, kv_heads, head_dim)[:ctx]
+                kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+                vp = vp.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out

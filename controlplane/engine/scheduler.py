@@ -165,9 +165,9 @@ class Scheduler:
                 chosen[seq] = n
                 budget -= n
 
-        for seq, n in chosen.items():
-            if n == 1:
-                out.scheduled.append(ScheduledSeq(seq, 1))
+        # Single-token rows first, longest context first: attention buckets them by length.
+        singles = sorted((seq for seq, n in chosen.items() if n == 1), key=lambda q: -q.num_tokens)
+        out.scheduled += [ScheduledSeq(seq, 1) for seq in singles]
         for seq, n in chosen.items():
             if n > 1:
                 out.scheduled.append(ScheduledSeq(seq, n))
