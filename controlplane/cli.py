@@ -1,4 +1,6 @@
-"""The `controlplane` command line. Keep torch out of module scope: argument parsing must be instant."""
+"""controlplane: serve, load-test and inspect an LLM inference engine you can retune live."""
+
+# Keep torch out of module scope: argument parsing and torch-free commands must be instant.
 
 from __future__ import annotations
 
@@ -15,20 +17,27 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
     import time
 
-    from controlplane.config import demo_model_path, engine_settings, read_config
+    from controlplane.config import demo_model_path, load_config
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    settings = engine_settings(read_config(args.config), model=args.model, dtype=args.dtype)
+    cfg = load_config(args.config)
+    settings = cfg.engine
+    if args.model:
+        settings = dataclasses.replace(settings, model=args.model)
+    if args.dtype:
+        settings = dataclasses.replace(settings, dtype=args.dtype)
     if not settings.model:
         from controlplane.engine.demo_model import write_demo_model
 
-        path = write_demo_model(demo_model_path(), size="small")
-        settings = engine_settings(read_config(args.config), model=str(path), dtype=args.dtype)
+        settings = dataclasses.replace(
+            settings, model=str(write_demo_model(demo_model_path(cfg), size="small"))
+        )
     from controlplane.engine import LLM, SamplingParams
 
     llm = LLM(settings.model, settings)
@@ -48,9 +57,49 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+
+    from controlplane.config import load_config
+    from controlplane.server.logs import setup_logging
+
+    cfg = load_config(args.config)
+    server = cfg.server
+    if args.host is not None:
+        server = dataclasses.replace(server, host=args.host)
+    if args.port is not None:
+        server = dataclasses.replace(server, port=args.port)
+    cfg = dataclasses.replace(cfg, server=server)
+    setup_logging(cfg.server.log_format, cfg.server.log_level)
+
+    async def run() -> int:
+        from controlplane.server.daemon import Daemon
+
+        return await Daemon(cfg).serve()
+
+    return asyncio.run(run())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="controlplane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="run the daemon: OpenAI-compatible API, request records in SQL"
+    )
+    serve.add_argument("--config", help="TOML config file (default: embedded defaults)")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default 8000; 0 picks a free one)")
+    serve.set_defaults(func=_cmd_serve)
+
+    from controlplane.loadgen import add_loadgen_parser
+
+    add_loadgen_parser(sub)
+
+    from controlplane.store.cli import add_db_parser
+
+    add_db_parser(sub)
 
     demo = sub.add_parser("demo-model", help="write a deterministic random-weight Llama checkpoint")
     demo.add_argument("dir", help="output directory (created if missing)")

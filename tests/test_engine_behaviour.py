@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -370,11 +371,13 @@ def test_async_engine_streams_and_disconnect_aborts(tiny_model_dir):
             assert r1.finished and r2.finished
 
             # A consumer that walks away mid-stream aborts its request and frees its blocks.
-            stream = aeng.add_request([1] * 20, SamplingParams(max_tokens=200, ignore_eos=True))
-            async for out in stream:
-                if len(out.token_ids) >= 3:
-                    break
-            await stream._iterate().aclose()
+            async with contextlib.aclosing(
+                aeng.generate([1] * 20, SamplingParams(max_tokens=200, ignore_eos=True))
+            ) as gen:
+                async for out in gen:
+                    if len(out.token_ids) >= 3:
+                        assert aeng.engine.block_pool.num_used > 0
+                        break
             for _ in range(100):
                 if (
                     aeng.engine.block_pool.num_used == 0

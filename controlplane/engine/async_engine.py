@@ -23,7 +23,12 @@ log = logging.getLogger(__name__)
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; ends after the finished output."""
+    """Async iterator over one request's outputs; ends after the finished output.
+
+    A consumer that stops early (client disconnect, cancellation) must call `cancel()` (or use
+    `AsyncEngine.generate` under `contextlib.aclosing`): the request is aborted and its KV
+    blocks are freed at the next step boundary.
+    """
 
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
@@ -34,21 +39,25 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
+    def __aiter__(self) -> RequestStream:
+        return self
 
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            if not self.finished:
-                # The consumer went away (client disconnect, cancellation): free its blocks.
-                self._engine.abort(self.request_id)
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def cancel(self) -> None:
+        """The consumer is gone: abort the request unless it already finished. Idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._engine._streams.pop(self.request_id, None)
+            self._engine.abort(self.request_id)
 
 
 class EngineDeadError(RuntimeError):
@@ -119,7 +128,16 @@ class AsyncEngine:
             yield out
 
     def abort(self, request_id: str) -> None:
+        """Abort from outside (admin, shutdown): the stream still gets its final `abort` output."""
         self._commands.put(("abort", request_id))
+
+    def unfinished_ids(self) -> list[str]:
+        return list(self._streams)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not finished (waiting, running or swapped)."""
+        return len(self._streams)
 
     def update_settings(self, **changes: Any) -> EngineSettings:
         return self.engine.update_settings(**changes)

@@ -184,11 +184,17 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidSettingError("prompt", f"token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidSettingError(
+                "prompt",
+                f"has {n} tokens; the limit is {self.max_model_len - 1} (max_model_len {self.max_model_len} "
+                "minus one generated token)",
+            )
         if n + params.max_tokens > self.max_model_len:
             raise InvalidSettingError(
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})",
+                f"({self.max_model_len}); at most {self.max_model_len - n} for this prompt",
             )
         blocks = -(-(n + params.max_tokens) // self._settings.block_size)
         if blocks > self.block_pool.num_blocks:

@@ -1,0 +1,464 @@
+"""Online serving: the daemon under Poisson load, with SQL request recording on and off.
+
+What is measured
+----------------
+For every combination of arrival rate (``--rates``, default 2 and 6 req/s) and request recording
+(``[store] record_requests = true`` / ``false``), a fresh daemon is started as a subprocess,
+
+    python -m controlplane serve --config CFG --port P
+
+with CFG a temporary TOML file (fresh ``data_dir`` per daemon, so every run starts with an empty
+database; ``[engine]`` model = the ``small`` demo model, ``dtype = "bfloat16"``, ``max_num_seqs =
+16``). Once ``GET /health`` answers 200 a few warmup requests are sent (not measured), then
+``controlplane.loadgen.run_load`` drives it: ``--requests`` (64) streaming completions, prompts of
+``--prompt-len`` (32-256) random token ids, ``--output-len`` (16-128) tokens with EOS ignored,
+Poisson arrivals at the rate, workload seed ``--seed + repeat`` (the same for recording on and
+off). The daemon is then stopped with SIGTERM. Combinations are interleaved within each repeat
+(the on/off order alternates between rates and repeats) and the whole set runs ``--repeats``
+(2) times; medians over the repeats are reported.
+
+Figures, per combination: output tokens/s (completion tokens from ``usage`` / wall time from the
+first send to the last completion), requests/s, TTFT p50/p99, ITL p50/p99 (gaps between streamed
+chunks) and failed requests. Per rate: the **recording overhead** = 1 - (tok/s with recording /
+tok/s without), target < 2%. Below saturation the output throughput follows the offered load
+(rate x mean output length, printed as ``offered``), so a throughput overhead near 0 there says
+little; the ITL p50 ratio (with / without) is printed beside it for that reason.
+
+These are figures to read, never timed assertions: the machine is shared and noisy; the
+daemon and this load generator share its CPUs.
+
+How to run
+----------
+    python benchmarks/online_serving.py                      # 2 rates x 2 x 2 repeats
+    python benchmarks/online_serving.py --rates 4 --repeats 1 --requests 16    # smoke run
+    python benchmarks/online_serving.py --json /tmp/online.json
+
+The model directory ``.bench/small`` (repo root) is written on first use with
+``controlplane.engine.demo_model.write_demo_model(path, size="small")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from controlplane.loadgen import LoadConfig, LoadSummary, parse_range, run_load
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "small"
+TARGET_OVERHEAD = 0.02
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- #
+# The daemon
+# --------------------------------------------------------------------------------------------- #
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml_str(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def write_config(
+    path: Path, data_dir: Path, port: int, record: bool, model_dir: Path, args: argparse.Namespace
+) -> None:
+    path.write_text(
+        f"data_dir = {_toml_str(str(data_dir))}\n"
+        "\n[server]\n"
+        'host = "127.0.0.1"\n'
+        f"port = {port}\n"
+        "\n[store]\n"
+        f"record_requests = {'true' if record else 'false'}\n"
+        "\n[engine]\n"
+        f"model = {_toml_str(str(model_dir))}\n"
+        f"dtype = {_toml_str(args.dtype)}\n"
+        f"max_num_seqs = {args.max_num_seqs}\n"
+    )
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+    data_dir: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        t0 = time.perf_counter()
+        deadline = t0 + timeout_s
+        last = "no answer yet"
+        while time.perf_counter() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise DaemonError(f"daemon exited with code {code} before /health answered")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2.0)
+                if r.status_code == 200:
+                    return time.perf_counter() - t0
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.5)
+        raise DaemonError(f"/health did not answer 200 within {timeout_s:g}s (last: {last})")
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait; SIGKILL after `timeout_s`. Returns the exit code (None if killed)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log(f"  daemon ignored SIGTERM for {timeout_s:g}s: killing it")
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+def start_daemon(workdir: Path, record: bool, model_dir: Path, args: argparse.Namespace) -> Daemon:
+    port = free_port()
+    data_dir = workdir / "data"
+    data_dir.mkdir(parents=True)
+    cfg = workdir / "config.toml"
+    write_config(cfg, data_dir, port, record, model_dir, args)
+    log_path = workdir / "daemon.log"
+    # The config file alone decides: drop CONTROLPLANE_* overrides inherited from the shell.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    with log_path.open("wb") as log_file:
+        cmd = [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)]
+        proc = subprocess.Popen(
+            [*cmd, "--port", str(port)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    return Daemon(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, data_dir=data_dir)
+
+
+# --------------------------------------------------------------------------------------------- #
+# One run
+# --------------------------------------------------------------------------------------------- #
+
+
+@dataclass
+class Run:
+    rate: float
+    record: bool
+    repeat: int
+    startup_s: float = 0.0
+    daemon_exit_code: int | None = None
+    db_bytes: int | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def metric(self, name: str) -> float | None:
+        s = self.summary
+        if name in ("output_throughput", "request_throughput", "requests_failed"):
+            return s.get(name)
+        stat, _, q = name.rpartition("_")  # e.g. "ttft_ms_p50"
+        block = s.get(stat)
+        return None if block is None else block.get(q)
+
+
+METRICS = (
+    "output_throughput",
+    "request_throughput",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p99",
+    "e2e_ms_p50",
+    "e2e_ms_p99",
+    "requests_failed",
+)
+
+
+def run_one(
+    rate: float, record: bool, repeat: int, model_dir: Path, args: argparse.Namespace
+) -> Run:
+    run = Run(rate=rate, record=record, repeat=repeat)
+    with tempfile.TemporaryDirectory(prefix="cp-online-") as tmp:
+        daemon = start_daemon(Path(tmp), record, model_dir, args)
+        try:
+            try:
+                run.startup_s = daemon.wait_healthy(args.startup_timeout)
+            except DaemonError as exc:
+                raise DaemonError(
+                    f"{exc}\n--- daemon log (tail) ---\n{daemon.log_tail()}"
+                ) from None
+            common = dict(url=daemon.url, stream=True, seed=args.seed + repeat)
+            if args.warmup:
+                asyncio.run(
+                    run_load(
+                        LoadConfig(
+                            **common,
+                            rate=math.inf,
+                            num_requests=args.warmup,
+                            prompt_len=args.prompt_len,
+                            output_len=(4, 8),
+                        )
+                    )
+                )
+            summary: LoadSummary = asyncio.run(
+                run_load(
+                    LoadConfig(
+                        **common,
+                        rate=rate,
+                        num_requests=args.requests,
+                        prompt_len=args.prompt_len,
+                        output_len=args.output_len,
+                    )
+                )
+            )
+            run.summary = summary.to_dict()
+        finally:
+            run.daemon_exit_code = daemon.stop(args.stop_timeout)
+        db = daemon.data_dir / "controlplane.db"
+        run.db_bytes = db.stat().st_size if db.exists() else None
+        if run.daemon_exit_code != 0:
+            log(
+                f"  note: daemon exit code {run.daemon_exit_code}; log tail:\n{daemon.log_tail(20)}"
+            )
+    return run
+
+
+# --------------------------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------------------------- #
+
+
+def _median(values: list[float | None]) -> float | None:
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def report(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
+    mean_out = (args.output_len[0] + args.output_len[1]) / 2
+    combos: list[dict[str, Any]] = []
+    for rate in args.rates:
+        for record in (True, False):
+            mine = [r for r in runs if r.rate == rate and r.record == record]
+            med = {m: _median([r.metric(m) for r in mine]) for m in METRICS}
+            combos.append({"rate": rate, "record_requests": record, "medians": med})
+
+    header = (
+        f"{'rate':>5} {'recording':>9} {'offered':>8} {'tok/s':>8} {'req/s':>6} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'failed':>6}"
+    )
+    log("\n" + header)
+    log("-" * len(header))
+    for c in combos:
+        m = c["medians"]
+        log(
+            f"{c['rate']:>5g} {'on' if c['record_requests'] else 'off':>9} "
+            f"{c['rate'] * mean_out:>8.0f} {_fmt(m['output_throughput']):>8} "
+            f"{_fmt(m['request_throughput'], '.2f'):>6} {_fmt(m['ttft_ms_p50']):>9} "
+            f"{_fmt(m['ttft_ms_p99']):>9} {_fmt(m['itl_ms_p50']):>8} {_fmt(m['itl_ms_p99']):>8} "
+            f"{_fmt(m['requests_failed'], '.0f'):>6}"
+        )
+    log("(medians over repeats; latencies in ms; offered = rate x mean output length, tok/s)")
+
+    overheads: list[dict[str, Any]] = []
+    log(f"\nrecording overhead = 1 - tok/s(on) / tok/s(off), target < {TARGET_OVERHEAD:.0%}")
+    for rate in args.rates:
+        on, off = (
+            next(c["medians"] for c in combos if c["rate"] == rate and c["record_requests"] is r)
+            for r in (True, False)
+        )
+        overhead = itl_ratio = None
+        if on["output_throughput"] and off["output_throughput"]:
+            overhead = 1 - on["output_throughput"] / off["output_throughput"]
+        if on["itl_ms_p50"] and off["itl_ms_p50"]:
+            itl_ratio = on["itl_ms_p50"] / off["itl_ms_p50"]
+        verdict = (
+            "n/a" if overhead is None else ("ok" if overhead < TARGET_OVERHEAD else "ABOVE TARGET")
+        )
+        log(
+            f"  rate {rate:g}: overhead {_fmt(None if overhead is None else overhead * 100, '+.2f')}%"
+            f" ({verdict}), ITL p50 on/off {_fmt(itl_ratio, '.3f')}"
+        )
+        overheads.append(
+            {"rate": rate, "overhead": overhead, "itl_p50_ratio": itl_ratio, "verdict": verdict}
+        )
+    return {"combinations": combos, "overhead": overheads}
+
+
+# --------------------------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------------------------- #
+
+
+def _range(flag: str):
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            return parse_range(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+
+    return parse
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated req/s, got {text!r}") from None
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise argparse.ArgumentTypeError(f"expected finite rates > 0, got {text!r}")
+    return rates
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--rates", type=_rates, default="2,6", help="comma-separated arrival rates, req/s"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="repeats of the whole set (medians)")
+    p.add_argument("--requests", type=int, default=64, help="measured requests per run")
+    p.add_argument(
+        "--prompt-len",
+        type=_range("--prompt-len"),
+        default="32-256",
+        metavar="A-B",
+        help="prompt tokens",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_range("--output-len"),
+        default="16-128",
+        metavar="C-D",
+        help="output tokens, EOS ignored",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed of repeat r is seed + r")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests after startup")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="small demo model, written if missing",
+    )
+    p.add_argument("--dtype", default="bfloat16", help="[engine] dtype")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="[engine] max_num_seqs")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for /health")
+    p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds after SIGTERM")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.requests < 1 or args.warmup < 0:
+        p.error("--repeats and --requests must be >= 1, --warmup >= 0")
+    return args
+
+
+def ensure_model_dir(model_dir: Path) -> Path:
+    from controlplane.engine.demo_model import write_demo_model  # imports torch: only here
+
+    return write_demo_model(model_dir, size="small")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = ensure_model_dir(args.model_dir)
+    log(
+        f"online serving: model {model_dir}, rates {args.rates} req/s, {args.requests} requests, "
+        f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
+        f"{args.output_len[0]}-{args.output_len[1]}, {args.repeats} repeats, cpus {os.cpu_count()}"
+    )
+    runs: list[Run] = []
+    for repeat in range(args.repeats):
+        for i, rate in enumerate(args.rates):
+            order = (True, False) if (repeat + i) % 2 == 0 else (False, True)
+            for record in order:
+                tag = f"[repeat {repeat + 1}/{args.repeats}] rate {rate:g} recording {'on' if record else 'off'}"
+                log(f"{tag}: starting daemon ...")
+                try:
+                    run = run_one(rate, record, repeat, model_dir, args)
+                except DaemonError as exc:
+                    log(f"{tag}: FAILED: {exc}")
+                    return 1
+                s = run.summary
+                log(
+                    f"{tag}: up in {run.startup_s:.1f}s; {s['output_throughput']:.1f} tok/s, "
+                    f"ok {s['requests_ok']} / failed {s['requests_failed']}"
+                    + (f" {s['errors']}" if s["errors"] else "")
+                    + f", ITL p50 {_fmt((s['itl_ms'] or {}).get('p50'))} ms"
+                )
+                runs.append(run)
+    result = report(runs, args)
+    if args.json:
+        payload = {
+            "config": {
+                "rates": args.rates,
+                "repeats": args.repeats,
+                "requests": args.requests,
+                "prompt_len": list(args.prompt_len),
+                "output_len": list(args.output_len),
+                "seed": args.seed,
+                "warmup": args.warmup,
+                "model_dir": str(model_dir),
+                "dtype": args.dtype,
+                "max_num_seqs": args.max_num_seqs,
+                "cpus": os.cpu_count(),
+            },
+            **result,
+            "runs": [
+                {
+                    "rate": r.rate,
+                    "record_requests": r.record,
+                    "repeat": r.repeat,
+                    "startup_s": r.startup_s,
+                    "daemon_exit_code": r.daemon_exit_code,
+                    "db_bytes": r.db_bytes,
+                    "summary": r.summary,
+                }
+                for r in runs
+            ],
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

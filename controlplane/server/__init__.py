@@ -1,0 +1,1 @@
+"""The daemon: OpenAI-compatible HTTP API around the engine, with a SQL record of every request."""

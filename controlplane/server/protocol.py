@@ -1,0 +1,224 @@
+"""OpenAI request parsing and response shapes.
+
+Parsing is by hand rather than by schema library so that every error names the offending
+field the way OpenAI's API does (`param`), and says the limit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from controlplane.server.errors import invalid
+
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "logit_bias",
+    "skip_special_tokens",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    model: str
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    prompt: str | list[int] = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    chat_logprobs: bool = False
+    default_max_tokens: bool = False  # chat without max_tokens: fill the context
+
+
+def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
+    if isinstance(value, bool) and bool not in types:
+        raise invalid(name, f"must be {what}, got {value!r}")
+    if not isinstance(value, types):
+        raise invalid(name, f"must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else _type(name, value, types, what)
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    num = (int, float)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise invalid("stop", "must be a string or an array of strings")
+    if body.get("n") not in (None, 1):
+        raise invalid("n", f"only n=1 is supported, got {body.get('n')!r}")
+    if body.get("logit_bias"):
+        raise invalid("logit_bias", "is not supported")
+    stop_ids = _opt(body, "stop_token_ids", (list,), "an array of token ids", [])
+    try:
+        return SamplingParams(
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=float(_opt(body, "temperature", num, "a number", 1.0)),
+            top_p=float(_opt(body, "top_p", num, "a number", 1.0)),
+            top_k=_opt(body, "top_k", (int,), "an integer", 0),
+            min_p=float(_opt(body, "min_p", num, "a number", 0.0)),
+            repetition_penalty=float(_opt(body, "repetition_penalty", num, "a number", 1.0)),
+            presence_penalty=float(_opt(body, "presence_penalty", num, "a number", 0.0)),
+            frequency_penalty=float(_opt(body, "frequency_penalty", num, "a number", 0.0)),
+            seed=_opt(body, "seed", (int,), "an integer", None),
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=_opt(body, "ignore_eos", (bool,), "a boolean", False),
+            logprobs=logprobs,
+            skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
+        )
+    except InvalidSettingError as exc:
+        raise invalid(exc.field, str(exc).split(": ", 1)[1]) from None
+
+
+def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool]:
+    if not isinstance(body, dict):
+        raise invalid("body", "must be a JSON object")
+    for key in body:
+        if key not in allowed:
+            raise invalid(key, "unknown or unsupported field")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "is required (a string; see GET /v1/models)")
+    stream = _opt(body, "stream", (bool,), "a boolean", False)
+    options = _opt(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    include_usage = _type(
+        "stream_options.include_usage", options.get("include_usage", False), (bool,), "a boolean"
+    )
+    return model, stream, include_usage
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    model, stream, include_usage = _common(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    # A batch of one prompt is accepted in either list form; real batches need n > 1 support.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise invalid(
+                "prompt",
+                "must be a non-empty string, or an array of token ids (one prompt per request)",
+            )
+    elif not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt", "must be a non-empty string, or an array of token ids")
+    if body.get("echo"):
+        raise invalid("echo", "is not supported")
+    if body.get("suffix"):
+        raise invalid("suffix", "is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise invalid("best_of", "only best_of=1 is supported")
+    max_tokens = _opt(body, "max_tokens", (int,), "an integer", None)
+    logprobs = _opt(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+    return ParsedRequest(
+        model, _sampling(body, max_tokens, logprobs), stream, include_usage, prompt=prompt
+    )
+
+
+def parse_chat(body: Any) -> ParsedRequest:
+    model, stream, include_usage = _common(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty array")
+    parsed = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}].role", "is required (system, user, assistant or tool)")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            texts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise invalid(f"messages[{i}].content[{j}]", "only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", "must be a string or an array of text parts")
+        parsed.append({**m, "content": content})
+    if body.get("tools"):
+        raise invalid("tools", "tool calling is not supported")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise invalid("response_format", "only {'type': 'text'} is supported")
+    mt = _opt(body, "max_completion_tokens", (int,), "an integer", None)
+    if mt is None:
+        mt = _opt(body, "max_tokens", (int,), "an integer", None)
+    want = _opt(body, "logprobs", (bool,), "a boolean", False)
+    top = _opt(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+    if top is not None and not want:
+        raise invalid("top_logprobs", "requires logprobs: true")
+    params = _sampling(body, mt, (top or 0) if want else None)
+    return ParsedRequest(
+        model,
+        params,
+        stream,
+        include_usage,
+        messages=parsed,
+        chat_logprobs=want,
+        default_max_tokens=mt is None,
+    )
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,175 @@
+"""Run real daemons for tests: a `controlplane serve` subprocess, or in-process in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+
+def write_config(
+    path: Path, data_dir: Path, model: Path | None, **sections: dict[str, Any]
+) -> Path:
+    """A TOML config: data_dir, a free port, the given model, plus extra [section] keys."""
+
+    def render(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return str(value)
+
+    server = {"host": "127.0.0.1", "port": 0, **sections.pop("server", {})}
+    engine = {**({"model": str(model)} if model else {}), **sections.pop("engine", {})}
+    lines = [f"data_dir = {render(str(data_dir))}"]
+    for name, table in (("server", server), ("engine", engine), *sections.items()):
+        if name in ("prices", "api_keys"):
+            for row in table:
+                lines.append(f"[[{name}]]")
+                lines += [f"{k} = {render(v)}" for k, v in row.items()]
+            continue
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {render(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@dataclass
+class DaemonProcess:
+    config: Path
+    proc: subprocess.Popen
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+    _q: queue.Queue = field(default_factory=queue.Queue)
+
+    @classmethod
+    def start(cls, config: Path, wait_ready: bool = True, timeout: float = 120) -> DaemonProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "serve", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        d = cls(config, proc)
+        threading.Thread(target=d._pump, daemon=True).start()
+        d.wait_for("listening on", timeout)
+        d.url = d.wait_for("listening on", 0).split("listening on ")[1].split()[0]
+        if wait_ready:
+            d.wait_for("ready on", timeout)
+        return d
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            self._q.put(line)
+
+    def wait_for(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.lines:
+                if needle in line:
+                    return line
+            if self.proc.poll() is not None and self._q.empty():
+                raise RuntimeError(
+                    f"daemon exited ({self.proc.returncode}):\n" + "\n".join(self.lines)
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {needle!r} in daemon output:\n" + "\n".join(self.lines))
+            with contextlib.suppress(queue.Empty):
+                self._q.get(timeout=0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+class InProcessDaemon:
+    """The real daemon and HTTP server on loopback, in a thread, so tests can see the engine."""
+
+    def __init__(self, cfg: Any) -> None:
+        from controlplane.server.daemon import Daemon
+
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self.daemon: Daemon | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = threading.Event()
+        self.exit_code: int | None = None
+
+    def _run(self) -> None:
+        from controlplane.server.daemon import Daemon
+
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> int:
+            self.daemon = Daemon(self.cfg, install_signals=False)
+            self._started.set()
+            return await self.daemon.serve()
+
+        self.exit_code = self.loop.run_until_complete(main())
+
+    def start(self, timeout: float = 120) -> InProcessDaemon:
+        self._thread.start()
+        self._started.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while self.daemon is None or not self.daemon.ready.is_set():
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("in-process daemon did not become ready")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.daemon is not None
+        return self.daemon.url
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.daemon is not None:
+            self.loop.call_soon_threadsafe(self.daemon.request_shutdown, "test")
+        self._thread.join(timeout)
+
+
+def rows(url: str, where: str = "1=1") -> list[dict[str, Any]]:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [
+                dict(r._mapping)
+                for r in conn.execute(sa.text(f"SELECT * FROM requests WHERE {where}"))
+            ]
+    finally:
+        engine.dispose()
+
+
+def wait_rows(url: str, predicate, timeout: float = 20, where: str = "1=1") -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = rows(url, where)
+        except sa.exc.OperationalError:
+            found = []
+        if predicate(found):
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rows never matched; last: {found}")
+        time.sleep(0.1)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
