@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import NullPool
+
+PG_ADMIN_URL = os.environ.get(
+    "CONTROLPLANE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 
 # Tiny reference configurations: GQA Llama with Llama 3 RoPE scaling, Qwen2 (q/k/v bias) with
 # tied embeddings, Mistral with MQA. Large init std keeps logits well separated so greedy
@@ -67,3 +77,43 @@ def hf_model_dirs(
 ) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {kind: build_hf_model(kind, root / kind, tiny_model_dir) for kind in HF_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[URL]:
+    """A fresh, uniquely named PostgreSQL database for this test session, dropped at the end.
+
+    Outside CI an unreachable server skips these tests; under CI (which starts PostgreSQL in
+    .ci/run) it fails them, so a broken setup cannot pass as green.
+    """
+    import psycopg
+
+    try:
+        admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"PostgreSQL unreachable at {PG_ADMIN_URL} ({exc}); SQLite tests still run")
+    name = f"controlplane_test_{uuid.uuid4().hex[:12]}"
+    admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(PG_ADMIN_URL).set(drivername="postgresql+psycopg", database=name)
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+
+def reset_pg(url: URL) -> str:
+    """Empty the database's public schema; returns the URL as a string."""
+    engine = create_engine(url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def pg_url(pg_database: URL) -> str:
+    """An empty PostgreSQL schema, for this test only."""
+    return reset_pg(pg_database)

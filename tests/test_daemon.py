@@ -487,3 +487,40 @@ def _swallow(url: str, body: dict) -> None:
                 pass
     except httpx.HTTPError:
         pass
+
+
+def test_records_land_in_postgresql(tiny_model_dir, tmp_path, pg_url):
+    cfg = load_config(
+        write_config(
+            tmp_path / "cp.toml",
+            tmp_path / "data",
+            tiny_model_dir,
+            store={"url": pg_url, "flush_interval_s": 0.1},
+            prices=PRICES,
+        ),
+        env={},
+    )
+    d = InProcessDaemon(cfg).start()
+    try:
+        c = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+        ids = {}
+        for n in (3, 9):
+            resp = c.completions.create(
+                model=MODEL,
+                prompt="postgres",
+                max_tokens=n,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            ids[resp.id] = resp.usage
+    finally:
+        d.stop()
+    found = {r["id"]: r for r in rows(pg_url)}
+    assert set(found) == set(ids)
+    for rid, usage in ids.items():
+        row = found[rid]
+        assert row["status"] == "success" and row["completion_tokens"] == usage.completion_tokens
+        assert row["prompt_tokens"] == usage.prompt_tokens
+        assert float(row["cost_usd"]) == pytest.approx(
+            (usage.prompt_tokens + 3 * usage.completion_tokens) / 1e6
+        )
