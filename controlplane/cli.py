@@ -60,11 +60,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
+    import os
 
-    from controlplane.config import load_config
+    from controlplane.config import build_config, read_toml
     from controlplane.server.logs import setup_logging
 
-    cfg = load_config(args.config)
+    file_raw = read_toml(args.config) if args.config else {}
+    cfg = build_config(file_raw, os.environ)
     server = cfg.server
     if args.host is not None:
         server = dataclasses.replace(server, host=args.host)
@@ -76,7 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     async def run() -> int:
         from controlplane.server.daemon import Daemon
 
-        return await Daemon(cfg).serve()
+        return await Daemon(cfg, config_path=args.config, file_raw=file_raw).serve()
 
     return asyncio.run(run())
 

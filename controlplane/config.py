@@ -37,6 +37,12 @@ class ServerSettings:
     # Identifies this daemon's rows when several share one database; default: generated once
     # and kept in <data_dir>/instance_id.
     instance_id: str = ""
+    # GET /metrics is open unless this is true (then it needs an admin token like /admin/*).
+    metrics_require_token: bool = False
+    # Period of the stats snapshots on GET /admin/events (a client may ask for another).
+    events_interval_s: float = 0.5
+    # How often the config file is checked for changes (it is also reloaded on SIGHUP).
+    config_watch_interval_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,12 @@ class ApiKey:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminToken:
+    name: str
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     data_dir: str = "data"
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -76,6 +88,7 @@ class Config:
     engine: EngineSettings = field(default_factory=EngineSettings)
     prices: tuple[Price, ...] = ()
     api_keys: tuple[ApiKey, ...] = ()
+    admin_tokens: tuple[AdminToken, ...] = ()
 
     @property
     def data_path(self) -> Path:
@@ -159,6 +172,8 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError(
             "server.drain_timeout_s", f"must be >= 0, got {s.drain_timeout_s}"
         )
+    if s.events_interval_s < 0.05 or s.config_watch_interval_s < 0.05:
+        raise InvalidSettingError("server.events_interval_s", "intervals must be >= 0.05 s")
     if s.log_format not in ("text", "json"):
         raise InvalidSettingError(
             "server.log_format", f"must be text or json, got {s.log_format!r}"
@@ -184,6 +199,14 @@ def _validate(cfg: Config) -> Config:
             raise InvalidSettingError(f"api_keys[{i}]", "needs a non-empty name and key")
         if names.count(k.name) > 1:
             raise InvalidSettingError(f"api_keys[{i}].name", f"{k.name!r} is used twice")
+    tokens = [t.name for t in cfg.admin_tokens]
+    for i, t in enumerate(cfg.admin_tokens):
+        if not t.name or len(t.token) < 16:
+            raise InvalidSettingError(
+                f"admin_tokens[{i}]", "needs a name and a token of at least 16 characters"
+            )
+        if tokens.count(t.name) > 1:
+            raise InvalidSettingError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
     check_engine(cfg.engine)
     return cfg
 
@@ -199,7 +222,10 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """CONTROLPLANE_SECTION__KEY=value -> {section: {key: value}} (values stay strings)."""
     out: dict[str, Any] = {}
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name in ("CONTROLPLANE_ADMIN_TOKEN",):
+        if not name.startswith(ENV_PREFIX) or name in (
+            "CONTROLPLANE_ADMIN_TOKEN",
+            "CONTROLPLANE_TEST_POSTGRES",
+        ):
             continue
         rest = name[len(ENV_PREFIX) :].lower()
         if rest == "data_dir":
@@ -236,10 +262,10 @@ def build_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             )
     prices = merged.get("prices", [])
     keys = merged.get("api_keys", [])
-    if not isinstance(prices, list) or not isinstance(keys, list):
-        raise InvalidSettingError(
-            "prices", "prices and api_keys must be arrays of tables ([[prices]])"
-        )
+    tokens = merged.get("admin_tokens", [])
+    for name, value in (("prices", prices), ("api_keys", keys), ("admin_tokens", tokens)):
+        if not isinstance(value, list | tuple):
+            raise InvalidSettingError(name, f"must be an array of tables ([[{name}]])")
     cfg = Config(
         data_dir=str(merged.get("data_dir", "data")),
         server=_build(ServerSettings, merged.get("server", {}), "server"),
@@ -247,6 +273,9 @@ def build_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
         prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices)),
         api_keys=tuple(_build(ApiKey, k, f"api_keys[{i}]") for i, k in enumerate(keys)),
+        admin_tokens=tuple(
+            _build(AdminToken, t, f"admin_tokens[{i}]") for i, t in enumerate(tokens)
+        ),
     )
     return _validate(cfg)
 

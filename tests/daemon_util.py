@@ -34,7 +34,7 @@ def write_config(
     engine = {**({"model": str(model)} if model else {}), **sections.pop("engine", {})}
     lines = [f"data_dir = {render(str(data_dir))}"]
     for name, table in (("server", server), ("engine", engine), *sections.items()):
-        if name in ("prices", "api_keys"):
+        if isinstance(table, list):  # [[prices]], [[api_keys]], [[admin_tokens]]
             for row in table:
                 lines.append(f"[[{name}]]")
                 lines += [f"{k} = {render(v)}" for k, v in row.items()]
@@ -101,12 +101,14 @@ class DaemonProcess:
 class InProcessDaemon:
     """The real daemon and HTTP server on loopback, in a thread, so tests can see the engine."""
 
-    def __init__(self, cfg: Any) -> None:
-        from controlplane.server.daemon import Daemon
-
+    def __init__(
+        self, cfg: Any, config_path: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.cfg = cfg
+        self.config_path = config_path
+        self.env = {} if env is None else env
         self.loop = asyncio.new_event_loop()
-        self.daemon: Daemon | None = None
+        self.daemon: Any = None  # controlplane.server.daemon.Daemon, once started
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._started = threading.Event()
         self.exit_code: int | None = None
@@ -117,7 +119,16 @@ class InProcessDaemon:
         asyncio.set_event_loop(self.loop)
 
         async def main() -> int:
-            self.daemon = Daemon(self.cfg, install_signals=False)
+            from controlplane.config import read_toml
+
+            raw = read_toml(self.config_path) if self.config_path else {}
+            self.daemon = Daemon(
+                self.cfg,
+                install_signals=False,
+                config_path=self.config_path,
+                file_raw=raw,
+                env=self.env,
+            )
             self._started.set()
             return await self.daemon.serve()
 

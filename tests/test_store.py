@@ -108,7 +108,7 @@ def rows(engine: Engine) -> dict[str, RequestRow]:
 def test_migrations_upgrade_downgrade_upgrade(db_url: str) -> None:
     assert current(db_url) is None
     upgrade(db_url)
-    assert current(db_url) == head() == "0001"
+    assert current(db_url) == head() == "0002"
     check(db_url)  # raises on any drift between the models and the migrated schema
     eng = make_engine(db_url)
     try:
@@ -162,19 +162,19 @@ def test_cli_db_upgrade_and_current(db_url: str, tmp_path, monkeypatch, capsys) 
     assert _cli("db", "current", "--url", db_url) == 0
     assert "no schema" in capsys.readouterr().out
     assert _cli("db", "upgrade", "--url", db_url) == 0
-    assert "upgraded from <empty> to 0001" in capsys.readouterr().out
+    assert f"upgraded from <empty> to {head()}" in capsys.readouterr().out
     assert _cli("db", "upgrade", "--url", db_url) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert _cli("db", "current", "--url", db_url) == 0
-    assert "0001 (head)" in capsys.readouterr().out
+    assert f"{head()} (head)" in capsys.readouterr().out
     # Without --url: the config's store_url, by default a SQLite file under data_dir.
     monkeypatch.delenv("CONTROLPLANE_DATA_DIR", raising=False)
     monkeypatch.delenv("CONTROLPLANE_STORE__URL", raising=False)
     cfg = tmp_path / "cp.toml"
     cfg.write_text(f'data_dir = "{tmp_path / "d"}"\n')
     assert _cli("db", "upgrade", "--config", str(cfg)) == 0
-    assert "to 0001" in capsys.readouterr().out
-    assert current(f"sqlite:///{tmp_path / 'd' / 'controlplane.db'}") == "0001"
+    assert f"to {head()}" in capsys.readouterr().out
+    assert current(f"sqlite:///{tmp_path / 'd' / 'controlplane.db'}") == head()
 
 
 # -- prices and costs ---------------------------------------------------------------------------

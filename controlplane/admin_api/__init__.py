@@ -1,0 +1,1 @@
+"""The operators' control surface: /admin/* (token-protected) and /metrics."""

@@ -12,14 +12,19 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from controlplane.engine.engine import Engine, RequestOutput, StepStats
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Steps kept for windowed statistics: at 1 ms per step this is ~16 s of history.
+RECENT_STEPS = 16384
 
 
 class RequestStream:
@@ -64,6 +69,15 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -74,6 +88,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self.error: BaseException | None = None
+        self._recent: deque[StepStats] = deque(maxlen=RECENT_STEPS)
+        self._recent_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: EngineSettings | None = None, **overrides: Any) -> AsyncEngine:
@@ -145,6 +161,23 @@ class AsyncEngine:
     def stats(self) -> StepStats:
         return self.engine.stats()
 
+    def recent_steps(self, since_step: int = -1) -> list[StepStats]:
+        """Stats of the recent steps after `since_step`, oldest first (thread-safe copy)."""
+        with self._recent_lock:
+            steps = list(self._recent)
+        return [s for s in steps if s.step > since_step] if since_step >= 0 else steps
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) in the step thread at the next step boundary and return its result.
+
+        For reads that must see a consistent engine (the live request list), without locks on
+        the hot path.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._commands.put(("call", (fn, future)))
+        return await future
+
     # -- the step thread ---------------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # Runs on the event loop.
@@ -179,6 +212,14 @@ class AsyncEngine:
                     out = self.engine.abort(arg)
                     if out is not None:
                         outputs.append(out)
+                elif cmd == "call":
+                    fn, future = arg
+                    try:
+                        result = fn(self.engine)
+                    except Exception as exc:  # hand the error to the caller, keep stepping
+                        self._loop.call_soon_threadsafe(_settle, future, None, exc)
+                    else:
+                        self._loop.call_soon_threadsafe(_settle, future, result, None)
                 cmd, arg = self._commands.get_nowait()
         except queue.Empty:
             pass
@@ -192,6 +233,8 @@ class AsyncEngine:
                 outputs = self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     outputs += self.engine.step()
+                    with self._recent_lock:
+                        self._recent.append(self.engine.stats())
                 if outputs:
                     loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:  # the engine is dead: tell every waiter, don't hang them

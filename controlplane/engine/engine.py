@@ -73,6 +73,7 @@ class RequestOutput:
     finish_reason: str | None  # stop | length | abort
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
+    time: float = 0.0  # when this output was produced (time.time()): per-token latencies
 
 
 def resolve_device(name: str) -> torch.device:
@@ -344,6 +345,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
             logprobs=lps if seq.params.logprobs is not None else [],
+            time=time.time(),
         )
 
     # -- stats ----------------------------------------------------------------------------

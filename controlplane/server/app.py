@@ -122,19 +122,21 @@ class InferenceAPI:
     # -- shared response flow ------------------------------------------------------------------
     async def _respond(self, parsed, stream, rec, render_final, render_chunk, first_chunk=None):
         d = self.daemon
+        token_times: list[float] = []  # one per output token: inter-token latency metrics
         if not parsed.stream:
             last: RequestOutput | None = None
             pieces: list[RequestOutput] = []
             try:
                 async for out in stream:
                     pieces.append(out)
+                    token_times += [out.time] * len(out.new_token_ids)
                     last = out
             except Exception as exc:
-                d.record(d.final_record(rec, last, error=repr(exc)))
+                d.finish(rec, last, token_times, error=repr(exc))
                 raise unavailable(f"engine failed: {exc}") from exc
             finally:
                 stream.cancel()
-            d.record(d.final_record(rec, last))
+            d.finish(rec, last, token_times)
             return Response(render_final(pieces, last))
 
         async def events() -> AsyncIterator[str]:
@@ -145,6 +147,7 @@ class InferenceAPI:
                     yield _sse(first_chunk)
                 async for out in stream:
                     last = out
+                    token_times.extend([out.time] * len(out.new_token_ids))
                     chunk = render_chunk(out)
                     if chunk is not None:
                         yield _sse(chunk)
@@ -156,7 +159,7 @@ class InferenceAPI:
                 yield _sse(APIError(500, f"engine failed: {exc}", type="server_error").body())
             finally:
                 stream.cancel()  # a client that went away aborts its request here
-                d.record(d.final_record(rec, last, error=error))
+                d.finish(rec, last, token_times, error=error)
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
 
@@ -372,8 +375,17 @@ def create_app(daemon: Daemon) -> Litestar:
         }
         return Response(body, status_code=200 if d.healthy else 503)
 
+    from controlplane.admin_api.routes import admin_router, metrics_handler
+
     return Litestar(
-        route_handlers=[completions, chat_completions, models, health],
+        route_handlers=[
+            completions,
+            chat_completions,
+            models,
+            health,
+            admin_router(daemon),
+            metrics_handler(daemon),
+        ],
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception},
         debug=False,
     )

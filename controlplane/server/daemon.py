@@ -11,17 +11,24 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from controlplane.config import ApiKey, Config, demo_model_path
+from controlplane.admin_api.auth import AdminAuth, resolve_tokens
+from controlplane.admin_api.metrics import Metrics
+from controlplane.admin_api.stats import summarize
+from controlplane.config import ApiKey, Config, demo_model_path, read_toml
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig
 from controlplane.store.records import RequestRecord, hash_api_key
 
 if TYPE_CHECKING:
@@ -54,8 +61,17 @@ def instance_id(cfg: Config) -> str:
 
 
 class Daemon:
-    def __init__(self, cfg: Config, install_signals: bool = True) -> None:
-        self.cfg = cfg
+    def __init__(
+        self,
+        cfg: Config,
+        install_signals: bool = True,
+        config_path: str | Path | None = None,
+        file_raw: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        env = dict(os.environ if env is None else env)
+        self.live = LiveConfig(cfg, file_raw or {}, env)
+        self.config_path = Path(config_path) if config_path else None
         self.install_signals = install_signals
         self.state = LOADING
         self.started_at = time.time()
@@ -67,7 +83,24 @@ class Daemon:
         self.ready = asyncio.Event()
         self._shutdown = asyncio.Event()
         self.shutdown_aborted: set[str] = set()
+        self.admin_aborted: dict[str, str] = {}  # request id -> admin token name
         self._keys = [(k, hash_api_key(k.key)) for k in cfg.api_keys]
+        tokens, token_file = resolve_tokens(cfg, env)
+        self.admin_auth = AdminAuth(tokens)
+        self.admin_token_file = token_file
+        self.metrics = Metrics(cfg.server.model_name or "loading")
+        self.db = None  # sqlalchemy Engine, once the store is open
+        self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
+        self._event_queues: set[asyncio.Queue] = set()
+        self._metrics_step = -1
+        # Audit rows are written in order, off the event loop, by one worker.
+        self._audit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        self.live.subscribe(self._on_config_change)
+
+    @property
+    def cfg(self) -> Config:
+        """The effective configuration (live changes included)."""
+        return self.live.effective
 
     # -- requests: checks used by the API ------------------------------------------------------
     @property
@@ -86,8 +119,26 @@ class Daemon:
         return found
 
     def record(self, rec: RequestRecord) -> None:
+        if rec.status == "running":
+            self.request_meta[rec.id] = rec
+        else:
+            self.request_meta.pop(rec.id, None)
         if self.recorder is not None:
             self.recorder.submit(rec)
+
+    def finish(
+        self,
+        rec: RequestRecord,
+        out: RequestOutput | None,
+        token_times: list[float],
+        error: str | None = None,
+    ) -> None:
+        """Record a request's end and count it in the metrics."""
+        final = self.final_record(rec, out, error)
+        self.record(final)
+        if out is not None:
+            reason = out.finish_reason if out.finished and out.finish_reason else "abort"
+            self.metrics.observe_request(reason, out.metrics, token_times)
 
     def final_record(
         self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
@@ -118,7 +169,197 @@ class Daemon:
         else:
             rec.status = "aborted"
             rec.finish_reason = "shutdown" if rec.id in self.shutdown_aborted else "abort"
+            actor = self.admin_aborted.pop(rec.id, None)
+            if actor is not None:
+                rec.error = f"aborted by admin ({actor})"
         return rec
+
+    # -- admin: control -------------------------------------------------------------------------
+    def abort_request(self, request_id: str, actor: str) -> bool:
+        if request_id not in self.request_meta or self.aengine is None:
+            return False
+        self.admin_aborted[request_id] = actor
+        self.aengine.abort(request_id)
+        log.info("request %s aborted by admin (%s)", request_id, actor)
+        return True
+
+    def drain(self, actor: str) -> None:
+        if self.state == READY:
+            self.state = DRAINING
+            log.info(
+                "draining: admitting no new requests (admin %s)", actor, extra={"event": "draining"}
+            )
+            self._broadcast({"type": "state", "state": self.state, "actor": actor})
+
+    def resume(self, actor: str) -> None:
+        if self.state == DRAINING and not self._shutdown.is_set():
+            self.state = READY
+            log.info("resumed: admitting requests (admin %s)", actor, extra={"event": "ready"})
+            self._broadcast({"type": "state", "state": self.state, "actor": actor})
+
+    # -- admin: visibility ----------------------------------------------------------------------
+    def stats_payload(self) -> dict[str, Any]:
+        s = self.cfg.engine
+        steps = self.aengine.recent_steps() if self.aengine else []
+        body = summarize(
+            steps,
+            now=time.time(),
+            window_s=10.0,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+        )
+        running = self.aengine.stats().num_running if self.aengine else 0
+        body.update(
+            state=self.state if self.state != READY or self.healthy else DEAD,
+            model=self.model_name or None,
+            uptime_s=round(time.time() - self.started_at, 3),
+            time=time.time(),
+            requests_in_flight=self.aengine.num_unfinished if self.aengine else 0,
+            queue_length=max(0, (self.aengine.num_unfinished if self.aengine else 0) - running),
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_queue_len=self.cfg.server.max_queue_len,
+        )
+        return body
+
+    async def live_requests(self) -> list[dict[str, Any]]:
+        if self.aengine is None:
+            return []
+
+        def snapshot(engine: Any) -> list[dict[str, Any]]:
+            return [
+                {
+                    "id": rid,
+                    "state": seq.status.value,
+                    "prompt_tokens": len(seq.prompt_token_ids),
+                    "output_tokens": len(seq.output_token_ids),
+                    "preemptions": seq.metrics.num_preemptions,
+                    "arrival_time": seq.metrics.arrival_time,
+                }
+                for rid, seq in engine.requests.items()
+            ]
+
+        now = time.time()
+        rows = await self.aengine.call(snapshot)
+        for row in rows:
+            meta = self.request_meta.get(row["id"])
+            row["api_key_name"] = meta.api_key_name if meta else None
+            row["endpoint"] = meta.endpoint if meta else None
+            row["age_s"] = round(now - row.pop("arrival_time"), 3)
+        return rows
+
+    def subscribe_events(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self._event_queues.add(queue)
+        return queue
+
+    def unsubscribe_events(self, queue: asyncio.Queue) -> None:
+        self._event_queues.discard(queue)
+
+    def _broadcast(self, event: dict[str, Any]) -> None:
+        for queue in self._event_queues:
+            if queue.full():  # a slow client loses its oldest event, never slows anyone
+                queue.get_nowait()
+            queue.put_nowait(event)
+
+    def pump_metrics(self) -> None:
+        if self.aengine is None:
+            return
+        steps = self.aengine.recent_steps(self._metrics_step)
+        if steps:
+            self._metrics_step = steps[-1].step
+            self.metrics.observe_steps(steps)
+
+    # -- config changes -------------------------------------------------------------------------
+    def _on_config_change(
+        self, new: Config, changes: list[FieldChange], source: str, actor: str | None
+    ) -> None:
+        engine_changes = {
+            c.field.split(".", 1)[1]: c.new for c in changes if c.field.startswith("engine.")
+        }
+        if engine_changes and self.aengine is not None:
+            self.aengine.update_settings(**engine_changes)
+        when = datetime.now(UTC)
+        if self.db is not None:
+            from controlplane.store.audit import ConfigChange
+
+            entries = [ConfigChange(when, source, actor, c.field, c.old, c.new) for c in changes]
+            self._audit.submit(
+                self._write_audit, entries, any(c.field == "prices" for c in changes)
+            )
+        self.metrics.config_changed(source, len(changes))
+        self.metrics.set_config(self.live.live_values())
+        self._broadcast(
+            {
+                "type": "config",
+                "time": when.isoformat(),
+                "source": source,
+                "actor": actor,
+                "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in changes],
+            }
+        )
+
+    def _write_audit(self, entries: list[Any], prices_changed: bool) -> None:
+        from controlplane.store import sync_prices
+        from controlplane.store.audit import write_changes
+
+        try:
+            if prices_changed:
+                sync_prices(self.db, self.cfg.prices)
+                if self.recorder is not None:
+                    self.recorder.reload_prices()
+            write_changes(self.db, self.instance_id, entries)
+        except Exception:
+            # Never silent: the change is in the log even if the audit table is unreachable.
+            log.exception(
+                "could not write %d config changes to the audit table: %s", len(entries), entries
+            )
+
+    def reload_config(self, reason: str) -> None:
+        if self.config_path is None:
+            log.warning(
+                "config reload (%s) ignored: the daemon was started without --config", reason
+            )
+            return
+        try:
+            raw = read_toml(self.config_path)
+            changes, restart = self.live.reload_file(raw)
+        except (ConfigChangeError, InvalidSettingError) as exc:
+            log.error("config reload (%s) rejected, keeping the running values: %s", reason, exc)
+            return
+        if restart:
+            log.warning(
+                "config file changes that need a restart (not applied): %s", ", ".join(restart)
+            )
+            self._broadcast({"type": "restart_required", "fields": restart})
+        if not changes and not restart:
+            log.info("config reload (%s): nothing changed", reason)
+
+    async def _watch_config(self) -> None:
+        """Reload when the file's mtime or size changes (polling: works on every filesystem)."""
+        assert self.config_path is not None
+
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = self.config_path.stat()
+            except OSError:
+                return None
+            return st.st_mtime_ns, st.st_size
+
+        last = stamp()
+        while True:
+            await asyncio.sleep(self.cfg.server.config_watch_interval_s)
+            now = stamp()
+            if now != last and now is not None:
+                last = now
+                self.reload_config("file changed")
+
+    async def _pump_metrics_forever(self) -> None:
+        # Counters must see every step even if nobody scrapes for a while: the step ring is
+        # finite, so drain it into the metrics twice a second.
+        while True:
+            self.pump_metrics()
+            await asyncio.sleep(0.5)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _open_store(self) -> None:
@@ -132,8 +373,15 @@ class Daemon:
         n = mark_interrupted(db, self.instance_id)
         if n:
             log.warning("marked %d request rows left running by a previous crash as interrupted", n)
-        self.recorder = Recorder(db, self.cfg.store)
-        log.info("recording requests to %s", db.url.render_as_string(hide_password=True))
+        self.db = db
+        where = db.url.render_as_string(hide_password=True)
+        if self.cfg.store.record_requests:
+            self.recorder = Recorder(db, self.cfg.store)
+            log.info("recording requests to %s", where)
+        else:
+            log.info(
+                "request recording is off (store.record_requests = false); audit log in %s", where
+            )
 
     def _load_engine(self) -> AsyncEngine:
         from controlplane.engine import AsyncEngine, Engine
@@ -155,14 +403,20 @@ class Daemon:
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_shutdown, sig.name)
+            loop.add_signal_handler(signal.SIGHUP, self.reload_config, "SIGHUP")
         log.info("loading", extra={"event": "loading"})
-        if self.cfg.store.record_requests:
-            await asyncio.to_thread(self._open_store)
+        if self.admin_token_file is not None:
+            print(f"controlplane: admin token in {self.admin_token_file}", flush=True)
+        await asyncio.to_thread(self._open_store)
+        background = [asyncio.create_task(self._pump_metrics_forever())]
+        if self.config_path is not None:
+            background.append(asyncio.create_task(self._watch_config()))
         from controlplane.server.app import create_app
 
+        self.app = create_app(self)
         server = _Server(
             uvicorn.Config(
-                create_app(self),
+                self.app,
                 host=self.cfg.server.host,
                 port=self.cfg.server.port,
                 log_config=None,
@@ -189,6 +443,11 @@ class Daemon:
             return 1
         self.aengine.start()
         eng = self.aengine.engine
+        self.metrics = Metrics(self.model_name)  # now that the model's name is known
+        self.metrics.set_config(self.live.live_values())
+        if self.recorder is not None:
+            rec = self.recorder
+            self.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
         kv = eng.block_pool.num_blocks
         self.state = READY
         self.ready.set()
@@ -201,6 +460,8 @@ class Daemon:
         log.info("ready", extra={"event": "ready"})
         await self._shutdown.wait()
         await self._drain()
+        for task in background:
+            task.cancel()
         await self._stop(server, server_task)
         return 0
 
@@ -243,6 +504,7 @@ class Daemon:
             ok = await asyncio.to_thread(self.recorder.close, 30.0)
             if not ok:
                 log.error("could not flush every request record before exit")
+        await asyncio.to_thread(self._audit.shutdown, True)
         self.state = STOPPED
         log.info("stopped", extra={"event": "stopped"})
         print("controlplane: stopped", flush=True)

@@ -1,27 +1,35 @@
-"""The SQL request store: schema, migrations, price history and the batched recorder.
+"""The SQL request store: schema, migrations, price history, the batched recorder, the
+configuration audit log and the admin API's read queries.
 
 Torch-free: the CLI and the admin API import it without the engine.
 """
 
+from controlplane.store.audit import ConfigChange, history, write_changes
 from controlplane.store.db import make_engine, normalize_url
 from controlplane.store.migrate import check, current, downgrade, head, upgrade
 from controlplane.store.models import (
+    CONFIG_SOURCES,
     FINAL_STATUSES,
     STATUSES,
     Base,
+    ConfigChangeRow,
     PriceEntry,
     RequestRow,
     UTCDateTime,
     time_buckets,
 )
 from controlplane.store.prices import PriceBook, PriceRow, cost, sync_prices
+from controlplane.store.queries import list_requests
 from controlplane.store.recorder import Recorder, mark_interrupted
 from controlplane.store.records import RequestRecord, hash_api_key
 
 __all__ = [
+    "CONFIG_SOURCES",
     "FINAL_STATUSES",
     "STATUSES",
     "Base",
+    "ConfigChange",
+    "ConfigChangeRow",
     "PriceBook",
     "PriceEntry",
     "PriceRow",
@@ -35,10 +43,13 @@ __all__ = [
     "downgrade",
     "hash_api_key",
     "head",
+    "history",
+    "list_requests",
     "make_engine",
     "mark_interrupted",
     "normalize_url",
     "sync_prices",
     "time_buckets",
     "upgrade",
+    "write_changes",
 ]

@@ -1,8 +1,9 @@
 """The request store's schema: the one place that knows the tables.
 
-Two tables. `requests` holds one row per inference request, upserted by id when it starts
+Three tables. `requests` holds one row per inference request, upserted by id when it starts
 (status "running") and again when it ends. `prices` is append-only price history: a price
 change is a new row with a later `effective_from`, so costs already stored never change.
+`config_changes` is the append-only audit log of configuration changes, one row per field.
 
 Portability: times are stored as UTC and read back as timezone-aware UTC on SQLite and
 PostgreSQL alike (`UTCDateTime`), and the per-hour / per-day aggregation keys are plain strings
@@ -41,6 +42,8 @@ NAMING_CONVENTION = {
 
 STATUSES = ("running", "success", "error", "aborted", "interrupted")
 FINAL_STATUSES = frozenset(STATUSES) - {"running"}
+# Where a configuration change came from (config_changes.source).
+CONFIG_SOURCES = ("default", "file", "env", "api", "tui")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -141,6 +144,35 @@ class RequestRow(Base):
 
     def __repr__(self) -> str:
         return f"RequestRow(id={self.id!r}, status={self.status!r}, model={self.model!r})"
+
+
+class ConfigChangeRow(Base):
+    """One changed configuration field: who changed it, from where, and its old and new value.
+
+    Values are JSON text (see `controlplane.store.audit`), so any value type round-trips and
+    one column type serves every field.
+    """
+
+    __tablename__ = "config_changes"
+    __table_args__ = (
+        Index("ix_config_changes_time", "time"),
+        Index("ix_config_changes_field", "field"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(UTCDateTime())
+    instance_id: Mapped[str] = mapped_column(String(255))
+    source: Mapped[str] = mapped_column(String(16))  # one of CONFIG_SOURCES
+    actor: Mapped[str | None] = mapped_column(String(255))  # admin token name; None: file/env
+    field: Mapped[str] = mapped_column(String(255))  # dotted, e.g. "engine.max_num_seqs"
+    old_value: Mapped[str] = mapped_column(Text)  # JSON
+    new_value: Mapped[str] = mapped_column(Text)  # JSON
+
+    def __repr__(self) -> str:
+        return (
+            f"ConfigChangeRow(id={self.id!r}, field={self.field!r}, source={self.source!r}, "
+            f"actor={self.actor!r})"
+        )
 
 
 def time_buckets(at: datetime) -> tuple[str, str]:

@@ -1,0 +1,396 @@
+"""Prometheus metrics for the daemon, named and meant like vLLM's.
+
+Every vLLM metric here keeps its name with the ``vllm:`` prefix swapped for ``controlplane:``
+and carries the same ``model_name`` label, so a Grafana dashboard built for vLLM works after a
+search-and-replace of the prefix. The metrics live in a registry owned by each `Metrics` (never
+the global one), so several daemons can share a test process.
+
+Exposed names (``render()`` output; the ``_created`` samples prometheus_client adds to counters
+and histograms are not listed):
+
+- gauges: ``controlplane:num_requests_running``, ``controlplane:num_requests_waiting``,
+  ``controlplane:num_requests_swapped`` (vLLM v0 only; v1 dropped it),
+  ``controlplane:kv_cache_usage_perc`` (vLLM v1 semantics: a fraction, 1 means 100 percent);
+- counters: ``controlplane:prompt_tokens_total``, ``controlplane:generation_tokens_total``,
+  ``controlplane:num_preemptions_total``, ``controlplane:request_success_total{finished_reason}``;
+- histograms: ``controlplane:time_to_first_token_seconds``,
+  ``controlplane:inter_token_latency_seconds``, ``controlplane:e2e_request_latency_seconds``,
+  ``controlplane:request_queue_time_seconds``, ``controlplane:iteration_tokens_total``,
+  ``controlplane:request_prompt_tokens``, ``controlplane:request_generation_tokens``
+  (with vLLM v1's bucket boundaries);
+- controlplane's own: ``controlplane:config_info`` (gauge = 1, labels = the live knobs),
+  ``controlplane:config_changes_total{source}``, ``controlplane:records_dropped_total`` and
+  ``controlplane:records_buffered`` (read from the SQL recorder at scrape time).
+
+prometheus_client appends ``_total`` to counter names itself, so counters are created without
+it (``Counter("controlplane:prompt_tokens", ...)`` renders ``controlplane:prompt_tokens_total``).
+``controlplane:iteration_tokens_total`` is a histogram, so it keeps the name as given, as in vLLM.
+
+Differences from vLLM, forced by where the numbers come from:
+
+- ``prompt_tokens_total`` counts prefill tokens as the engine computes them, step by step
+  (``StepStats.num_prefill_tokens``): chunks count as they run, prompts recomputed after a
+  preemption count again. vLLM v1 counts each prompt once when its prefill completes.
+- ``generation_tokens_total`` counts decode tokens per step (``StepStats.num_decode_tokens``).
+  The first token of a request, sampled by its last prefill step, is not a decode token, so
+  this is one token per request lower than vLLM's count (and than the sum of
+  ``request_generation_tokens``). StepStats has no count of sampled tokens.
+- Request histograms (TTFT, inter-token latency, queue time, e2e) are observed when the
+  request finishes, not token by token.
+- There is no ``engine`` label (one engine per daemon).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from controlplane.admin_api.stats import StepStatsLike
+
+__all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetricsLike"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "controlplane:"
+FINISH_REASONS = ("stop", "length", "abort")
+CONFIG_SOURCES = ("default", "file", "env", "api", "tui")
+
+# vLLM v1 (vllm/v1/metrics/loggers.py, PrometheusStatLogger) bucket boundaries.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_MAX_MODEL_LEN = 131072
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's request-token-count buckets)."""
+    out: list[int] = []
+    mantissa, exponent = (1, 2, 5), 0
+    while True:
+        for m in mantissa:
+            v = m * 10**exponent
+            if v > max_value:
+                return out
+            out.append(v)
+        exponent += 1
+
+
+class RequestMetricsLike(Protocol):
+    """The fields of `controlplane.engine.sequence.RequestMetrics` that Metrics reads."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def queue_time(self) -> float | None: ...
+    @property
+    def ttft(self) -> float | None: ...
+    @property
+    def mean_itl(self) -> float | None: ...
+    @property
+    def e2e_latency(self) -> float | None: ...
+
+
+_LABEL_BAD = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def _label_name(key: str) -> str:
+    name = _LABEL_BAD.sub("_", str(key)).lstrip("_") or "knob"
+    if name[0].isdigit():
+        name = "k_" + name
+    return "config_model_name" if name == "model_name" else name
+
+
+def _label_value(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return str(value)
+
+
+class _ScrapeTimeCollector:
+    """config_info and the recorder's numbers, built at each scrape from current state."""
+
+    def __init__(self, owner: Metrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> list[Metric]:
+        return [
+            GaugeMetricFamily(PREFIX + "config_info", "", labels=[]),
+            CounterMetricFamily(PREFIX + "records_dropped", "", labels=[]),
+            GaugeMetricFamily(PREFIX + "records_buffered", "", labels=[]),
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        o = self._owner
+        names, values = o._config_labels  # one tuple, swapped atomically by set_config
+        info = GaugeMetricFamily(
+            PREFIX + "config_info",
+            "Live engine and server configuration, as labels; the value is always 1.",
+            labels=["model_name", *names],
+        )
+        if names:
+            info.add_metric([o.model_name, *values], 1.0)
+        yield info
+
+        dropped_fn, buffered_fn = o._recorder
+        dropped = CounterMetricFamily(
+            PREFIX + "records_dropped",
+            "Request records the SQL recorder dropped (buffer full or write failed).",
+            labels=["model_name"],
+        )
+        buffered = GaugeMetricFamily(
+            PREFIX + "records_buffered",
+            "Request records waiting in the SQL recorder's buffer.",
+            labels=["model_name"],
+        )
+        for family, fn in ((dropped, dropped_fn), (buffered, buffered_fn)):
+            try:
+                value = 0 if fn is None else fn()
+            except Exception:
+                log.warning("metrics: reading %s failed", family.name, exc_info=True)
+                continue  # leave the series out of this scrape rather than fail the scrape
+            family.add_metric([o.model_name], float(value))
+        yield dropped
+        yield buffered
+
+
+class Metrics:
+    """Prometheus metrics for one daemon (one model), in a registry of its own.
+
+    Thread-safe: the step collector, request completions and scrapes may run on different
+    threads.
+    """
+
+    def __init__(self, model_name: str, *, max_model_len: int | None = None) -> None:
+        """`max_model_len` sets the top of the request-token-count buckets (1-2-5 series, as
+        vLLM); without it they go up to 131072."""
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._last_step = 0  # highest step number already counted (step 0 is no step)
+        self._preemptions_seen = 0  # engine's cumulative preemption count already counted
+        self._config_labels: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._recorder: tuple[Callable[[], int] | None, Callable[[], int] | None] = (None, None)
+
+        reg, labels, m = self.registry, ["model_name"], model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(m)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg).labels(m)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=reg, buckets=buckets).labels(m)
+
+        self.num_requests_running = gauge(
+            "num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.num_requests_swapped = gauge(
+            "num_requests_swapped", "Number of requests swapped to CPU."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.num_preemptions = counter(
+            "num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        for reason in FINISH_REASONS:
+            self._request_success.labels(m, reason)
+        self._config_changes = Counter(
+            PREFIX + "config_changes",
+            "Configuration changes applied, by where they came from.",
+            [*labels, "source"],
+            registry=reg,
+        )
+        for source in CONFIG_SOURCES:
+            self._config_changes.labels(m, source)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len or DEFAULT_MAX_MODEL_LEN)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+
+        reg.register(_ScrapeTimeCollector(self))
+
+    # -- engine steps ---------------------------------------------------------------------
+    def observe_steps(self, steps: Iterable[StepStatsLike]) -> None:
+        """Count the steps not counted before and set the gauges from the latest step.
+
+        Steps are recognized by their ``step`` number: only steps numbered above the highest
+        one already counted add to the counters, so overlapping windows of the ring can be
+        passed again and again. Step numbers must grow (one Metrics per engine); step 0, the
+        engine's snapshot before its first step, is never counted. Preemptions come from the
+        engine's cumulative count, so steps missing from the windows do not lose them; tokens
+        of steps that were never passed are lost.
+
+        ``iteration_tokens_total`` observes prefill + decode tokens of each new step that
+        processed at least one token.
+        """
+        steps = list(steps)
+        if not steps:
+            return
+        latest = max(steps, key=lambda s: s.step)
+        with self._lock:
+            if latest.step < self._last_step:
+                return  # a stale window: nothing new, and its gauges would go back in time
+            new = [s for s in steps if s.step > self._last_step]
+            prefill = decode = 0
+            for s in new:
+                prefill += s.num_prefill_tokens
+                decode += s.num_decode_tokens
+                tokens = s.num_prefill_tokens + s.num_decode_tokens
+                if tokens > 0:
+                    self.iteration_tokens.observe(tokens)
+            if prefill:
+                self.prompt_tokens.inc(prefill)
+            if decode:
+                self.generation_tokens.inc(decode)
+            if new:
+                self._last_step = latest.step
+                if latest.num_preemptions > self._preemptions_seen:
+                    self.num_preemptions.inc(latest.num_preemptions - self._preemptions_seen)
+                    self._preemptions_seen = latest.num_preemptions
+            self.num_requests_running.set(latest.num_running)
+            self.num_requests_waiting.set(latest.num_waiting)
+            self.num_requests_swapped.set(latest.num_swapped)
+            total = latest.kv_blocks_total
+            self.kv_cache_usage_perc.set(latest.kv_blocks_used / total if total else 0.0)
+
+    # -- requests -------------------------------------------------------------------------
+    def observe_request(
+        self,
+        finish_reason: str,
+        metrics: RequestMetricsLike,
+        token_times: Sequence[float] | None = None,
+    ) -> None:
+        """Record one finished request.
+
+        ``finish_reason`` labels ``request_success_total`` (stop | length | abort; as in vLLM,
+        aborted requests are counted there too). Latencies that are None (never scheduled, no
+        token) are not observed. ``token_times``: the time of each output token; each gap
+        between consecutive tokens is one inter-token-latency observation. Without it,
+        ``mean_itl`` is observed ``num_output_tokens - 1`` times.
+        """
+        self._request_success.labels(self.model_name, finish_reason).inc()
+        for hist, value in (
+            (self.time_to_first_token, metrics.ttft),
+            (self.request_queue_time, metrics.queue_time),
+            (self.e2e_request_latency, metrics.e2e_latency),
+        ):
+            if value is not None:
+                hist.observe(value)
+        self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+        self.request_generation_tokens.observe(metrics.num_output_tokens)
+        if token_times is not None:
+            for a, b in itertools.pairwise(token_times):
+                self.inter_token_latency.observe(max(0.0, b - a))
+        else:
+            itl = metrics.mean_itl
+            if itl is not None:
+                for _ in range(metrics.num_output_tokens - 1):
+                    self.inter_token_latency.observe(itl)
+
+    # -- configuration --------------------------------------------------------------------
+    def set_config(self, live: Mapping[str, object]) -> None:
+        """Make ``controlplane:config_info`` show these knobs (replacing the previous set).
+
+        Label names are the keys without their section (``engine.max_num_seqs`` gives
+        ``max_num_seqs``; the whole key where two would collide), characters outside
+        ``[a-zA-Z0-9_]`` becoming ``_``; values are ``str()`` of the values (booleans as
+        true/false, None as empty, enums by value).
+        """
+        short = [str(k).rsplit(".", 1)[-1] for k in live]
+        names = [
+            _label_name(s if short.count(s) == 1 else k) for s, k in zip(short, live, strict=True)
+        ]
+        items = sorted(zip(names, map(_label_value, live.values()), strict=True))
+        self._config_labels = (tuple(k for k, _ in items), tuple(v for _, v in items))
+
+    def config_changed(self, source: str, n: int = 1) -> None:
+        """Count ``n`` configuration changes from ``source`` (default|file|env|api|tui)."""
+        self._config_changes.labels(self.model_name, source).inc(n)
+
+    def bind_recorder(self, dropped: Callable[[], int], buffered: Callable[[], int]) -> None:
+        """Read ``records_dropped_total`` / ``records_buffered`` from these at each scrape.
+
+        Until bound both read 0; if a callback raises, its series is left out of that scrape.
+        """
+        self._recorder = (dropped, buffered)
+
+    # -- exposition -----------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,214 @@
+"""/admin/* routes (all behind the admin token guard) and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response, Router, get, patch, post
+from litestar.params import FromQuery
+from litestar.response import ServerSentEvent, ServerSentEventMessage
+
+from controlplane.server.errors import APIError
+
+if TYPE_CHECKING:
+    from controlplane.server.daemon import Daemon
+
+KEEPALIVE_S = 15.0
+
+
+def _unprocessable(param: str, message: str, status: int = 422) -> APIError:
+    kind = "conflict" if status == 409 else "invalid_request_error"
+    return APIError(status, f"{param}: {message}", type=kind, param=param)
+
+
+def _time_param(name: str, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        from controlplane.config import _parse_time
+
+        return _parse_time(name, value)
+    except ValueError as exc:
+        raise _unprocessable(name, str(exc).split(": ", 1)[-1]) from None
+
+
+def admin_router(daemon: Daemon) -> Router:
+    from controlplane.server.live_config import ConfigChangeError
+
+    @get("/config", summary="Effective settings: value, source and live-tunability of every field")
+    async def get_config() -> dict[str, Any]:
+        return {"fields": daemon.live.describe()}
+
+    @patch("/config", status_code=200, summary="Change live settings (all or nothing)")
+    async def patch_config(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise _unprocessable("body", f"is not valid JSON ({exc})", 400) from None
+        if not isinstance(body, dict) or not body:
+            raise _unprocessable("body", "must be a non-empty JSON object of fields to change", 400)
+        source = (
+            "tui" if request.headers.get("x-controlplane-source", "").lower() == "tui" else "api"
+        )
+        from controlplane.server.live_config import flatten_raw
+
+        try:
+            changes = daemon.live.apply(flatten_raw(body), source, request.state.actor)
+        except ConfigChangeError as exc:
+            raise _unprocessable(exc.field, exc.message, exc.status) from None
+        return {
+            "changed": [{"field": c.field, "old": c.old, "new": c.new} for c in changes],
+            "fields": daemon.live.describe(),
+        }
+
+    @get("/config/history", summary="Audit log of config changes, newest first")
+    async def config_history(
+        limit: FromQuery[int] = 100,
+        before_id: FromQuery[int | None] = None,
+        field: FromQuery[str | None] = None,
+    ) -> dict[str, Any]:
+        if not 1 <= limit <= 1000:
+            raise _unprocessable("limit", f"must be in [1, 1000], got {limit}")
+        from controlplane.store.audit import history
+
+        entries = await asyncio.to_thread(
+            history,
+            daemon.db,
+            limit=limit,
+            before_id=before_id,
+            field=field,
+            instance_id=daemon.instance_id,
+        )
+        return {"changes": entries}
+
+    @get("/stats", summary="Engine and queue statistics (10 s window)")
+    async def stats() -> dict[str, Any]:
+        return daemon.stats_payload()
+
+    @get("/events", summary="Server-Sent Events: stats snapshots and config changes")
+    async def events(interval: FromQuery[float | None] = None) -> ServerSentEvent:
+        period = daemon.cfg.server.events_interval_s if interval is None else interval
+        if not 0.1 <= period <= 60:
+            raise _unprocessable("interval", f"must be in [0.1, 60] seconds, got {period}")
+        return ServerSentEvent(_event_stream(daemon, period))
+
+    @get("/requests", summary="Running and waiting requests (live) and finished ones (SQL)")
+    async def requests(
+        status: FromQuery[str | None] = None,
+        api_key_name: FromQuery[str | None] = None,
+        since: FromQuery[str | None] = None,
+        until: FromQuery[str | None] = None,
+        limit: FromQuery[int] = 100,
+        cursor: FromQuery[str | None] = None,
+    ) -> dict[str, Any]:
+        from controlplane.store.queries import list_requests
+
+        try:
+            finished, next_cursor = await asyncio.to_thread(
+                list_requests,
+                daemon.db,
+                status=status,
+                api_key_name=api_key_name,
+                since=_time_param("since", since),
+                until=_time_param("until", until),
+                limit=limit,
+                cursor=cursor,
+                instance_id=daemon.instance_id,
+            )
+        except ValueError as exc:
+            param, _, message = str(exc).partition(": ")
+            raise _unprocessable(param, message or str(exc)) from None
+        live = await daemon.live_requests()
+        if api_key_name is not None:
+            live = [r for r in live if r["api_key_name"] == api_key_name]
+        return {"live": live, "finished": finished, "next_cursor": next_cursor}
+
+    @post(
+        "/requests/{request_id:str}/abort",
+        status_code=200,
+        summary="Abort a running or waiting request",
+    )
+    async def abort(request_id: str, request: Request) -> dict[str, Any]:
+        if not daemon.abort_request(request_id, request.state.actor):
+            raise APIError(
+                404,
+                f"request {request_id!r} is not in flight",
+                param="request_id",
+                code="not_found",
+            )
+        return {"aborted": request_id}
+
+    @post("/drain", status_code=200, summary="Stop admitting new requests; running ones finish")
+    async def drain(request: Request) -> dict[str, Any]:
+        daemon.drain(request.state.actor)
+        return {"state": daemon.state}
+
+    @post("/resume", status_code=200, summary="Admit new requests again after a drain")
+    async def resume(request: Request) -> dict[str, Any]:
+        daemon.resume(request.state.actor)
+        return {"state": daemon.state}
+
+    return Router(
+        path="/admin",
+        route_handlers=[
+            get_config,
+            patch_config,
+            config_history,
+            stats,
+            events,
+            requests,
+            abort,
+            drain,
+            resume,
+        ],
+        guards=[daemon.admin_auth.guard],
+        tags=["admin"],
+    )
+
+
+async def _event_stream(daemon: Daemon, period: float) -> AsyncIterator[ServerSentEventMessage]:
+    """Snapshots are computed when sent, so a slow client gets fewer, never a backlog; config
+    events wait in a small per-client queue that drops the oldest when full."""
+    queue = daemon.subscribe_events()
+    loop = asyncio.get_running_loop()
+    last_ping = loop.time()
+    try:
+        while True:
+            yield ServerSentEventMessage(data=json.dumps(daemon.stats_payload()), event="stats")
+            deadline = loop.time() + period
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    event = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    break
+                yield ServerSentEventMessage(data=json.dumps(event), event="config")
+            if loop.time() - last_ping >= KEEPALIVE_S:
+                last_ping = loop.time()
+                yield ServerSentEventMessage(comment="keep-alive")
+    finally:
+        daemon.unsubscribe_events(queue)
+
+
+def metrics_handler(daemon: Daemon):
+    guards = [daemon.admin_auth.guard] if daemon.cfg.server.metrics_require_token else []
+
+    @get(
+        "/metrics",
+        guards=guards,
+        summary="Prometheus exposition (vLLM names, controlplane: prefix)",
+    )
+    async def metrics() -> Response:
+        daemon.pump_metrics()
+        payload, content_type = daemon.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    return metrics
+
+
+def uptime(daemon: Daemon) -> float:
+    return round(time.time() - daemon.started_at, 3)

@@ -1,0 +1,178 @@
+"""Numbers for ``GET /admin/stats``, computed from the engine's recent StepStats.
+
+Pure functions: plain objects in, a JSON-ready dict out. Nothing here imports torch or needs an
+engine; anything with the fields of `controlplane.engine.engine.StepStats` will do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+__all__ = ["StepStatsLike", "percentile", "summarize"]
+
+
+class StepStatsLike(Protocol):
+    """The fields of `controlplane.engine.engine.StepStats` that the admin API reads."""
+
+    @property
+    def step(self) -> int: ...  # 1 for the first real step; 0 is the engine's initial snapshot
+    @property
+    def time(self) -> float: ...  # time.time() when the step ended
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_swapped(self) -> int: ...
+    @property
+    def kv_blocks_used(self) -> int: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+    @property
+    def num_prefill_tokens(self) -> int: ...
+    @property
+    def num_decode_tokens(self) -> int: ...
+    @property
+    def step_duration(self) -> float: ...  # seconds
+    @property
+    def num_preemptions(self) -> int: ...  # cumulative
+    @property
+    def num_finished(self) -> int: ...  # cumulative
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation between closest ranks.
+
+    Same definition as numpy's default (``method="linear"``): rank ``q/100 * (n-1)``.
+    None for no values.
+    """
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(
+    steps: Sequence[StepStatsLike],
+    *,
+    now: float,
+    window_s: float = 10.0,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> dict[str, Any]:
+    """Summarize recent engine steps (oldest first) for ``GET /admin/stats``.
+
+    Point-in-time values come from the latest step (``steps[-1]``): ``num_running``,
+    ``num_waiting``, ``num_swapped``, ``kv_blocks_used``, ``kv_blocks_total``,
+    ``kv_usage_perc`` (percent, 0-100; note that the Prometheus gauge
+    ``controlplane:kv_cache_usage_perc`` is a 0-1 fraction, as in vLLM), ``num_preemptions``
+    and ``num_finished`` (cumulative), ``step`` (its number) and ``batch_fill_seqs``
+    (``num_running / max_num_seqs``).
+
+    Windowed values use the steps whose ``time`` lies in ``(now - window_s, now]``, step 0
+    (the engine's snapshot before its first step) excluded:
+
+    - ``steps_in_window``;
+    - ``step_time_p50_ms`` / ``step_time_p99_ms``: linear-interpolation percentiles of
+      ``step_duration``; None when no step is in the window;
+    - ``batch_fill_tokens``: mean of ``(num_prefill_tokens + num_decode_tokens) /
+      max_num_batched_tokens``; None when no step is in the window;
+    - ``preemptions_in_window``: latest cumulative ``num_preemptions`` in the window minus the
+      cumulative count at the last step before the window (0 if the steps go back to the
+      engine's first step; otherwise the oldest step's count, which may miss that one step's
+      preemptions);
+    - ``prefill_tokens_per_s`` / ``decode_tokens_per_s``: tokens of the window's steps divided
+      by ``rate_window_s`` = ``min(window_s, now - start of the oldest step given)``, where a
+      step starts at ``time - step_duration``. So the divisor is ``window_s`` once the steps
+      cover the whole window, and the time since the first step began when the engine is
+      younger than the window (or the ring holds less than a window of steps). 0.0 when no
+      step is in the window.
+
+    Empty input (engine just started, or idle with an empty ring) gives zeros and Nones, never an
+    exception. ``max_num_seqs`` / ``max_num_batched_tokens`` <= 0 give None fills.
+    """
+    latest = steps[-1] if steps else None
+    real = [s for s in steps if s.step > 0]
+    lo = now - window_s
+    window = [s for s in real if lo < s.time <= now]
+
+    # Rates: tokens in the window over the time the window (or the data) covers.
+    rate_window_s: float | None = None
+    prefill_rate = decode_rate = 0.0
+    if real:
+        first = real[0]
+        rate_window_s = max(0.0, min(window_s, now - (first.time - first.step_duration)))
+        if window:
+            prefill = sum(s.num_prefill_tokens for s in window)
+            decode = sum(s.num_decode_tokens for s in window)
+            if rate_window_s > 0:
+                prefill_rate, decode_rate = prefill / rate_window_s, decode / rate_window_s
+
+    durations_ms = [s.step_duration * 1000.0 for s in window]
+
+    batch_fill_tokens: float | None = None
+    if window and max_num_batched_tokens > 0:
+        batch_fill_tokens = sum(
+            (s.num_prefill_tokens + s.num_decode_tokens) / max_num_batched_tokens for s in window
+        ) / len(window)
+
+    preemptions_in_window = 0
+    if window:
+        before = [s for s in steps if s.time <= lo]
+        if before:
+            base = before[-1].num_preemptions
+        elif steps[0].step <= 1:
+            base = 0
+        else:
+            base = steps[0].num_preemptions
+        preemptions_in_window = max(0, window[-1].num_preemptions - base)
+
+    if latest is None:
+        return {
+            "step": None,
+            "num_running": 0,
+            "num_waiting": 0,
+            "num_swapped": 0,
+            "kv_blocks_used": 0,
+            "kv_blocks_total": 0,
+            "kv_usage_perc": 0.0,
+            "prefill_tokens_per_s": 0.0,
+            "decode_tokens_per_s": 0.0,
+            "step_time_p50_ms": None,
+            "step_time_p99_ms": None,
+            "batch_fill_seqs": 0.0 if max_num_seqs > 0 else None,
+            "batch_fill_tokens": None,
+            "num_preemptions": 0,
+            "preemptions_in_window": 0,
+            "num_finished": 0,
+            "steps_in_window": 0,
+            "window_s": window_s,
+            "rate_window_s": None,
+        }
+    total = latest.kv_blocks_total
+    return {
+        "step": latest.step,
+        "num_running": latest.num_running,
+        "num_waiting": latest.num_waiting,
+        "num_swapped": latest.num_swapped,
+        "kv_blocks_used": latest.kv_blocks_used,
+        "kv_blocks_total": total,
+        "kv_usage_perc": 100.0 * latest.kv_blocks_used / total if total else 0.0,
+        "prefill_tokens_per_s": prefill_rate,
+        "decode_tokens_per_s": decode_rate,
+        "step_time_p50_ms": percentile(durations_ms, 50),
+        "step_time_p99_ms": percentile(durations_ms, 99),
+        "batch_fill_seqs": latest.num_running / max_num_seqs if max_num_seqs > 0 else None,
+        "batch_fill_tokens": batch_fill_tokens,
+        "num_preemptions": latest.num_preemptions,
+        "preemptions_in_window": preemptions_in_window,
+        "num_finished": latest.num_finished,
+        "steps_in_window": len(window),
+        "window_s": window_s,
+        "rate_window_s": rate_window_s,
+    }

@@ -1,0 +1,218 @@
+"""The effective configuration of a running daemon, and the one path every change takes.
+
+A change from the admin API, the TUI or the config file is flattened to dotted fields
+(`engine.max_num_seqs`), checked against the live/restart-only split, validated by the same
+code that validates the config file and `Engine.update_settings`, and applied all or nothing.
+Each applied field is reported to listeners (audit table, SSE events, metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from controlplane.config import Config, Price, build_config, env_overrides
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.settings import EngineSettings
+
+log = logging.getLogger("controlplane.config")
+
+SOURCES = ("default", "file", "env", "api", "tui")
+# Fields an operator may change on a running daemon. Everything else needs a restart.
+LIVE_FIELDS = frozenset(
+    {f"engine.{name}" for name in EngineSettings.live_fields()}
+    | {"server.max_queue_len", "server.drain_timeout_s", "prices"}
+)
+
+
+class ConfigChangeError(ValueError):
+    """`status` is the HTTP status the admin API answers with: 422 invalid, 409 restart needed."""
+
+    def __init__(self, field: str, message: str, status: int = 422) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message, self.status = field, message, status
+
+
+@dataclass(frozen=True, slots=True)
+class FieldChange:
+    field: str
+    old: Any
+    new: Any
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly form of a config value."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Price):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def flatten(cfg: Config) -> dict[str, Any]:
+    """Dotted field -> JSON-friendly value, for every field of the config."""
+    out: dict[str, Any] = {"data_dir": cfg.data_dir}
+    for section in ("server", "store", "engine"):
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            out[f"{section}.{f.name}"] = _plain(getattr(obj, f.name))
+    out["prices"] = _plain(cfg.prices)
+    # Keys are secrets: expose names only.
+    out["api_keys"] = [k.name for k in cfg.api_keys]
+    out["admin_tokens"] = [t.name for t in cfg.admin_tokens]
+    return out
+
+
+def flatten_raw(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted keys of a parsed TOML / JSON body (tables become sections, arrays stay whole)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, Mapping):
+            for sub, v in value.items():
+                out[f"{key}.{sub}"] = v
+        else:
+            out[key] = value
+    return out
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if "." in key:
+            section, sub = key.split(".", 1)
+            out.setdefault(section, {})[sub] = value
+        else:
+            out[key] = value
+    return out
+
+
+class LiveConfig:
+    def __init__(self, cfg: Config, file_raw: Mapping[str, Any], env: Mapping[str, str]) -> None:
+        self.effective = cfg
+        self._file_raw = dict(file_raw)
+        self._env = dict(env)
+        self.sources: dict[str, str] = {}
+        for key in flatten_raw(file_raw):
+            self.sources[key] = "file"
+        for key in flatten_raw(env_overrides(env)):
+            self.sources[key] = "env"
+        self._listeners: list[Callable[[Config, list[FieldChange], str, str | None], None]] = []
+
+    def subscribe(
+        self, listener: Callable[[Config, list[FieldChange], str, str | None], None]
+    ) -> None:
+        """listener(new_config, changes, source, actor), called after every applied change."""
+        self._listeners.append(listener)
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        return {
+            key: {
+                "value": value,
+                "source": self.sources.get(key, "default"),
+                "live": key in LIVE_FIELDS,
+            }
+            for key, value in flatten(self.effective).items()
+        }
+
+    def live_values(self) -> dict[str, Any]:
+        flat = flatten(self.effective)
+        return {key: flat[key] for key in sorted(LIVE_FIELDS) if key != "prices"}
+
+    # -- the one path -----------------------------------------------------------------------
+    def _candidate(self, changes: Mapping[str, Any]) -> Config:
+        """The whole config with `changes` applied, validated like a config file (all or nothing)."""
+        known = flatten(self.effective)
+        # None means "unset" (e.g. engine.num_kv_blocks); secrets are not in `flatten` and are
+        # carried over from the effective config below.
+        raw = nest(
+            {
+                k: v
+                for k, v in known.items()
+                if k not in ("api_keys", "admin_tokens") and v is not None
+            }
+        )
+        for key, value in changes.items():
+            if key not in known:
+                raise ConfigChangeError(key, "unknown field; GET /admin/config lists them")
+            if key not in LIVE_FIELDS:
+                if value != known[key]:
+                    raise ConfigChangeError(
+                        key, "cannot change on a running daemon; restart needed", 409
+                    )
+                continue
+            if "." in key:
+                section, sub = key.split(".", 1)
+                raw[section][sub] = value
+            else:
+                raw[key] = value
+        try:
+            new = build_config(raw, env={})
+        except InvalidSettingError as exc:
+            raise ConfigChangeError(exc.field, str(exc).split(": ", 1)[1]) from None
+        return dataclasses.replace(
+            new, api_keys=self.effective.api_keys, admin_tokens=self.effective.admin_tokens
+        )
+
+    def apply(
+        self, changes: Mapping[str, Any], source: str, actor: str | None = None
+    ) -> list[FieldChange]:
+        """Validate and apply; raises ConfigChangeError (naming the field) and changes nothing."""
+        if source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}")
+        new = self._candidate(changes)
+        before, after = flatten(self.effective), flatten(new)
+        diff = [
+            FieldChange(k, before[k], after[k]) for k in sorted(changes) if before[k] != after[k]
+        ]
+        if not diff:
+            return []
+        self.effective = new
+        for change in diff:
+            self.sources[change.field] = source
+        for listener in self._listeners:
+            listener(new, diff, source, actor)
+        log.info(
+            "config change from %s%s: %s",
+            source,
+            f" ({actor})" if actor else "",
+            ", ".join(f"{c.field} {c.old!r} -> {c.new!r}" for c in diff),
+        )
+        return diff
+
+    def reload_file(self, raw: Mapping[str, Any]) -> tuple[list[FieldChange], list[str]]:
+        """Apply what changed in the file since it was last read.
+
+        Only keys whose value in the file changed are applied, so a reload never reverts a
+        change made through the API to a key the file did not touch. Returns the applied
+        changes and the restart-only keys that differ (reported, not applied).
+        """
+        old, new = flatten_raw(self._file_raw), flatten_raw(raw)
+        # Validate the whole new file first: a broken file changes nothing.
+        try:
+            build_config(raw, env=self._env)
+        except InvalidSettingError as exc:
+            raise ConfigChangeError(exc.field, str(exc).split(": ", 1)[1]) from None
+        touched = {k: new.get(k) for k in set(old) | set(new) if old.get(k) != new.get(k)}
+        defaults = flatten(Config())
+        restart = sorted(k for k in touched if k not in LIVE_FIELDS)
+        live = {}
+        for key in touched:
+            if key in LIVE_FIELDS:
+                # A key removed from the file falls back to its default.
+                live[key] = touched[key] if key in new else defaults[key]
+        changes = self.apply(live, "file") if live else []
+        self._file_raw = dict(raw)
+        for key in new:
+            if key not in LIVE_FIELDS:
+                self.sources.setdefault(key, "file")
+        return changes, restart
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
