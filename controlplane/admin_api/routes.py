@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, Router, get, patch, post
-from litestar.params import FromQuery
+from litestar.params import FromPath, FromQuery
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from controlplane.server.errors import APIError
@@ -133,7 +133,7 @@ def admin_router(daemon: Daemon) -> Router:
         status_code=200,
         summary="Abort a running or waiting request",
     )
-    async def abort(request_id: str, request: Request) -> dict[str, Any]:
+    async def abort(request_id: FromPath[str], request: Request) -> dict[str, Any]:
         if not daemon.abort_request(request_id, request.state.actor):
             raise APIError(
                 404,
