@@ -199,7 +199,7 @@ def test_patch_max_num_seqs_under_loadgen_caps_batch_within_a_step(admin):
     finally:
         c.patch("/admin/config", json={"engine": {"max_num_seqs": 8}})
         gen.wait(120)
-    assert "requests ok" in gen.stdout.read().lower() or gen.returncode == 0
+    assert gen.returncode == 0, gen.stdout.read()
 
 
 def test_patch_preemption_mode_while_preempting(tiny_model_dir, tmp_path):
@@ -307,6 +307,7 @@ def test_events_stream_snapshots_and_config_change(admin):
     d, _ = admin
     c = api(d)
     got: dict[str, list] = {"stats": [], "config": []}
+    subscribed = threading.Event()
 
     def listen() -> None:
         with httpx.stream(
@@ -322,6 +323,7 @@ def test_events_stream_snapshots_and_config_change(admin):
                     event = line.split(":", 1)[1].strip()
                 elif line.startswith("data:") and event:
                     got[event].append(json.loads(line.split(":", 1)[1]))
+                    subscribed.set()  # the first snapshot proves the stream is registered
                     if got["config"] and len(got["stats"]) >= 3:
                         return
 
@@ -333,7 +335,8 @@ def test_events_stream_snapshots_and_config_change(admin):
         "GET", d.url + "/admin/events", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     slow_stream.__enter__()
-    time.sleep(0.5)
+    assert subscribed.wait(20)
+    old = c.get("/admin/config").json()["fields"]["server.max_queue_len"]["value"]
     assert c.patch("/admin/config", json={"server": {"max_queue_len": 99}}).status_code == 200
     t.join(20)
     slow_stream.__exit__(None, None, None)
@@ -342,14 +345,8 @@ def test_events_stream_snapshots_and_config_change(admin):
     )
     change = got["config"][0]
     assert change["source"] == "api" and change["actor"] == "ops"
-    assert change["changes"] == [
-        {
-            "field": "server.max_queue_len",
-            "old": 64 if False else change["changes"][0]["old"],
-            "new": 99,
-        }
-    ]
-    c.patch("/admin/config", json={"server": {"max_queue_len": 256}})
+    assert change["changes"] == [{"field": "server.max_queue_len", "old": old, "new": 99}]
+    c.patch("/admin/config", json={"server": {"max_queue_len": old}})
 
 
 def test_requests_live_finished_and_abort(admin):

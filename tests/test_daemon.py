@@ -328,25 +328,32 @@ def test_queue_full_gives_429_with_retry_after(tiny_model_dir, tmp_path):
     )
     d = InProcessDaemon(cfg).start()
     try:
-        body = {"model": MODEL, "prompt": "long", "max_tokens": 300, "ignore_eos": True}
-        results: list[int] = []
-        threads = [
-            threading.Thread(
-                target=lambda: results.append(
-                    httpx.post(d.url + "/v1/completions", json=body, timeout=60).status_code
-                )
-            )
-            for _ in range(2)
-        ]
-        for t in threads:
-            t.start()
-            time.sleep(0.3)  # first runs, second waits: the queue is at its maximum
+        body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "ignore_eos": True}
+        results: list[dict] = []
+        aeng = d.daemon.aengine
+
+        def call() -> None:
+            results.append(httpx.post(d.url + "/v1/completions", json=body, timeout=120).json())
+
+        def wait(cond) -> None:
+            deadline = time.monotonic() + 30
+            while not cond():
+                assert time.monotonic() < deadline, (aeng.num_unfinished, aeng.stats(), results)
+                time.sleep(0.005)
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        threads[0].start()
+        wait(lambda: aeng.stats().num_running == 1)  # the first runs (max_num_seqs=1)...
+        threads[1].start()
+        wait(lambda: aeng.num_unfinished == 2)  # ...the second waits: the queue is at its maximum
         r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert "max_queue_len 1" in r.json()["error"]["message"]
+        for rid in list(d.daemon.request_meta):
+            d.daemon.abort_request(rid, "test")
         for t in threads:
-            t.join()
-        assert results == [200, 200]
+            t.join(60)
+        assert [x["choices"][0]["finish_reason"] for x in results] == ["abort", "abort"]
     finally:
         d.stop()
 
