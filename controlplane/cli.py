@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_db_parser(sub)
 
+    from controlplane.reports_cli import add_report_parser
+
+    add_report_parser(sub)
+
     demo = sub.add_parser("demo-model", help="write a deterministic random-weight Llama checkpoint")
     demo.add_argument("dir", help="output directory (created if missing)")
     demo.add_argument("--size", choices=["tiny", "small"], default="small")

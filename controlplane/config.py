@@ -58,6 +58,23 @@ class StoreSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class JobsSettings:
+    # [live] Utilization sampler period (engine busy fraction, batch fill, KV, NVML).
+    utilization_interval_s: float = 5.0
+    # [live] Cost rollup period (hourly buckets by model and API key).
+    rollup_interval_s: float = 60.0
+    # Raw samples and request rows older than this are pruned; rollups are kept.
+    sample_retention_days: float = 7.0
+    request_retention_days: float = 30.0
+    # GPU-amortized cost: USD per GPU-hour x GPUs x wall-clock time. num_gpus 0: as many as
+    # NVML reports (1 when there is no GPU, i.e. the host is the accelerator).
+    gpu_hourly_usd: float = 2.0
+    num_gpus: int = 0
+    # Peak FLOP/s of the hardware for estimated MFU; 0: unknown (MFU is left empty).
+    peak_flops: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Price:
     """USD per million tokens, in force from `effective_from` (UTC) until a later price."""
 
@@ -85,6 +102,7 @@ class Config:
     data_dir: str = "data"
     server: ServerSettings = field(default_factory=ServerSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
+    jobs: JobsSettings = field(default_factory=JobsSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     prices: tuple[Price, ...] = ()
     api_keys: tuple[ApiKey, ...] = ()
@@ -199,6 +217,10 @@ def _validate(cfg: Config) -> Config:
             raise InvalidSettingError(f"api_keys[{i}]", "needs a non-empty name and key")
         if names.count(k.name) > 1:
             raise InvalidSettingError(f"api_keys[{i}].name", f"{k.name!r} is used twice")
+        if k.name == "(idle)":
+            raise InvalidSettingError(
+                f"api_keys[{i}].name", "'(idle)' is reserved for idle GPU time in cost rollups"
+            )
     tokens = [t.name for t in cfg.admin_tokens]
     for i, t in enumerate(cfg.admin_tokens):
         if not t.name or len(t.token) < 16:
@@ -207,6 +229,17 @@ def _validate(cfg: Config) -> Config:
             )
         if tokens.count(t.name) > 1:
             raise InvalidSettingError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
+    j = cfg.jobs
+    for name in ("utilization_interval_s", "rollup_interval_s"):
+        if not 0.5 <= getattr(j, name) <= 86400:
+            raise InvalidSettingError(
+                f"jobs.{name}", f"must be in [0.5, 86400] seconds, got {getattr(j, name)}"
+            )
+    for name in ("sample_retention_days", "request_retention_days", "gpu_hourly_usd", "peak_flops"):
+        if getattr(j, name) < 0:
+            raise InvalidSettingError(f"jobs.{name}", f"must be >= 0, got {getattr(j, name)}")
+    if not 0 <= j.num_gpus <= 1024:
+        raise InvalidSettingError("jobs.num_gpus", f"must be in [0, 1024], got {j.num_gpus}")
     check_engine(cfg.engine)
     return cfg
 
@@ -270,6 +303,7 @@ def build_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
         data_dir=str(merged.get("data_dir", "data")),
         server=_build(ServerSettings, merged.get("server", {}), "server"),
         store=_build(StoreSettings, merged.get("store", {}), "store"),
+        jobs=_build(JobsSettings, merged.get("jobs", {}), "jobs"),
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
         prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices)),
         api_keys=tuple(_build(ApiKey, k, f"api_keys[{i}]") for i, k in enumerate(keys)),

@@ -51,6 +51,7 @@ class DaemonProcess:
     proc: subprocess.Popen
     url: str = ""
     lines: list[str] = field(default_factory=list)
+    _reader: threading.Thread | None = None
     _q: queue.Queue = field(default_factory=queue.Queue)
 
     @classmethod
@@ -64,7 +65,8 @@ class DaemonProcess:
             env=env,
         )
         d = cls(config, proc)
-        threading.Thread(target=d._pump, daemon=True).start()
+        d._reader = threading.Thread(target=d._pump, daemon=True)
+        d._reader.start()
         d.wait_for("listening on", timeout)
         d.url = d.wait_for("listening on", 0).split("listening on ")[1].split()[0]
         if wait_ready:
@@ -95,7 +97,9 @@ class DaemonProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
+        code = self.proc.wait(timeout)
+        self._reader.join(10)  # every line the process wrote is in self.lines
+        return code
 
 
 class InProcessDaemon:

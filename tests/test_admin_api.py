@@ -417,15 +417,30 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def test_metrics_parse_and_move_under_load(admin):
+def test_metrics_parse_and_move_under_load(admin, tmp_path):
     d, _ = admin
     before = _metrics(d.url)
+    summary = tmp_path / "load.json"
     gen = loadgen(
-        d.url, "--requests", "12", "--prompt-len", "8-16", "--output-len", "20-30", "--stream"
+        d.url,
+        "--requests",
+        "12",
+        "--prompt-len",
+        "8-16",
+        "--output-len",
+        "20-30",
+        "--stream",
+        "--json",
+        str(summary),
     )
     assert gen.wait(120) == 0
     d.daemon.pump_metrics()
     after = _metrics(d.url)
+    load = json.loads(summary.read_text())
+    key = "controlplane:generation_tokens_total"
+    # Every generated token is counted once, the first token of each request included.
+    assert after[key] - before.get(key, 0) == load["total_completion_tokens"]
+    assert load["requests_ok"] == 12
     for name in (
         "controlplane:prompt_tokens_total",
         "controlplane:generation_tokens_total",

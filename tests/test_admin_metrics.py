@@ -30,6 +30,7 @@ class Step:
     kv_blocks_total: int = 100
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_sampled_tokens: int = 0
     step_duration: float = 0.0
     num_preemptions: int = 0
     num_finished: int = 0
@@ -273,11 +274,11 @@ def test_observe_steps_counts_each_step_once() -> None:
     m = Metrics(MODEL)
     steps = [
         Step(0, 0.0),  # initial snapshot: never counted
-        Step(1, 1.0, num_prefill_tokens=64, num_running=1),
-        Step(2, 2.0, num_prefill_tokens=16, num_decode_tokens=1, num_running=2),
-        Step(3, 3.0, num_decode_tokens=2, num_running=2, num_preemptions=1),
+        Step(1, 1.0, num_prefill_tokens=64, num_sampled_tokens=1, num_running=1),
+        Step(2, 2.0, num_prefill_tokens=16, num_decode_tokens=1, num_sampled_tokens=2, num_running=2),
+        Step(3, 3.0, num_decode_tokens=2, num_sampled_tokens=2, num_running=2, num_preemptions=1),
         Step(4, 4.0, num_running=0, num_waiting=1, num_swapped=1, num_preemptions=1),  # no tokens
-        Step(5, 5.0, num_prefill_tokens=8, num_decode_tokens=1, num_running=2, num_waiting=3,
+        Step(5, 5.0, num_prefill_tokens=8, num_decode_tokens=1, num_sampled_tokens=1, num_running=2, num_waiting=3,
              num_swapped=0, kv_blocks_used=25, kv_blocks_total=100, num_preemptions=2),
     ]  # fmt: skip
     m.observe_steps(steps[:4])  # steps 0-3
@@ -285,7 +286,8 @@ def test_observe_steps_counts_each_step_once() -> None:
     m.observe_steps(steps)  # all again
     s = scrape(m)
     assert value(s, P + "prompt_tokens_total") == 64 + 16 + 8
-    assert value(s, P + "generation_tokens_total") == 1 + 2 + 1
+    # Sampled tokens: a completed prefill's first token counts, as in vLLM.
+    assert value(s, P + "generation_tokens_total") == 1 + 2 + 2 + 1
     assert value(s, P + "num_preemptions_total") == 2  # cumulative at step 5
     # steps with tokens: 1, 2, 3, 5 -> 64, 17, 2, 9
     assert value(s, P + "iteration_tokens_total_count") == 4
@@ -309,9 +311,9 @@ def test_observe_steps_counts_each_step_once() -> None:
 
 def test_observe_steps_preemptions_survive_missed_steps() -> None:
     m = Metrics(MODEL)
-    m.observe_steps([Step(1, 1.0, num_decode_tokens=1, num_preemptions=1)])
+    m.observe_steps([Step(1, 1.0, num_decode_tokens=1, num_sampled_tokens=1, num_preemptions=1)])
     # steps 2-4 were never handed over; the engine's cumulative count still covers them
-    m.observe_steps([Step(5, 5.0, num_decode_tokens=1, num_preemptions=6)])
+    m.observe_steps([Step(5, 5.0, num_decode_tokens=1, num_sampled_tokens=1, num_preemptions=6)])
     s = scrape(m)
     assert value(s, P + "num_preemptions_total") == 6
     assert value(s, P + "generation_tokens_total") == 2
@@ -466,10 +468,10 @@ def test_engine_classes_fit() -> None:
     common = dict(num_running=2, num_waiting=1, num_swapped=0, kv_blocks_total=40)
     steps = [
         StepStats(step=1, time=99.0, kv_blocks_used=10, num_prefill_tokens=32,
-                  num_decode_tokens=0, step_duration=0.25, num_preemptions=0, num_finished=0,
+                  num_decode_tokens=0, num_sampled_tokens=1, step_duration=0.25, num_preemptions=0, num_finished=0,
                   **common),
         StepStats(step=2, time=100.0, kv_blocks_used=12, num_prefill_tokens=0,
-                  num_decode_tokens=2, step_duration=0.05, num_preemptions=1, num_finished=1,
+                  num_decode_tokens=2, num_sampled_tokens=2, step_duration=0.05, num_preemptions=1, num_finished=1,
                   **common),
     ]  # fmt: skip
     s = summarize(steps, now=100.0, **LIMITS)
@@ -486,5 +488,6 @@ def test_engine_classes_fit() -> None:
     assert value(out, P + "kv_cache_usage_perc") == pytest.approx(0.3)
     assert value(out, P + "prompt_tokens_total") == 32
     assert value(out, P + "num_preemptions_total") == 1
+    assert value(out, P + "generation_tokens_total") == rm.num_output_tokens == 3
     assert value(out, P + "inter_token_latency_seconds_count") == 2  # mean 0.5, twice
     assert value(out, P + "inter_token_latency_seconds_sum") == pytest.approx(1.0)

@@ -531,3 +531,61 @@ def test_records_land_in_postgresql(tiny_model_dir, tmp_path, pg_url):
         assert float(row["cost_usd"]) == pytest.approx(
             (usage.prompt_tokens + 3 * usage.completion_tokens) / 1e6
         )
+
+
+def test_json_logs_and_metrics_behind_token(tiny_model_dir, tmp_path):
+    token = "metrics-token-0123456789"
+    cfg_path = write_config(
+        tmp_path / "cp.toml",
+        tmp_path / "data",
+        tiny_model_dir,
+        server={"log_format": "json", "metrics_require_token": True},
+        store={"record_requests": False},
+        admin_tokens=[{"name": "prom", "token": token}],
+    )
+    d = DaemonProcess.start(cfg_path)
+    try:
+        assert httpx.get(d.url + "/metrics").status_code == 401
+        r = httpx.get(d.url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200 and "controlplane:num_requests_running" in r.text
+    finally:
+        assert d.stop() == 0
+    events = [json.loads(line) for line in d.lines if line.startswith("{")]
+    assert {"loading", "ready", "draining", "stopped"} <= {e.get("event") for e in events}
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in events)
+
+
+def test_engine_failure_is_reported_not_hung(tiny_model_dir, tmp_path):
+    cfg = load_config(
+        write_config(
+            tmp_path / "cp.toml", tmp_path / "data", tiny_model_dir, store={"flush_interval_s": 0.1}
+        ),
+        env={},
+    )
+    d = InProcessDaemon(cfg).start()
+    try:
+        engine = d.daemon.aengine.engine
+        real_step = engine.step
+        calls = {"n": 0}
+
+        def failing_step():
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise RuntimeError("simulated device fault")
+            return real_step()
+
+        engine.step = failing_step  # a real failure inside the engine thread
+        r = httpx.post(
+            d.url + "/v1/completions",
+            timeout=30,
+            json={"model": MODEL, "prompt": "x", "max_tokens": 50, "ignore_eos": True},
+        )
+        assert r.status_code == 503 and "simulated device fault" in r.json()["error"]["message"]
+        h = httpx.get(d.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "dead"
+        r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+        assert r.status_code == 503
+        (row,) = wait_rows(cfg.store_url, lambda rows_: rows_ and rows_[0]["status"] == "error")
+        assert "simulated device fault" in row["error"]
+    finally:
+        d.stop()

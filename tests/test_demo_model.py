@@ -237,3 +237,20 @@ def _prod(dims):
     for d in dims:
         n *= d
     return n
+
+
+def test_demo_model_cli_writes_a_loadable_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli-tiny"
+    r = subprocess.run(
+        [sys.executable, "-m", "controlplane", "demo-model", str(out), "--size", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "wrote tiny demo model" in r.stdout
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name

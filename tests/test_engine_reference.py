@@ -112,6 +112,13 @@ SCENARIOS = {
         "preemption_mode": "swap",
         "swap_space_bytes": 40960,
     },
+    # No swap space at all: every swap preemption must fall back to recompute.
+    "swap_full_fallback": {
+        "block_size": 4,
+        "num_kv_blocks": 40,
+        "preemption_mode": "swap",
+        "swap_space_bytes": 0,
+    },
 }
 
 
@@ -131,8 +138,10 @@ def test_greedy_outputs_identical_to_transformers(kind, scenario, hf_model_dirs,
     assert got == references[kind]
     if scenario == "max_seqs3":
         assert seen["running"] == 3
-    if scenario.startswith("preempt"):
+    if scenario.startswith("preempt") or scenario == "swap_full_fallback":
         assert engine.stats().num_preemptions > 0, "the KV budget was meant to force preemption"
+    if scenario == "swap_full_fallback":
+        assert seen["swapped"] == 0
     if scenario == "preempt_swap":
         assert seen["swapped"] > 0, "swap mode never swapped"
     if scenario == "default":

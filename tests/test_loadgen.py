@@ -483,8 +483,10 @@ def test_duration_closed_loop(fake_server: ThreadingHTTPServer) -> None:
     t0 = time.perf_counter()
     s = asyncio.run(run_load(cfg))
     assert 0.3 <= time.perf_counter() - t0 < 3
-    # each request takes >= FIRST_TOKEN_DELAY_S, two at a time
-    assert 2 <= s.requests_sent <= 2 * 0.3 / FIRST_TOKEN_DELAY_S + 2
+    # Each successful request holds one of the two slots for >= FIRST_TOKEN_DELAY_S; the fake
+    # server's 429s (token id divisible by 4) return at once, so they don't count toward it.
+    assert s.requests_sent >= 2
+    assert s.requests_ok <= 2 * 0.3 / FIRST_TOKEN_DELAY_S + 2, (s.errors, s.error_samples)
     assert s.requests_ok + s.requests_failed == s.requests_sent
 
 

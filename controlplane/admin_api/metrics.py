@@ -31,10 +31,8 @@ Differences from vLLM, forced by where the numbers come from:
 - ``prompt_tokens_total`` counts prefill tokens as the engine computes them, step by step
   (``StepStats.num_prefill_tokens``): chunks count as they run, prompts recomputed after a
   preemption count again. vLLM v1 counts each prompt once when its prefill completes.
-- ``generation_tokens_total`` counts decode tokens per step (``StepStats.num_decode_tokens``).
-  The first token of a request, sampled by its last prefill step, is not a decode token, so
-  this is one token per request lower than vLLM's count (and than the sum of
-  ``request_generation_tokens``). StepStats has no count of sampled tokens.
+- ``generation_tokens_total`` counts the tokens each step sampled
+  (``StepStats.num_sampled_tokens``), the first token of each request included, as vLLM does.
 - Request histograms (TTFT, inter-token latency, queue time, e2e) are observed when the
   request finishes, not token by token.
 - There is no ``engine`` label (one engine per daemon).
@@ -310,7 +308,7 @@ class Metrics:
             prefill = decode = 0
             for s in new:
                 prefill += s.num_prefill_tokens
-                decode += s.num_decode_tokens
+                decode += s.num_sampled_tokens
                 tokens = s.num_prefill_tokens + s.num_decode_tokens
                 if tokens > 0:
                     self.iteration_tokens.observe(tokens)

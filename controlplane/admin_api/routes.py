@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, Router, get, patch, post
@@ -153,6 +153,54 @@ def admin_router(daemon: Daemon) -> Router:
         daemon.resume(request.state.actor)
         return {"state": daemon.state}
 
+    def _window(
+        since: str | None, until: str | None, group_by: str, allowed: tuple[str, ...]
+    ) -> tuple:
+        from controlplane.store.reports import parse_group_by, parse_time
+
+        try:
+            start = parse_time("since", since or "24h")
+            end = parse_time("until", until) if until else datetime.now(UTC)
+            keys = parse_group_by(group_by, allowed)
+        except ValueError as exc:
+            param, _, message = str(exc).partition(": ")
+            raise _unprocessable(param, message or str(exc)) from None
+        return start, end, keys
+
+    @get(
+        "/costs",
+        summary="Cost report from the hourly rollups (same numbers as `controlplane report cost`)",
+    )
+    async def costs(
+        since: FromQuery[str | None] = None,
+        until: FromQuery[str | None] = None,
+        group_by: FromQuery[str] = "day,model,api_key",
+    ) -> dict[str, Any]:
+        from controlplane.store.reports import cost_report
+
+        start, end, keys = _window(since, until, group_by, ("day", "hour", "model", "api_key"))
+        report = await asyncio.to_thread(
+            cost_report, daemon.db, since=start, until=end, group_by=keys
+        )
+        return report.to_dict()
+
+    @get(
+        "/utilization",
+        summary="Utilization report (same numbers as `controlplane report utilization`)",
+    )
+    async def utilization(
+        since: FromQuery[str | None] = None,
+        until: FromQuery[str | None] = None,
+        group_by: FromQuery[str] = "hour",
+    ) -> dict[str, Any]:
+        from controlplane.store.reports import utilization_report
+
+        start, end, keys = _window(since, until, group_by, ("day", "hour", "instance"))
+        report = await asyncio.to_thread(
+            utilization_report, daemon.db, since=start, until=end, group_by=keys
+        )
+        return report.to_dict()
+
     return Router(
         path="/admin",
         route_handlers=[
@@ -165,6 +213,8 @@ def admin_router(daemon: Daemon) -> Router:
             abort,
             drain,
             resume,
+            costs,
+            utilization,
         ],
         guards=[daemon.admin_auth.guard],
         tags=["admin"],

@@ -173,10 +173,13 @@ class AsyncEngine:
         For reads that must see a consistent engine (the live request list), without locks on
         the hot path.
         """
+        if not self.is_running:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._commands.put(("call", (fn, future)))
-        return await future
+        # A step takes milliseconds; if the thread died meanwhile, fail instead of hanging.
+        return await asyncio.wait_for(future, timeout=30)
 
     # -- the step thread ---------------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -241,3 +244,11 @@ class AsyncEngine:
             log.exception("engine step loop died")
             self.error = exc
             loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine stopped: {exc!r}"))
+            # Callers waiting on `call` learn it now rather than at their timeout.
+            while True:
+                try:
+                    cmd, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd == "call":
+                    loop.call_soon_threadsafe(_settle, arg[1], None, EngineDeadError(repr(exc)))

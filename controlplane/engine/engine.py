@@ -50,9 +50,17 @@ class StepStats:
     kv_blocks_total: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_sampled_tokens: int  # new tokens produced (decodes plus prefills that completed)
     step_duration: float  # seconds inside step(), forward included
     num_preemptions: int  # cumulative
     num_finished: int  # cumulative
+    # Cumulative since start: a sampler differences two snapshots, exactly, whatever happened
+    # in between (no need to see every step).
+    busy_s_total: float = 0.0  # time inside step()
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    running_total: int = 0  # sum over steps of num_running (mean batch fill = delta / steps)
+    batched_tokens_total: int = 0  # sum over steps of prefill + decode tokens
 
     @property
     def kv_usage(self) -> float:
@@ -151,7 +159,8 @@ class Engine:
         self._pending: EngineSettings | None = None
         self._step = 0
         self._num_finished = 0
-        self._stats = self._snapshot(0, 0, 0.0)
+        # Before the first step: all zeros (step 0 is this snapshot, not a step).
+        self._stats = StepStats(0, time.time(), 0, 0, 0, 0, num_blocks, 0, 0, 0, 0.0, 0, 0)
 
     # -- settings -------------------------------------------------------------------------
     @property
@@ -254,18 +263,20 @@ class Engine:
         now = time.time()
         sched = self.scheduler.schedule(now)
         outputs: list[RequestOutput] = []
+        sampled = 0
         if not sched.is_empty:
             logits, seqs = self.runner.execute(sched)
             for item in sched.scheduled:
                 item.seq.num_computed_tokens += item.num_new_tokens
             if seqs:
+                sampled = len(seqs)
                 tokens, logprobs = self.sampler(logits, seqs)
                 now = time.time()
                 for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
                     outputs.append(self._append(seq, token, lp, now))
         self._step += 1
         self._stats = self._snapshot(
-            sched.num_prefill_tokens, sched.num_decode_tokens, time.perf_counter() - t0
+            sched.num_prefill_tokens, sched.num_decode_tokens, sampled, time.perf_counter() - t0
         )
         return outputs
 
@@ -349,9 +360,15 @@ class Engine:
         )
 
     # -- stats ----------------------------------------------------------------------------
-    def _snapshot(self, prefill: int, decode: int, duration: float) -> StepStats:
+    def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:
         sch = self.scheduler
+        last = self._stats
         return StepStats(
+            busy_s_total=last.busy_s_total + duration,
+            prefill_tokens_total=last.prefill_tokens_total + prefill,
+            decode_tokens_total=last.decode_tokens_total + decode,
+            running_total=last.running_total + len(sch.running),
+            batched_tokens_total=last.batched_tokens_total + prefill + decode,
             step=self._step,
             time=time.time(),
             num_running=len(sch.running),
@@ -361,6 +378,7 @@ class Engine:
             kv_blocks_total=self.block_pool.num_blocks,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
+            num_sampled_tokens=sampled,
             step_duration=duration,
             num_preemptions=sch.num_preemptions,
             num_finished=self._num_finished,

@@ -35,6 +35,20 @@ def _sse(payload: dict[str, Any]) -> str:
     return json.dumps(payload, separators=(",", ":"))
 
 
+def envelope(
+    rec: RequestRecord, obj: str, created: int, choice: dict[str, Any] | None, **extra: Any
+) -> dict[str, Any]:
+    """The OpenAI response / chunk shape around one choice (none: the usage-only last chunk)."""
+    return {
+        "id": rec.id,
+        "object": obj,
+        "created": created,
+        "model": rec.model,
+        "choices": [] if choice is None else [{"index": 0, **choice}],
+        **extra,
+    }
+
+
 class InferenceAPI:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -165,14 +179,7 @@ class InferenceAPI:
 
     def _usage_chunk(self, rec: RequestRecord, last: RequestOutput) -> dict[str, Any]:
         obj = "chat.completion.chunk" if rec.endpoint == "chat.completions" else "text_completion"
-        return {
-            "id": rec.id,
-            "object": obj,
-            "created": protocol.now(),
-            "model": rec.model,
-            "choices": [],
-            "usage": self._usage(last),
-        }
+        return envelope(rec, obj, protocol.now(), None, usage=self._usage(last))
 
     @staticmethod
     def _usage(last: RequestOutput) -> dict[str, Any]:
@@ -211,39 +218,31 @@ class InferenceAPI:
 
         def final(outs: list[RequestOutput], last: RequestOutput | None) -> dict[str, Any]:
             assert last is not None
-            return {
-                "id": rec.id,
-                "object": "text_completion",
-                "created": created,
-                "model": rec.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": last.text,
-                        "logprobs": logprobs(outs),
-                        "finish_reason": last.finish_reason,
-                    }
-                ],
-                "usage": self._usage(last),
-            }
+            return envelope(
+                rec,
+                "text_completion",
+                created,
+                {
+                    "text": last.text,
+                    "logprobs": logprobs(outs),
+                    "finish_reason": last.finish_reason,
+                },
+                usage=self._usage(last),
+            )
 
         def chunk(out: RequestOutput) -> dict[str, Any] | None:
             if not out.delta_text and not out.finished and not want_lp:
                 return None
-            return {
-                "id": rec.id,
-                "object": "text_completion",
-                "created": created,
-                "model": rec.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": out.delta_text,
-                        "logprobs": logprobs([out]),
-                        "finish_reason": out.finish_reason if out.finished else None,
-                    }
-                ],
-            }
+            return envelope(
+                rec,
+                "text_completion",
+                created,
+                {
+                    "text": out.delta_text,
+                    "logprobs": logprobs([out]),
+                    "finish_reason": out.finish_reason if out.finished else None,
+                },
+            )
 
         return await self._respond(parsed, stream, rec, final, chunk)
 
@@ -283,55 +282,43 @@ class InferenceAPI:
 
         def final(outs: list[RequestOutput], last: RequestOutput | None) -> dict[str, Any]:
             assert last is not None
-            return {
-                "id": rec.id,
-                "object": "chat.completion",
-                "created": created,
-                "model": rec.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": last.text},
-                        "logprobs": logprobs(outs),
-                        "finish_reason": last.finish_reason,
-                    }
-                ],
-                "usage": self._usage(last),
-            }
+            return envelope(
+                rec,
+                "chat.completion",
+                created,
+                {
+                    "message": {"role": "assistant", "content": last.text},
+                    "logprobs": logprobs(outs),
+                    "finish_reason": last.finish_reason,
+                },
+                usage=self._usage(last),
+            )
 
         def chunk(out: RequestOutput) -> dict[str, Any] | None:
             if not out.delta_text and not out.finished and not parsed.chat_logprobs:
                 return None
             delta = {"content": out.delta_text} if out.delta_text else {}
-            return {
-                "id": rec.id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": rec.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": logprobs([out]),
-                        "finish_reason": out.finish_reason if out.finished else None,
-                    }
-                ],
-            }
-
-        first = {
-            "id": rec.id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": rec.model,
-            "choices": [
+            return envelope(
+                rec,
+                "chat.completion.chunk",
+                created,
                 {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-        }
+                    "delta": delta,
+                    "logprobs": logprobs([out]),
+                    "finish_reason": out.finish_reason if out.finished else None,
+                },
+            )
+
+        first = envelope(
+            rec,
+            "chat.completion.chunk",
+            created,
+            {
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            },
+        )
         return await self._respond(parsed, stream, rec, final, chunk, first_chunk=first)
 
     def models(self) -> dict[str, Any]:
@@ -388,4 +375,5 @@ def create_app(daemon: Daemon) -> Litestar:
         ],
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception},
         debug=False,
+        logging_config=None,  # the daemon configured logging (text or JSON); keep it
     )

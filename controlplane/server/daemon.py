@@ -90,6 +90,7 @@ class Daemon:
         self.admin_token_file = token_file
         self.metrics = Metrics(cfg.server.model_name or "loading")
         self.db = None  # sqlalchemy Engine, once the store is open
+        self.jobs = None  # controlplane.server.jobs.Jobs, once the engine is ready
         self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
         self._event_queues: set[asyncio.Queue] = set()
         self._metrics_step = -1
@@ -279,6 +280,16 @@ class Daemon:
         }
         if engine_changes and self.aengine is not None:
             self.aengine.update_settings(**engine_changes)
+        if self.jobs is not None:
+            from controlplane.server.jobs import ROLLUP_JOB, SAMPLE_JOB
+
+            intervals = {
+                "jobs.utilization_interval_s": SAMPLE_JOB,
+                "jobs.rollup_interval_s": ROLLUP_JOB,
+            }
+            for c in changes:
+                if c.field in intervals:
+                    self.jobs.reschedule(intervals[c.field], c.new)
         when = datetime.now(UTC)
         if self.db is not None:
             from controlplane.store.audit import ConfigChange
@@ -350,9 +361,18 @@ class Daemon:
         while True:
             await asyncio.sleep(self.cfg.server.config_watch_interval_s)
             now = stamp()
-            if now != last and now is not None:
-                last = now
-                self.reload_config("file changed")
+            if now == last or now is None:
+                continue
+            # The writer may not be done (a truncated file reads as keys removed): reload only
+            # once the file has stopped changing for a moment.
+            while True:
+                await asyncio.sleep(0.2)
+                settled = stamp()
+                if settled == now:
+                    break
+                now = settled
+            last = now
+            self.reload_config("file changed")
 
     async def _pump_metrics_forever(self) -> None:
         # Counters must see every step even if nobody scrapes for a while: the step ring is
@@ -449,6 +469,10 @@ class Daemon:
             rec = self.recorder
             self.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
         kv = eng.block_pool.num_blocks
+        from controlplane.server.jobs import Jobs
+
+        self.jobs = Jobs(self)
+        self.jobs.start()
         self.state = READY
         self.ready.set()
         print(
@@ -498,6 +522,8 @@ class Daemon:
         server.should_exit = True
         with contextlib.suppress(Exception):
             await server_task
+        if self.jobs is not None:
+            await self.jobs.stop()
         if self.aengine is not None:
             await self.aengine.shutdown()
         if self.recorder is not None:

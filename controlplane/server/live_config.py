@@ -26,6 +26,12 @@ SOURCES = ("default", "file", "env", "api", "tui")
 LIVE_FIELDS = frozenset(
     {f"engine.{name}" for name in EngineSettings.live_fields()}
     | {"server.max_queue_len", "server.drain_timeout_s", "prices"}
+    | {
+        "jobs.utilization_interval_s",
+        "jobs.rollup_interval_s",
+        "jobs.gpu_hourly_usd",
+        "jobs.peak_flops",
+    }
 )
 
 
@@ -58,7 +64,7 @@ def _plain(value: Any) -> Any:
 def flatten(cfg: Config) -> dict[str, Any]:
     """Dotted field -> JSON-friendly value, for every field of the config."""
     out: dict[str, Any] = {"data_dir": cfg.data_dir}
-    for section in ("server", "store", "engine"):
+    for section in ("server", "store", "jobs", "engine"):
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             out[f"{section}.{f.name}"] = _plain(getattr(obj, f.name))

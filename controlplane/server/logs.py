@@ -35,3 +35,5 @@ def setup_logging(fmt: str, level: str) -> None:
     root.setLevel(level.upper())
     # uvicorn's access log would print a line per request: too much for a busy server.
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    # APScheduler logs every job run at INFO: one line every few seconds, forever.
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)

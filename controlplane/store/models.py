@@ -1,9 +1,15 @@
 """The request store's schema: the one place that knows the tables.
 
-Three tables. `requests` holds one row per inference request, upserted by id when it starts
-(status "running") and again when it ends. `prices` is append-only price history: a price
-change is a new row with a later `effective_from`, so costs already stored never change.
-`config_changes` is the append-only audit log of configuration changes, one row per field.
+`requests` holds one row per inference request, upserted by id when it starts (status
+"running") and again when it ends. `prices` is append-only price history: a price change is a
+new row with a later `effective_from`, so costs already stored never change. `config_changes`
+is the append-only audit log of configuration changes, one row per field.
+
+The scheduled jobs (see `controlplane.store.rollup`) add `utilization_samples` (one row per
+sampler tick and instance) with its `gpu_samples` (one row per GPU and tick), `cost_rollups`
+(hourly cost and token figures by instance, model and API key) and `job_watermarks` (how far
+each job has got, per instance). Migration 0003 also creates two read-only SQL views over them,
+`daily_cost_by_model_key` and `hourly_utilization` (views are not part of this metadata).
 
 Portability: times are stored as UTC and read back as timezone-aware UTC on SQLite and
 PostgreSQL alike (`UTCDateTime`), and the per-hour / per-day aggregation keys are plain strings
@@ -15,6 +21,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from sqlalchemy import (
+    BigInteger,
     DateTime,
     Dialect,
     ForeignKey,
@@ -42,6 +49,8 @@ NAMING_CONVENTION = {
 
 STATUSES = ("running", "success", "error", "aborted", "interrupted")
 FINAL_STATUSES = frozenset(STATUSES) - {"running"}
+# cost_rollups.api_key_name of the line that carries an hour's idle GPU time.
+IDLE_KEY = "(idle)"
 # Where a configuration change came from (config_changes.source).
 CONFIG_SOURCES = ("default", "file", "env", "api", "tui")
 
@@ -172,6 +181,126 @@ class ConfigChangeRow(Base):
         return (
             f"ConfigChangeRow(id={self.id!r}, field={self.field!r}, source={self.source!r}, "
             f"actor={self.actor!r})"
+        )
+
+
+class UtilizationSampleRow(Base):
+    """One utilization sample of one instance: what the engine did over `interval_s` seconds
+    ending at `time`. The sample belongs wholly to the hour of `time` (`hour_bucket`)."""
+
+    __tablename__ = "utilization_samples"
+    __table_args__ = (
+        Index("ix_utilization_samples_instance_id_time", "instance_id", "time"),
+        Index("ix_utilization_samples_hour_bucket", "hour_bucket"),
+        Index("ix_utilization_samples_time", "time"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    instance_id: Mapped[str] = mapped_column(String(255))
+    time: Mapped[datetime] = mapped_column(UTCDateTime())  # end of the interval
+    hour_bucket: Mapped[str] = mapped_column(String(13))  # time_buckets(time)[0]
+    interval_s: Mapped[float]  # wall-clock seconds the sample covers
+    model: Mapped[str] = mapped_column(String(255))  # the served model
+    # Seconds inside forward passes / interval_s, 0-1.
+    busy_fraction: Mapped[float]
+    batch_fill_seqs: Mapped[float | None]  # mean running sequences / max_num_seqs, 0-1
+    batch_fill_tokens: Mapped[float | None]  # mean batch tokens / max_num_batched_tokens, 0-1
+    kv_usage: Mapped[float | None]  # KV cache blocks in use, 0-1
+    prefill_tokens_per_s: Mapped[float | None]
+    decode_tokens_per_s: Mapped[float | None]
+    queue_length: Mapped[int | None] = mapped_column(Integer)  # waiting requests at `time`
+    num_running: Mapped[int | None] = mapped_column(Integer)  # running requests at `time`
+    flops_per_token: Mapped[float | None]  # model FLOPs per computed token (for MFU)
+
+    def __repr__(self) -> str:
+        return (
+            f"UtilizationSampleRow(id={self.id!r}, instance_id={self.instance_id!r}, "
+            f"time={self.time!r}, busy_fraction={self.busy_fraction!r})"
+        )
+
+
+class GpuSampleRow(Base):
+    """One GPU's readings for a utilization sample; any reading may be missing (None) when the
+    GPU or driver does not report it."""
+
+    __tablename__ = "gpu_samples"
+    __table_args__ = (Index("ix_gpu_samples_sample_id", "sample_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sample_id: Mapped[int] = mapped_column(ForeignKey("utilization_samples.id", ondelete="CASCADE"))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str | None] = mapped_column(String(255))
+    utilization_pct: Mapped[float | None]  # 0-100
+    memory_used_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    memory_total_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    power_w: Mapped[float | None]
+    temperature_c: Mapped[float | None]
+    # The GPU's energy counter as read (NVML: J since the driver loaded), and the energy used
+    # since this instance's previous sample of the same GPU: None for the first sample, after a
+    # gap (the previous sample is not contiguous) or a counter reset.
+    energy_j: Mapped[float | None]
+    interval_energy_j: Mapped[float | None]
+
+    def __repr__(self) -> str:
+        return f"GpuSampleRow(id={self.id!r}, sample_id={self.sample_id!r}, gpu={self.gpu_index!r})"
+
+
+class CostRollupRow(Base):
+    """Hourly cost and token figures of one instance, by model and API key.
+
+    Written only by `controlplane.store.rollup.run_rollup`, which documents every figure.
+    `api_key_name` is "" for requests without a key and IDLE_KEY ("(idle)") for the line that
+    carries the hour's idle GPU time. `covered_s`, `mean_utilization` and `mfu` describe the
+    whole (hour, instance) and are repeated on each of its rows: count them once per
+    (hour_bucket, instance_id) when aggregating.
+    """
+
+    __tablename__ = "cost_rollups"
+    __table_args__ = (UniqueConstraint("hour_bucket", "instance_id", "model", "api_key_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    hour_bucket: Mapped[str] = mapped_column(String(13))
+    day_bucket: Mapped[str] = mapped_column(String(10))
+    instance_id: Mapped[str] = mapped_column(String(255))
+    model: Mapped[str] = mapped_column(String(255))
+    api_key_name: Mapped[str] = mapped_column(String(255))
+    requests_succeeded: Mapped[int] = mapped_column(Integer)
+    requests_failed: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    list_cost_usd: Mapped[float] = mapped_column(USD)
+    gpu_cost_usd: Mapped[float] = mapped_column(USD)
+    # Derived rates (USD per million tokens); None where there are no such tokens.
+    list_usd_per_mtok_prompt: Mapped[float | None]
+    list_usd_per_mtok_completion: Mapped[float | None]
+    gpu_usd_per_mtok_prompt: Mapped[float | None]
+    gpu_usd_per_mtok_completion: Mapped[float | None]
+    mean_utilization: Mapped[float | None]
+    mfu: Mapped[float | None]
+    covered_s: Mapped[float]
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    def __repr__(self) -> str:
+        return (
+            f"CostRollupRow(hour_bucket={self.hour_bucket!r}, instance_id={self.instance_id!r}, "
+            f"model={self.model!r}, api_key_name={self.api_key_name!r})"
+        )
+
+
+class JobWatermarkRow(Base):
+    """How far a scheduled job has got for one instance (e.g. "cost_rollup")."""
+
+    __tablename__ = "job_watermarks"
+
+    job: Mapped[str] = mapped_column(String(64), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    value: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    def __repr__(self) -> str:
+        return (
+            f"JobWatermarkRow(job={self.job!r}, instance_id={self.instance_id!r}, "
+            f"value={self.value!r})"
         )
 
 

@@ -1,0 +1,287 @@
+"""`controlplane report cost|utilization`: cost and utilization reports, straight from SQL.
+
+Reads only the database, so it works while the daemon is down. Torch-free (and cheap to
+import): the store and rich are imported when a report runs.
+
+    controlplane report cost --since 7d --group-by day,model,api_key
+    controlplane report cost --since 2026-03-01 --until 2026-04-01 --format csv
+    controlplane report utilization --since 24h --group-by hour,instance --format json
+
+`--format table` (the default) prints a table with a totals row; `csv` prints a header and the
+rows (no totals row, so scripts can sum columns); `json` prints {"columns", "rows", "totals",
+"since", "until"}. With no data in the window, `table` prints a sentence saying so; `csv` and
+`json` print their empty document and the sentence goes to stderr. Either way the exit status
+is 0. Bad flags exit with status 2 and name the flag; an unreachable database exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+# Kept in step with controlplane.store.reports (not imported here: that pulls in SQLAlchemy).
+_GROUPS = {"cost": ("day", "hour", "model", "api_key"), "utilization": ("day", "hour", "instance")}
+_DEFAULTS = {
+    "cost": ("7d", "day,model,api_key"),
+    "utilization": ("24h", "hour"),
+}
+_EMPTY_HINT = {
+    "cost": "is the daemon running with store.record_requests = true and have rollups run?",
+    "utilization": "is the daemon running (it samples every jobs.utilization_interval_s)?",
+}
+
+
+def _time_arg(flag: str) -> Callable[[str], datetime]:
+    def parse(value: str) -> datetime:
+        from controlplane.store.reports import parse_time
+
+        try:
+            return parse_time(flag, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+
+    return parse
+
+
+def _group_arg(kind: str) -> Callable[[str], list[str]]:
+    allowed = _GROUPS[kind]
+
+    def parse(value: str) -> list[str]:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown column {bad[0]!r}; use any of {', '.join(allowed)}"
+            )
+        if "day" in names and "hour" in names:
+            raise argparse.ArgumentTypeError("day and hour exclude each other")
+        return [n for n in allowed if n in names]
+
+    return parse
+
+
+def _url(args: argparse.Namespace) -> str:
+    if args.url:
+        return args.url
+    from controlplane.config import load_config
+
+    return load_config(args.config).store_url
+
+
+def _shown(at: str) -> str:
+    return datetime.fromisoformat(at).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _empty_sentence(kind: str, since: str, until: str) -> str:
+    return f"no {kind} data between {_shown(since)} and {_shown(until)}; {_EMPTY_HINT[kind]}"
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+_HEADERS = {
+    "api_key": "API key",
+    "requests_succeeded": "ok",
+    "requests_failed": "failed",
+    "prompt_tokens": "prompt tok",
+    "cached_prompt_tokens": "cached tok",
+    "completion_tokens": "compl. tok",
+    "list_cost_usd": "list $",
+    "list_usd_per_mtok_prompt": "list $/M prompt",
+    "list_usd_per_mtok_completion": "list $/M compl.",
+    "gpu_cost_usd": "GPU $",
+    "gpu_usd_per_mtok": "GPU $/M tok",
+    "mean_utilization": "util",
+    "mfu": "MFU",
+    "covered_s": "covered",
+    "mean_busy_fraction": "busy",
+    "mean_kv_usage": "KV",
+    "mean_batch_fill_seqs": "fill seqs",
+    "mean_batch_fill_tokens": "fill tok",
+    "mean_prefill_tokens_per_s": "prefill tok/s",
+    "mean_decode_tokens_per_s": "decode tok/s",
+    "mean_queue_length": "queue",
+    "mean_num_running": "running",
+    "mean_gpu_utilization_pct": "GPU util",
+    "mean_gpu_power_w": "GPU W",
+    "max_gpu_temperature_c": "GPU max °C",
+    "gpu_energy_j": "GPU kWh",
+}
+_PERCENT = {
+    "mean_utilization",
+    "mfu",
+    "mean_busy_fraction",
+    "mean_kv_usage",
+    "mean_batch_fill_seqs",
+    "mean_batch_fill_tokens",
+}
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if column == "api_key":
+        return value or "(no key)"
+    if isinstance(value, str):
+        return value
+    if column in _PERCENT:
+        return f"{value * 100:.1f}%"
+    if column == "mean_gpu_utilization_pct":
+        return f"{value:.1f}%"
+    if column == "gpu_energy_j":
+        return f"{value / 3.6e6:.3f}"
+    if column == "covered_s":
+        return f"{value / 3600:.2f} h"
+    if column.endswith("_cost_usd"):
+        return f"{value:,.4f}"
+    if column.endswith("_per_mtok") or "_per_mtok_" in column:
+        return f"{value:,.4f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.2f}"
+
+
+def _print_table(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # piped: no wrapping to a guessed width
+        console = Console(width=max(console.width, 400))
+    # The title is printed on its own: as a table title rich pads it to the console width.
+    console.print(
+        f"{report.kind} report, {_shown(report.since)} to {_shown(report.until)}",
+        style="bold",
+        highlight=False,
+    )
+    table = Table()
+    for column in report.columns:
+        grouped = column in report.group_by
+        table.add_column(
+            _HEADERS.get(column, column),
+            justify="left" if grouped else "right",
+            no_wrap=True,
+        )
+    for row in report.rows:
+        table.add_row(*(_cell(c, row[c]) for c in report.columns))
+    table.add_section()
+    labels = ["total"] + [""] * (len(report.group_by) - 1) if report.group_by else []
+    table.add_row(
+        *labels,
+        *(_cell(c, report.totals.get(c)) for c in report.columns[len(report.group_by) :]),
+        style="bold",
+    )
+    console.print(table)
+
+
+def _print_csv(report: Any) -> None:
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(report.columns)
+    for row in report.rows:
+        writer.writerow(["" if row[c] is None else row[c] for c in report.columns])
+
+
+def _print_json(report: Any) -> None:
+    doc = {k: report.to_dict()[k] for k in ("columns", "rows", "totals", "since", "until")}
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    kind = args.report_kind
+    until = args.until or datetime.now(UTC)
+    if not args.since < until:
+        args.report_parser.error(
+            f"argument --since: must be before --until ({args.since.isoformat()} >= "
+            f"{until.isoformat()})"
+        )
+
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    from controlplane.store import reports
+    from controlplane.store.db import make_engine, sqlite_path
+
+    url = _url(args)
+    build = reports.cost_report if kind == "cost" else reports.utilization_report
+    needed = {"cost": {"cost_rollups"}, "utilization": {"utilization_samples", "gpu_samples"}}
+    path = sqlite_path(url)
+    schema_ok = path is None or path.exists()  # never create an empty database file
+    report = None
+    if schema_ok:
+        engine = make_engine(url, poolclass=NullPool)
+        try:
+            schema_ok = needed[kind] <= set(inspect(engine).get_table_names())
+            if schema_ok:
+                report = build(engine, since=args.since, until=until, group_by=args.group_by)
+        except SQLAlchemyError as exc:
+            print(f"controlplane report: database error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            engine.dispose()
+    if report is None:  # no database or no schema yet: an empty report of the same shape
+        start, end, _, _ = reports.window(args.since, until)
+        metrics = reports.COST_METRICS if kind == "cost" else reports.UTILIZATION_METRICS
+        report = reports.Report(
+            kind=kind,
+            group_by=args.group_by,
+            columns=[*args.group_by, *metrics],
+            rows=[],
+            totals=dict.fromkeys(metrics),
+            since=start.isoformat(),
+            until=end.isoformat(),
+            empty=True,
+        )
+    if report.empty:
+        sentence = _empty_sentence(kind, report.since, report.until)
+        if not schema_ok:
+            sentence += " (the database has no report tables yet: `controlplane db upgrade`)"
+        if args.format == "table":
+            print(sentence)
+            return 0
+        print(sentence, file=sys.stderr)
+    {"table": _print_table, "csv": _print_csv, "json": _print_json}[args.format](report)
+    return 0
+
+
+def add_report_parser(subparsers: Any) -> None:
+    """Add `report cost` and `report utilization` to the CLI's subparsers (sets `func`)."""
+    report = subparsers.add_parser(
+        "report", help="cost and utilization reports from the database (daemon not needed)"
+    )
+    sub = report.add_subparsers(dest="report_kind", required=True)
+    helps = {
+        "cost": "list-price and GPU-amortized cost by day|hour, model and API key",
+        "utilization": "engine and GPU utilization by day|hour and instance",
+    }
+    for kind in ("cost", "utilization"):
+        since, group_by = _DEFAULTS[kind]
+        p = sub.add_parser(kind, help=helps[kind], description=helps[kind])
+        p.add_argument(
+            "--since",
+            type=_time_arg("since"),
+            default=since,  # a string default goes through `type` when the flag is absent
+            help=f"start: a duration back from now (24h, 7d, 30m, 2w) or an ISO date/time, "
+            f"UTC (default {since})",
+        )
+        p.add_argument("--until", type=_time_arg("until"), help="end: like --since (default: now)")
+        p.add_argument(
+            "--group-by",
+            type=_group_arg(kind),
+            default=group_by,
+            help=f"comma-separated: {' | '.join(_GROUPS[kind])} (day and hour exclude each "
+            f"other; default {group_by})",
+        )
+        p.add_argument("--format", choices=["table", "csv", "json"], default="table")
+        where = p.add_mutually_exclusive_group()
+        where.add_argument("--config", help="TOML config file (its store URL is used)")
+        where.add_argument("--url", help="database URL (default: from the config, store.url)")
+        p.set_defaults(func=_run, report_parser=p)

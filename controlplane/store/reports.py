@@ -1,0 +1,387 @@
+"""Cost and utilization reports from SQL: what `controlplane report ...` prints and the admin
+API's /admin/costs and /admin/utilization return.
+
+Both read only the database (they work while the daemon is down) and always aggregate across
+instances. The window is whole UTC hours: every hour that overlaps [since, until), i.e. from the
+hour containing `since` up to the hour containing the last instant before `until`; the
+`Report`'s since / until are that effective window.
+
+Cost reports read `cost_rollups` (see `controlplane.store.rollup` for each figure). Per group:
+counts, tokens and costs are sums; `list_usd_per_mtok_prompt` / `_completion` are the group's
+prompt-side / completion-side list cost per million prompt / completion tokens;
+`gpu_usd_per_mtok` is the group's GPU cost per million computed tokens (prompt - cached +
+completion; the same rate for prompt and completion tokens). A group that includes "(idle)"
+rows (grouping without api_key) therefore shows the all-in GPU rate, idle time included; the
+"(idle)" group itself (grouping by api_key) has no tokens and no rate. `mean_utilization` and
+`mfu` are means over the distinct (hour, instance) pairs the group's rows fall in, weighted by
+their covered seconds.
+
+Utilization reports read `utilization_samples` and `gpu_samples`. Means are time-weighted (by
+the samples' interval_s) over the samples that carry the reading; GPU means are per GPU;
+`gpu_energy_j` is the energy all GPUs used (the sum of `gpu_samples.interval_energy_j`) and
+`max_gpu_temperature_c` the hottest reading.
+
+Totals are computed from the same underlying sums as the rows (never by averaging rows).
+Parameters are validated here; a bad one raises ValueError whose message starts with the
+parameter's name ("group_by: ..."), for the CLI and the API (422).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, case, func, select
+
+from controlplane.store.models import (
+    CostRollupRow,
+    GpuSampleRow,
+    UtilizationSampleRow,
+    time_buckets,
+)
+from controlplane.store.rollup import HOUR, floor_hour
+
+ROLLUPS = CostRollupRow.__table__
+SAMPLES = UtilizationSampleRow.__table__
+GPUS = GpuSampleRow.__table__
+
+TIME_GROUPS = ("day", "hour")
+COST_GROUPS = ("day", "hour", "model", "api_key")
+UTILIZATION_GROUPS = ("day", "hour", "instance")
+
+COST_METRICS = (
+    "requests_succeeded",
+    "requests_failed",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "list_cost_usd",
+    "list_usd_per_mtok_prompt",
+    "list_usd_per_mtok_completion",
+    "gpu_cost_usd",
+    "gpu_usd_per_mtok",
+    "mean_utilization",
+    "mfu",
+)
+# Sample readings averaged over time (weighted by interval_s, over samples that carry them).
+_SAMPLE_MEANS = (
+    "busy_fraction",
+    "kv_usage",
+    "batch_fill_seqs",
+    "batch_fill_tokens",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "queue_length",
+    "num_running",
+)
+_GPU_MEANS = ("utilization_pct", "power_w")
+UTILIZATION_METRICS = (
+    "samples",
+    "covered_s",
+    *(f"mean_{name}" for name in _SAMPLE_MEANS),
+    *(f"mean_gpu_{name}" for name in _GPU_MEANS),
+    "max_gpu_temperature_c",
+    "gpu_energy_j",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A report, JSON-friendly throughout (`to_dict` is what the API returns)."""
+
+    kind: str  # "cost" | "utilization"
+    group_by: list[str]  # the group columns, in column order
+    columns: list[str]  # group columns, then metrics
+    rows: list[dict[str, Any]]
+    totals: dict[str, Any]  # the metrics over the whole window
+    since: str  # ISO 8601 UTC, the effective window (whole hours)
+    until: str
+    empty: bool = field(default=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "group_by": list(self.group_by),
+            "columns": list(self.columns),
+            "rows": [dict(r) for r in self.rows],
+            "totals": dict(self.totals),
+            "since": self.since,
+            "until": self.until,
+            "empty": self.empty,
+        }
+
+
+# -- parameters ---------------------------------------------------------------------------------
+
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*$", re.IGNORECASE)
+_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_time(name: str, value: str, *, now: datetime | None = None) -> datetime:
+    """A report bound: "24h" / "7d" / "30m" / "2w" (that long before `now`), an ISO date
+    ("2026-03-01", midnight UTC) or an ISO date-time (UTC unless it has an offset)."""
+    now = datetime.now(UTC) if now is None else now.astimezone(UTC)
+    m = _RELATIVE.match(value)
+    if m:
+        return now - timedelta(**{_UNITS[m.group(2).lower()]: float(m.group(1))})
+    try:
+        at = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{name}: expected a duration like 24h / 7d / 30m / 2w, or an ISO date or time, "
+            f"got {value!r}"
+        ) from None
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+def parse_group_by(value: str | Sequence[str], allowed: Sequence[str]) -> list[str]:
+    """Validated group columns in canonical (`allowed`) order; a string is comma-separated."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    names = [n.strip() for n in names if n.strip()]
+    for n in names:
+        if n not in allowed:
+            raise ValueError(f"group_by: unknown column {n!r}; use any of {', '.join(allowed)}")
+    if "day" in names and "hour" in names:
+        raise ValueError("group_by: day and hour exclude each other")
+    return [n for n in allowed if n in names]
+
+
+def window(since: datetime, until: datetime) -> tuple[datetime, datetime, str, str]:
+    """(effective since, effective until, first hour bucket, last hour bucket)."""
+    for name, value in (("since", since), ("until", until)):
+        if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"{name}: must be a timezone-aware datetime, got {value!r}")
+    since, until = since.astimezone(UTC), until.astimezone(UTC)
+    if not since < until:
+        raise ValueError(
+            f"since: must be before until ({since.isoformat()} >= {until.isoformat()})"
+        )
+    start = floor_hour(since)
+    end = floor_hour(until)
+    if end < until:
+        end += HOUR
+    return start, end, time_buckets(start)[0], time_buckets(end - HOUR)[0]
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# -- cost ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _CostAcc:
+    succeeded: int = 0
+    failed: int = 0
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+    list_cost: list[float] = field(default_factory=list)
+    gpu_cost: list[float] = field(default_factory=list)
+    prompt_side: list[float] = field(default_factory=list)  # USD x 1e6
+    completion_side: list[float] = field(default_factory=list)  # USD x 1e6
+    hours: dict[tuple[str, str], tuple[float, float | None, float | None]] = field(
+        default_factory=dict
+    )
+
+    def add(self, r: Any) -> None:
+        self.succeeded += r.requests_succeeded
+        self.failed += r.requests_failed
+        self.prompt += r.prompt_tokens
+        self.cached += r.cached_prompt_tokens
+        self.completion += r.completion_tokens
+        self.list_cost.append(float(r.list_cost_usd))
+        self.gpu_cost.append(float(r.gpu_cost_usd))
+        if r.list_usd_per_mtok_prompt is not None:
+            self.prompt_side.append(r.list_usd_per_mtok_prompt * r.prompt_tokens)
+        if r.list_usd_per_mtok_completion is not None:
+            self.completion_side.append(r.list_usd_per_mtok_completion * r.completion_tokens)
+        self.hours[(r.hour_bucket, r.instance_id)] = (r.covered_s, r.mean_utilization, r.mfu)
+
+    def result(self) -> dict[str, Any]:
+        computed = self.prompt - self.cached + self.completion
+        # Money is stored with 12 decimals: sums are exact at that scale (no float noise).
+        gpu_cost = round(math.fsum(self.gpu_cost), 12)
+        util_num = util_den = mfu_num = mfu_den = 0.0
+        for covered, util, mfu in self.hours.values():
+            if covered and util is not None:
+                util_num += util * covered
+                util_den += covered
+            if covered and mfu is not None:
+                mfu_num += mfu * covered
+                mfu_den += covered
+        return {
+            "requests_succeeded": self.succeeded,
+            "requests_failed": self.failed,
+            "prompt_tokens": self.prompt,
+            "cached_prompt_tokens": self.cached,
+            "completion_tokens": self.completion,
+            "list_cost_usd": round(math.fsum(self.list_cost), 12),
+            "list_usd_per_mtok_prompt": _div(math.fsum(self.prompt_side), self.prompt),
+            "list_usd_per_mtok_completion": _div(math.fsum(self.completion_side), self.completion),
+            "gpu_cost_usd": gpu_cost,
+            "gpu_usd_per_mtok": _div(gpu_cost * 1e6, computed),
+            "mean_utilization": _div(util_num, util_den),
+            "mfu": _div(mfu_num, mfu_den),
+        }
+
+
+_COST_KEYS = {
+    "day": "day_bucket",
+    "hour": "hour_bucket",
+    "model": "model",
+    "api_key": "api_key_name",
+}
+
+
+def cost_report(
+    engine: Engine, *, since: datetime, until: datetime, group_by: Sequence[str] | str
+) -> Report:
+    """Cost by any of day|hour, model, api_key (always summed across instances), from
+    `cost_rollups`; see the module docstring for each figure."""
+    groups = parse_group_by(group_by, COST_GROUPS)
+    start, end, first, last = window(since, until)
+    c = ROLLUPS.c
+    stmt = select(ROLLUPS).where(c.hour_bucket >= first, c.hour_bucket <= last)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    accs: dict[tuple[str, ...], _CostAcc] = defaultdict(_CostAcc)
+    total = _CostAcc()
+    for r in rows:
+        accs[tuple(getattr(r, _COST_KEYS[g]) for g in groups)].add(r)
+        total.add(r)
+    out = [
+        {**dict(zip(groups, key, strict=True)), **acc.result()} for key, acc in sorted(accs.items())
+    ]
+    return Report(
+        kind="cost",
+        group_by=groups,
+        columns=[*groups, *COST_METRICS],
+        rows=out,
+        totals=total.result() if rows else dict.fromkeys(COST_METRICS),
+        since=start.isoformat(),
+        until=end.isoformat(),
+        empty=not rows,
+    )
+
+
+# -- utilization --------------------------------------------------------------------------------
+
+
+def _weighted(value: Any, weight: Any) -> tuple[Any, Any]:
+    """SUM(weight x value) and SUM(weight) over the rows where value is not NULL."""
+    present = value.is_not(None)
+    return func.sum(case((present, weight * value))), func.sum(case((present, weight)))
+
+
+def _add(a: float | None, b: Any) -> float | None:
+    if b is None:
+        return a
+    return float(b) if a is None else a + float(b)
+
+
+def utilization_report(
+    engine: Engine, *, since: datetime, until: datetime, group_by: Sequence[str] | str
+) -> Report:
+    """Utilization by day|hour and optionally instance, from `utilization_samples` and
+    `gpu_samples`; see the module docstring for each figure."""
+    groups = parse_group_by(group_by, UTILIZATION_GROUPS)
+    start, end, first, last = window(since, until)
+    s, g = SAMPLES.c, GPUS.c
+    in_window = (s.hour_bucket >= first, s.hour_bucket <= last)
+    # Per (hour, instance) sums in SQL, grouped by plain columns; days are summed up here.
+    sample_cols: list[Any] = [
+        func.count().label("samples"),
+        func.sum(s.interval_s).label("covered"),
+    ]
+    for name in _SAMPLE_MEANS:
+        num, den = _weighted(s[name], s.interval_s)
+        sample_cols += [num.label(f"{name}_num"), den.label(f"{name}_den")]
+    sample_stmt = (
+        select(s.hour_bucket, s.instance_id, *sample_cols)
+        .where(*in_window)
+        .group_by(s.hour_bucket, s.instance_id)
+    )
+    gpu_cols: list[Any] = []
+    for name in _GPU_MEANS:
+        num, den = _weighted(g[name], s.interval_s)
+        gpu_cols += [num.label(f"gpu_{name}_num"), den.label(f"gpu_{name}_den")]
+    gpu_stmt = (
+        select(
+            s.hour_bucket,
+            s.instance_id,
+            *gpu_cols,
+            func.max(g.temperature_c).label("max_temp"),
+            func.sum(g.interval_energy_j).label("energy"),
+        )
+        .select_from(GPUS.join(SAMPLES, GPUS.c.sample_id == SAMPLES.c.id))
+        .where(*in_window)
+        .group_by(s.hour_bucket, s.instance_id)
+    )
+    with engine.connect() as conn:
+        sample_rows = conn.execute(sample_stmt).all()
+        gpu_rows = {(r.hour_bucket, r.instance_id): r for r in conn.execute(gpu_stmt)}
+
+    sum_fields = ["samples", "covered"]
+    for name in _SAMPLE_MEANS:
+        sum_fields += [f"{name}_num", f"{name}_den"]
+    gpu_sum_fields = []
+    for name in _GPU_MEANS:
+        gpu_sum_fields += [f"gpu_{name}_num", f"gpu_{name}_den"]
+
+    def new_acc() -> dict[str, Any]:
+        return dict.fromkeys([*sum_fields, *gpu_sum_fields, "max_temp", "energy"])
+
+    def add(acc: dict[str, Any], r: Any) -> None:
+        for f in sum_fields:
+            acc[f] = _add(acc[f], getattr(r, f))
+        gr = gpu_rows.get((r.hour_bucket, r.instance_id))
+        if gr is not None:
+            for f in gpu_sum_fields:
+                acc[f] = _add(acc[f], getattr(gr, f))
+            acc["energy"] = _add(acc["energy"], gr.energy)
+            if gr.max_temp is not None:
+                t = float(gr.max_temp)
+                acc["max_temp"] = t if acc["max_temp"] is None else max(acc["max_temp"], t)
+
+    def result(acc: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "samples": int(acc["samples"] or 0),
+            "covered_s": acc["covered"] or 0.0,
+        }
+        for name in _SAMPLE_MEANS:
+            out[f"mean_{name}"] = _div(acc[f"{name}_num"], acc[f"{name}_den"])
+        for name in _GPU_MEANS:
+            out[f"mean_gpu_{name}"] = _div(acc[f"gpu_{name}_num"], acc[f"gpu_{name}_den"])
+        out["max_gpu_temperature_c"] = acc["max_temp"]
+        out["gpu_energy_j"] = acc["energy"]
+        return out
+
+    def key(r: Any) -> tuple[str, ...]:
+        values = {"day": r.hour_bucket[:10], "hour": r.hour_bucket, "instance": r.instance_id}
+        return tuple(values[name] for name in groups)
+
+    accs: dict[tuple[str, ...], dict[str, Any]] = defaultdict(new_acc)
+    total = new_acc()
+    for r in sample_rows:
+        add(accs[key(r)], r)
+        add(total, r)
+    out = [{**dict(zip(groups, k, strict=True)), **result(acc)} for k, acc in sorted(accs.items())]
+    return Report(
+        kind="utilization",
+        group_by=groups,
+        columns=[*groups, *UTILIZATION_METRICS],
+        rows=out,
+        totals=result(total) if sample_rows else dict.fromkeys(UTILIZATION_METRICS),
+        since=start.isoformat(),
+        until=end.isoformat(),
+        empty=not sample_rows,
+    )

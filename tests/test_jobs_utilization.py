@@ -1,0 +1,116 @@
+"""make_sample: one utilization sample as the difference of two engine snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane.jobs import UtilizationSample, make_sample
+
+LIMITS = dict(
+    max_num_seqs=8, max_num_batched_tokens=100, queue_length=3, model="m", flops_per_token=2e6
+)
+
+
+@dataclass(frozen=True)
+class Snap:
+    step: int = 0
+    time: float = 0.0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 200
+    busy_s_total: float = 0.0
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    running_total: int = 0
+    batched_tokens_total: int = 0
+
+
+def test_busy_fills_rates_from_the_difference() -> None:
+    prev = Snap(
+        step=10,
+        busy_s_total=4.0,
+        prefill_tokens_total=1000,
+        decode_tokens_total=500,
+        running_total=40,
+        batched_tokens_total=1500,
+    )
+    # 20 steps in 10 s: 6 s busy; 800 prefill + 200 decode tokens; 100 running-steps total.
+    cur = Snap(
+        step=30,
+        num_running=5,
+        kv_blocks_used=50,
+        busy_s_total=10.0,
+        prefill_tokens_total=1800,
+        decode_tokens_total=700,
+        running_total=140,
+        batched_tokens_total=2500,
+    )
+    s = make_sample(prev, cur, start=100.0, end=110.0, **LIMITS)
+    assert isinstance(s, UtilizationSample)
+    assert s.time == datetime.fromtimestamp(110.0, UTC) and s.interval_s == 10.0
+    assert s.busy_fraction == pytest.approx(0.6)
+    assert s.batch_fill_seqs == pytest.approx(100 / (20 * 8))  # mean running 5 of 8
+    assert s.batch_fill_tokens == pytest.approx(1000 / (20 * 100))  # mean 50 tokens of 100
+    assert s.prefill_tokens_per_s == pytest.approx(80.0) and s.decode_tokens_per_s == pytest.approx(
+        20.0
+    )
+    assert (s.kv_usage, s.num_running, s.queue_length, s.model, s.flops_per_token) == (
+        0.25,
+        5,
+        3,
+        "m",
+        2e6,
+    )
+
+
+def test_consecutive_samples_add_up_exactly() -> None:
+    a = Snap(step=0)
+    b = Snap(step=7, busy_s_total=1.5, prefill_tokens_total=70)
+    c = Snap(step=9, busy_s_total=2.0, prefill_tokens_total=90)
+    s1 = make_sample(a, b, start=0.0, end=5.0, **LIMITS)
+    s2 = make_sample(b, c, start=5.0, end=10.0, **LIMITS)
+    whole = make_sample(a, c, start=0.0, end=10.0, **LIMITS)
+    assert s1.busy_fraction * 5 + s2.busy_fraction * 5 == pytest.approx(whole.busy_fraction * 10)
+    assert s1.prefill_tokens_per_s * 5 + s2.prefill_tokens_per_s * 5 == pytest.approx(90)
+
+
+def test_idle_interval_has_no_fills_and_zero_rates() -> None:
+    snap = Snap(step=5, num_running=0, kv_blocks_used=0, busy_s_total=3.0)
+    s = make_sample(snap, snap, start=0.0, end=5.0, **LIMITS)
+    assert s.busy_fraction == 0.0 and s.batch_fill_seqs is None and s.batch_fill_tokens is None
+    assert s.prefill_tokens_per_s == 0.0 and s.decode_tokens_per_s == 0.0 and s.kv_usage == 0.0
+
+
+def test_busy_is_clipped_and_bad_arguments() -> None:
+    s = make_sample(Snap(), Snap(step=1, busy_s_total=7.0), start=0.0, end=5.0, **LIMITS)
+    assert s.busy_fraction == 1.0  # a step attributed to this sample began before it
+    assert (
+        make_sample(Snap(), replace(Snap(), kv_blocks_total=0), start=0, end=1, **LIMITS).kv_usage
+        is None
+    )
+    with pytest.raises(ValueError, match="empty interval"):
+        make_sample(Snap(), Snap(), start=5.0, end=5.0, **LIMITS)
+    with pytest.raises(ValueError, match="at least 1"):
+        make_sample(Snap(), Snap(), start=0.0, end=1.0, **{**LIMITS, "max_num_seqs": 0})
+
+
+def test_real_engine_snapshots(tiny_model_dir) -> None:
+    from controlplane.engine import Engine, SamplingParams
+
+    engine = Engine(model=str(tiny_model_dir), max_num_seqs=4)
+    before = engine.stats()
+    engine.add_request(
+        list(range(1, 30)), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = engine.stats()
+    s = make_sample(
+        before, after, start=before.time, end=after.time, **{**LIMITS, "max_num_seqs": 4}
+    )
+    assert after.prefill_tokens_total - before.prefill_tokens_total == 29
+    assert after.decode_tokens_total - before.decode_tokens_total == 4
+    assert 0 < s.busy_fraction <= 1 and s.batch_fill_seqs is not None

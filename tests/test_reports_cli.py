@@ -1,0 +1,194 @@
+"""`controlplane report cost|utilization` on SQLite and PostgreSQL: table / csv / json output,
+the totals row, the empty-database sentence, bad flags, and no torch."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine
+
+from controlplane.reports_cli import add_report_parser
+from controlplane.store import cost_report, make_engine, run_rollup, upgrade, utilization_report
+from tests.conftest import reset_pg
+from tests.test_rollup import DAY, GPU, NOW, seed
+
+WINDOW = ("--since", "2026-03-01", "--until", "2026-03-02")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'data' / 'store.db'}"
+    return reset_pg(request.getfixturevalue("pg_database"))
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    upgrade(db_url)
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def seeded(engine: Engine, db_url: str) -> str:
+    seed(engine)
+    run_rollup(engine, "inst-a", now=NOW, **GPU)
+    run_rollup(engine, "inst-b", now=NOW, **GPU)
+    return db_url
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="controlplane")
+    add_report_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _number(value: str) -> float | None:
+    return None if value == "" else float(value)
+
+
+def test_cost_csv_json_table(seeded: str, engine: Engine, capsys) -> None:
+    expected = cost_report(
+        engine, since=DAY, until=DAY.replace(day=2), group_by=["model", "api_key"]
+    )
+    assert len(expected.rows) == 6
+
+    assert cli("report", "cost", "--url", seeded, *WINDOW, "--group-by", "api_key,model", "--format", "csv") == 0  # fmt: skip
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert list(rows[0]) == expected.columns == ["model", "api_key", *expected.columns[2:]]
+    assert len(rows) == 6  # no totals row in csv: scripts can sum the columns
+    for got, want in zip(rows, expected.rows, strict=True):
+        assert (got["model"], got["api_key"]) == (want["model"], want["api_key"])
+        for column in expected.columns[2:]:
+            if want[column] is None:
+                assert got[column] == "", column
+            else:
+                assert _number(got[column]) == pytest.approx(want[column], rel=1e-12), column
+    alice = next(r for r in rows if (r["model"], r["api_key"]) == ("m", "alice"))
+    # both instances' 12:00 alice rows: 3 successes, 4000 prompt tokens, 3.0 USD of GPU time
+    assert (int(alice["requests_succeeded"]), int(alice["prompt_tokens"])) == (3, 4000)
+    assert float(alice["gpu_cost_usd"]) == pytest.approx(3.0, rel=1e-12)
+    assert float(alice["list_cost_usd"]) == pytest.approx(0.0113, rel=1e-12)
+
+    assert cli("report", "cost", "--url", seeded, *WINDOW, "--group-by", "model,api_key", "--format", "json") == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"columns", "rows", "totals", "since", "until"}
+    assert doc["columns"] == expected.columns and doc["rows"] == expected.rows
+    assert doc["totals"] == expected.totals
+    assert (doc["since"], doc["until"]) == (
+        "2026-03-01T00:00:00+00:00",
+        "2026-03-02T00:00:00+00:00",
+    )
+    # inst-a 8 USD (11:00 2, 12:00 4, 13:00 2) + inst-b 4 USD; list: 0.0093 + 0.0022 + 0.004
+    # + 0.0006 (inst-a) + 0.002 (inst-b) = 0.0181 USD
+    assert doc["totals"]["gpu_cost_usd"] == pytest.approx(12.0, rel=1e-12)
+    assert doc["totals"]["list_cost_usd"] == pytest.approx(0.0181, rel=1e-12)
+    assert doc["totals"]["prompt_tokens"] == 7300
+
+    assert cli("report", "cost", "--url", seeded, *WINDOW, "--group-by", "day,model,api_key") == 0  # fmt: skip
+    table = capsys.readouterr().out
+    lines = table.splitlines()
+    assert "cost report, 2026-03-01 00:00 UTC to 2026-03-02 00:00 UTC" in lines[0]
+    total = next(line for line in lines if "total" in line)
+    # GPU $ 12.0000 and all 7,300 prompt tokens in the totals row (below the six group rows)
+    assert "12.0000" in total and "7,300" in total and "0.0181" in total
+    assert lines.index(total) > max(i for i, line in enumerate(lines) if "(idle)" in line)
+    assert "(no key)" in table and "2026-03-01" in table and "alice" in table
+
+
+def test_utilization_formats(seeded: str, engine: Engine, capsys) -> None:
+    expected = utilization_report(
+        engine, since=DAY, until=DAY.replace(day=2), group_by=["hour", "instance"]
+    )
+    assert cli("report", "utilization", "--url", seeded, *WINDOW, "--group-by", "hour,instance", "--format", "json") == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rows"] == expected.rows and doc["totals"] == expected.totals
+    assert doc["totals"]["samples"] == 8 and doc["totals"]["covered_s"] == 10800.0
+    # busy: inst-a 450 + 1800 + 900, inst-b 1800 seconds of 10800
+    assert doc["totals"]["mean_busy_fraction"] == pytest.approx(4950 / 10800, rel=1e-12)
+
+    assert cli("report", "utilization", "--url", seeded, *WINDOW, "--format", "csv", "--group-by", "day") == 0  # fmt: skip
+    (row,) = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert row["day"] == "2026-03-01" and int(row["samples"]) == 8
+    assert float(row["mean_busy_fraction"]) == pytest.approx(4950 / 10800, rel=1e-12)
+    assert row["mean_gpu_power_w"] == ""  # no GPU readings
+
+    assert cli("report", "utilization", "--url", seeded, *WINDOW) == 0  # default: by hour
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("2026-03-01T1" in line for line in lines) == 3  # 11:00, 12:00, 13:00
+    total = next(line for line in lines if "total" in line)
+    assert "45.8%" in total and "3.00 h" in total  # busy 4950 / 10800; 10800 s covered
+
+
+def test_empty_database_and_window(engine: Engine, db_url: str, capsys) -> None:
+    assert cli("report", "cost", "--url", db_url) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no cost data between ")
+    assert "is the daemon running with store.record_requests = true and have rollups run?" in out
+    assert cli("report", "utilization", "--url", db_url, *WINDOW) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no utilization data between 2026-03-01 00:00 UTC and 2026-03-02")
+    # For scripts: the empty document on stdout, the sentence on stderr.
+    assert cli("report", "cost", "--url", db_url, *WINDOW, "--format", "json") == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["rows"] == [] and doc["totals"]["gpu_cost_usd"] is None
+    assert "no cost data" in captured.err
+    assert cli("report", "cost", "--url", db_url, *WINDOW, "--format", "csv") == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [",".join(doc["columns"])]
+    assert "no cost data" in captured.err
+
+
+def test_missing_database_is_not_created(tmp_path, capsys) -> None:
+    path = tmp_path / "nothing" / "here.db"
+    assert cli("report", "cost", "--url", f"sqlite:///{path}") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no cost data between ") and "controlplane db upgrade" in out
+    assert not path.exists() and not path.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("cost", "--group-by", "instance"), "--group-by"),
+        (("utilization", "--group-by", "model"), "--group-by"),
+        (("cost", "--group-by", "day,hour"), "--group-by"),
+        (("cost", "--since", "yesterday"), "--since"),
+        (("cost", "--until", "soon"), "--until"),
+        (("cost", "--since", "2026-03-02", "--until", "2026-03-01"), "--since"),
+        (("cost", "--format", "xml"), "--format"),
+        (("cost", "--url", "sqlite://", "--config", "x.toml"), "--config"),
+        (("cost", "--bogus"), "--bogus"),
+    ],
+)
+def test_bad_flags_exit_2(argv: tuple[str, ...], flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli("report", *argv, *(() if "--url" in argv else ("--url", "sqlite://")))
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_no_torch(tmp_path) -> None:
+    code = f"""
+import argparse, sys
+from controlplane.reports_cli import add_report_parser
+p = argparse.ArgumentParser()
+add_report_parser(p.add_subparsers(dest="command", required=True))
+args = p.parse_args(["report", "cost", "--url", "sqlite:///{tmp_path / "x.db"}"])
+assert args.func(args) == 0
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "no cost data" in done.stdout
