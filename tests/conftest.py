@@ -7,6 +7,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -117,3 +118,25 @@ def reset_pg(url: URL) -> str:
 def pg_url(pg_database: URL) -> str:
     """An empty PostgreSQL schema, for this test only."""
     return reset_pg(pg_database)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database of each kind (the SQLite file's directory does not exist yet)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'data' / 'store.db'}"
+    return reset_pg(request.getfixturevalue("pg_database"))
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Any]:
+    """A migrated SQLAlchemy engine on each kind of database (store tests).
+
+    test_engine_behaviour.py defines its own `engine` (the inference engine) for its module.
+    """
+    from controlplane.store import make_engine, upgrade
+
+    upgrade(db_url)
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()

@@ -9,32 +9,15 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine
 
 from controlplane.reports_cli import add_report_parser
-from controlplane.store import cost_report, make_engine, run_rollup, upgrade, utilization_report
-from tests.conftest import reset_pg
+from controlplane.store import cost_report, run_rollup, utilization_report
 from tests.test_rollup import DAY, GPU, NOW, seed
 
 WINDOW = ("--since", "2026-03-01", "--until", "2026-03-02")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'data' / 'store.db'}"
-    return reset_pg(request.getfixturevalue("pg_database"))
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    upgrade(db_url)
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ pruning, migration 0003 with its views, and the cost / utilization reports."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,7 +36,6 @@ from controlplane.store import (
 )
 from controlplane.store.reports import parse_group_by, parse_time
 from controlplane.store.rollup import ROLLUP_JOB, get_watermark
-from tests.conftest import reset_pg
 
 REQUESTS = RequestRow.__table__
 ROLLUPS = CostRollupRow.__table__
@@ -51,21 +49,6 @@ NOW = DAY.replace(hour=14, minute=10)
 
 def at(hour: int, minute: int = 0, day: int = 1) -> datetime:
     return datetime(2026, 3, day, hour, minute, tzinfo=UTC)
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'data' / 'store.db'}"
-    return reset_pg(request.getfixturevalue("pg_database"))
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    upgrade(db_url)
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 # -- seed data ----------------------------------------------------------------------------------

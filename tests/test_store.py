@@ -39,7 +39,6 @@ from controlplane.store import (
     upgrade,
 )
 from controlplane.store.cli import add_db_parser
-from tests.conftest import reset_pg
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 REQUESTS = RequestRow.__table__
@@ -47,23 +46,6 @@ PRICES = PriceEntry.__table__
 
 
 # -- databases ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    """An empty database of each kind (the SQLite file's directory does not exist yet)."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'data' / 'store.db'}"
-    return reset_pg(request.getfixturevalue("pg_database"))
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    """A migrated database of each kind."""
-    upgrade(db_url)
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ and PostgreSQL (see test_store.py for the databases)."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 
@@ -26,25 +26,9 @@ from controlplane.store import (
     upgrade,
     write_changes,
 )
-from tests.conftest import reset_pg
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 REQUESTS = RequestRow.__table__
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'data' / 'store.db'}"
-    return reset_pg(request.getfixturevalue("pg_database"))
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    upgrade(db_url)
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 # -- migrations ---------------------------------------------------------------------------------
