@@ -56,7 +56,10 @@ class DaemonProcess:
 
     @classmethod
     def start(cls, config: Path, wait_ready: bool = True, timeout: float = 120) -> DaemonProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Hermetic: the config file under test is the only configuration (CI exports
+        # CONTROLPLANE_DATA_DIR for its quickstart run, for instance).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+        env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(
             [sys.executable, "-m", "controlplane", "serve", "--config", str(config)],
             stdout=subprocess.PIPE,
