@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -259,6 +258,3 @@ def metrics_handler(daemon: Daemon):
 
     return metrics
 
-
-def uptime(daemon: Daemon) -> float:
-    return round(time.time() - daemon.started_at, 3)

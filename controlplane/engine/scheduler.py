@@ -54,9 +54,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from controlplane.config import Config, Price, build_config, env_overrides
@@ -219,6 +219,3 @@ class LiveConfig:
                 self.sources.setdefault(key, "file")
         return changes, restart
 
-
-def now_utc() -> datetime:
-    return datetime.now(UTC)
