@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
 
+    from controlplane.tui import add_tui_parser
+
+    add_tui_parser(sub)
+
     demo = sub.add_parser("demo-model", help="write a deterministic random-weight Llama checkpoint")
     demo.add_argument("dir", help="output directory (created if missing)")
     demo.add_argument("--size", choices=["tiny", "small"], default="small")

@@ -441,6 +441,9 @@ def test_metrics_parse_and_move_under_load(admin, tmp_path):
     # Every generated token is counted once, the first token of each request included.
     assert after[key] - before.get(key, 0) == load["total_completion_tokens"]
     assert load["requests_ok"] == 12
+    st = httpx.get(d.url + "/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert st["requests_finished_in_window"] >= 12 and st["ttft_p50_ms"] > 0
+    assert st["itl_p99_ms"] >= st["itl_p50_ms"] > 0
     for name in (
         "controlplane:prompt_tokens_total",
         "controlplane:generation_tokens_total",

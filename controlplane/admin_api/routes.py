@@ -236,6 +236,8 @@ async def _event_stream(daemon: Daemon, period: float) -> AsyncIterator[ServerSe
                 except TimeoutError:
                     break
                 yield ServerSentEventMessage(data=json.dumps(event), event="config")
+                if event.get("type") == "state" and event.get("state") == "stopping":
+                    return  # the daemon is shutting down: end the stream cleanly
             if loop.time() - last_ping >= KEEPALIVE_S:
                 last_ping = loop.time()
                 yield ServerSentEventMessage(comment="keep-alive")
@@ -257,4 +259,3 @@ def metrics_handler(daemon: Daemon):
         return Response(payload, media_type=content_type)
 
     return metrics
-

@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import itertools
 import logging
 import os
 import signal
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -25,7 +27,7 @@ import uvicorn
 
 from controlplane.admin_api.auth import AdminAuth, resolve_tokens
 from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import summarize
+from controlplane.admin_api.stats import percentile, summarize
 from controlplane.config import ApiKey, Config, demo_model_path, read_toml
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig
@@ -94,6 +96,9 @@ class Daemon:
         self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
         self._event_queues: set[asyncio.Queue] = set()
         self._metrics_step = -1
+        # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
+        # percentiles over the last minute for /admin/stats.
+        self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
         # Audit rows are written in order, off the event loop, by one worker.
         self._audit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
         self.live.subscribe(self._on_config_change)
@@ -140,6 +145,8 @@ class Daemon:
         if out is not None:
             reason = out.finish_reason if out.finished and out.finish_reason else "abort"
             self.metrics.observe_request(reason, out.metrics, token_times)
+            gaps = [b - a for a, b in itertools.pairwise(token_times)]
+            self._latencies.append((time.time(), out.metrics.ttft, gaps))
 
     def final_record(
         self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
@@ -210,6 +217,21 @@ class Daemon:
             max_num_batched_tokens=s.max_num_batched_tokens,
         )
         running = self.aengine.stats().num_running if self.aengine else 0
+        recent = [item for item in self._latencies if item[0] > time.time() - 60.0]
+        ttfts = [t for _, t, _ in recent if t is not None]
+        gaps = [g for _, _, gs in recent for g in gs]
+
+        def ms(values: list[float], q: float) -> float | None:
+            return None if not values else round(1000 * percentile(values, q), 3)
+
+        body.update(
+            ttft_p50_ms=ms(ttfts, 50),
+            ttft_p99_ms=ms(ttfts, 99),
+            itl_p50_ms=ms(gaps, 50),
+            itl_p99_ms=ms(gaps, 99),
+            latency_window_s=60.0,
+            requests_finished_in_window=len(recent),
+        )
         body.update(
             state=self.state if self.state != READY or self.healthy else DEAD,
             model=self.model_name or None,
@@ -518,6 +540,8 @@ class Daemon:
                 await asyncio.sleep(0.01)
 
     async def _stop(self, server: _Server, server_task: asyncio.Task) -> None:
+        # Event streams end on this event instead of being cut off by the server's shutdown.
+        self._broadcast({"type": "state", "state": "stopping"})
         await asyncio.sleep(0.05)  # let handlers that just finished submit their records
         server.should_exit = True
         with contextlib.suppress(Exception):

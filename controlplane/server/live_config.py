@@ -218,4 +218,3 @@ class LiveConfig:
             if key not in LIVE_FIELDS:
                 self.sources.setdefault(key, "file")
         return changes, restart
-

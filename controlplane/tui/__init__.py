@@ -1,0 +1,48 @@
+"""`controlplane tui`: a terminal dashboard for on-call operators (Textual, admin API only).
+
+Importing this package is cheap: Textual and httpx are imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def resolve_token(token: str | None, env: dict[str, str] | None = None) -> str | None:
+    """--token, else CONTROLPLANE_ADMIN_TOKEN, else <data_dir>/admin_token (data dir from
+    CONTROLPLANE_DATA_DIR, default `data`)."""
+    env = dict(os.environ) if env is None else env
+    if token:
+        return token
+    if env.get("CONTROLPLANE_ADMIN_TOKEN"):
+        return env["CONTROLPLANE_ADMIN_TOKEN"]
+    path = Path(env.get("CONTROLPLANE_DATA_DIR") or "data") / "admin_token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _cmd_tui(args: argparse.Namespace) -> int:
+    from controlplane.tui.app import DashboardApp
+
+    DashboardApp(args.url, resolve_token(args.token)).run()
+    return 0
+
+
+def add_tui_parser(subparsers: Any) -> None:
+    """Register the `tui` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "tui",
+        help="terminal dashboard for on-call operators (talks to the admin API)",
+        description="Live dashboard of a running daemon: throughput, batch, KV cache, latency, "
+        "cost, live requests and config changes; tune, abort, drain and resume. Token: --token, "
+        "CONTROLPLANE_ADMIN_TOKEN, or <data_dir>/admin_token.",
+    )
+    p.add_argument("--url", default=DEFAULT_URL, help=f"daemon URL (default {DEFAULT_URL})")
+    p.add_argument("--token", help="admin token (default: env or token file)")
+    p.set_defaults(func=_cmd_tui)

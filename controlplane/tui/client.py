@@ -1,0 +1,142 @@
+"""The dashboard's only way to the daemon: the admin REST API and its SSE stream (httpx).
+
+Every method is async and raises `APIError` for an HTTP error answer (with the API's message
+and param) or `Unreachable` when the daemon cannot be reached; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+SOURCE_HEADER = {"X-Controlplane-Source": "tui"}
+
+
+class ClientError(Exception):
+    """Base of the errors the client raises."""
+
+
+class Unreachable(ClientError):
+    """No answer from the daemon (connection refused, reset, timed out)."""
+
+
+class APIError(ClientError):
+    """The daemon answered with an error status; `message` / `param` come from its body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+class AdminClient:
+    """Async client for `/admin/*` and `/health` of one daemon."""
+
+    def __init__(self, url: str, token: str | None, *, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            r = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:  # connect / read errors, timeouts, protocol errors
+            raise Unreachable(_describe(exc)) from None
+        if r.status_code >= 400:
+            raise _api_error(r.status_code, r.text)
+        try:
+            return r.json()
+        except ValueError:
+            raise APIError(r.status_code, "the daemon sent a body that is not JSON") from None
+
+    # -- reads -------------------------------------------------------------------------------
+    async def health(self) -> dict[str, Any]:
+        return await self._request("GET", "/health")
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._request("GET", "/admin/stats")
+
+    async def config(self) -> dict[str, Any]:
+        return await self._request("GET", "/admin/config")
+
+    async def history(self, limit: int = 50) -> dict[str, Any]:
+        return await self._request("GET", "/admin/config/history", params={"limit": limit})
+
+    async def requests(self) -> dict[str, Any]:
+        return await self._request("GET", "/admin/requests", params={"limit": 1})
+
+    async def costs(self, since: str = "1h") -> dict[str, Any]:
+        return await self._request(
+            "GET", "/admin/costs", params={"since": since, "group_by": "model"}
+        )
+
+    async def utilization(self, since: str = "1h") -> dict[str, Any]:
+        return await self._request("GET", "/admin/utilization", params={"since": since})
+
+    # -- writes ------------------------------------------------------------------------------
+    async def patch_config(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._request("PATCH", "/admin/config", json=body, headers=SOURCE_HEADER)
+
+    async def abort(self, request_id: str) -> dict[str, Any]:
+        return await self._request("POST", f"/admin/requests/{request_id}/abort")
+
+    async def drain(self) -> dict[str, Any]:
+        return await self._request("POST", "/admin/drain", headers=SOURCE_HEADER)
+
+    async def resume(self) -> dict[str, Any]:
+        return await self._request("POST", "/admin/resume", headers=SOURCE_HEADER)
+
+    # -- stream ------------------------------------------------------------------------------
+    async def events(self, interval: float = 0.5) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yield (event, data) from `/admin/events` until the stream ends or breaks."""
+        timeout = httpx.Timeout(10.0, read=max(20.0, interval * 4))
+        try:
+            async with self._http.stream(
+                "GET", "/admin/events", params={"interval": interval}, timeout=timeout
+            ) as r:
+                if r.status_code >= 400:
+                    raise _api_error(r.status_code, (await r.aread()).decode(errors="replace"))
+                event, data = "message", []
+                async for line in r.aiter_lines():
+                    if not line:
+                        payload = _parse(data)
+                        if payload is not None:
+                            yield event, payload
+                        event, data = "message", []
+                    elif line.startswith(":"):
+                        continue
+                    elif line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].lstrip())
+        except httpx.HTTPError as exc:
+            raise Unreachable(_describe(exc)) from None
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _parse(data: list[str]) -> dict[str, Any] | None:
+    try:
+        payload = json.loads("\n".join(data)) if data else None
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _api_error(status: int, text: str) -> APIError:
+    try:
+        err = json.loads(text).get("error") or {}
+        if isinstance(err, dict):
+            return APIError(status, str(err.get("message") or text), err.get("param"))
+        return APIError(status, str(err))
+    except (ValueError, AttributeError):
+        return APIError(status, text.strip()[:200] or f"HTTP {status}")

@@ -1,0 +1,384 @@
+"""The terminal dashboard: Pilot tests against a real daemon on loopback (tiny model, real HTTP,
+admin token, `controlplane loadgen` traffic), and snapshots with deterministic data."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controlplane.config import load_config
+from controlplane.tui import add_tui_parser, resolve_token
+from controlplane.tui.app import DashboardApp
+from controlplane.tui.screens import TuneScreen
+from controlplane.tui.widgets import RequestsTable
+from tests.daemon_util import InProcessDaemon
+from tests.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
+
+SIZE = (120, 40)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def screen_text(app: DashboardApp) -> str:
+    strips = app.screen._compositor.render_strips()
+    return "\n".join("".join(seg.text for seg in strip) for strip in strips)
+
+
+async def wait_until(
+    pilot: Any, cond: Callable[[], Any], timeout: float = 15, what: str = ""
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}:\n{screen_text(pilot.app)}")
+        await pilot.pause(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(tmp: Path, model: Path, port: int = 0, **engine: Any) -> InProcessDaemon:
+    path = admin_cfg(
+        tmp,
+        model,
+        engine={"max_num_seqs": 8, "max_model_len": 1024, **engine},
+        server={"port": port},
+    )
+    return InProcessDaemon(load_config(path, env={}), config_path=path).start()
+
+
+def api(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+
+def make_app(url: str) -> DashboardApp:
+    return DashboardApp(url, TOKEN, events_interval=0.2, requests_interval=0.3, reconnect_max_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("tui"), tiny_model_dir)
+    yield d
+    d.stop()
+
+
+# -- real daemon --------------------------------------------------------------------------------
+def test_live_numbers_match_admin_stats_under_loadgen(daemon):
+    gen = loadgen(daemon.url, "--requests", "30", "--prompt-len", "8-32", "--output-len", "150-250")
+    c = api(daemon.url)
+
+    async def main() -> None:
+        app = make_app(daemon.url)
+        started = time.monotonic()
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.stats_received, 5, "first stats")
+            assert time.monotonic() - started < 3  # first data well within a second of connecting
+            await wait_until(
+                pilot, lambda: (app.stats or {}).get("num_running", 0) > 0, 30, "running > 0"
+            )
+            await wait_until(pilot, lambda: app.query_one(RequestsTable).row_count > 0, 10)
+            api_stats = c.get("/admin/stats").json()
+            text = screen_text(app)
+            assert f"/ {api_stats['max_num_seqs']} max_num_seqs" in text
+            assert f"/ {api_stats['kv_blocks_total']}" in text
+            assert api_stats["model"] in text and "serving" in text
+            shown = app.stats["num_running"]
+            assert f"running {shown} /" in text and 0 < shown <= api_stats["max_num_seqs"]
+            # The table lists the daemon's live requests.
+            live_ids = {r["id"] for r in c.get("/admin/requests").json()["live"]}
+            table = app.query_one(RequestsTable)
+            shown_ids = {str(table.get_row_at(i)[0]) for i in range(table.row_count)}
+            assert shown_ids & live_ids or not live_ids
+            await pilot.press("o")  # sort by another column, nothing breaks
+            await pilot.press("question_mark")
+            await wait_until(pilot, lambda: "this help" in screen_text(app), 5)
+            await pilot.press("escape")
+
+    try:
+        asyncio.run(main())
+    finally:
+        gen.kill()
+        gen.wait(30)
+
+
+def test_tune_form_reaches_engine_and_invalid_value_shows_api_error(daemon):
+    c = api(daemon.url)
+    c.patch("/admin/config", json={"engine": {"max_num_seqs": 8, "max_num_batched_tokens": 2048}})
+
+    async def main() -> None:
+        app = make_app(daemon.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.fields, 5, "config loaded")
+            # Invalid: a token budget below max_num_seqs. The API's message appears inline.
+            await pilot.press("t")
+            form = await wait_until(
+                pilot, lambda: isinstance(app.screen, TuneScreen) and app.screen
+            )
+            form.query_one("#in-max_num_batched_tokens").value = "2"
+            await pilot.press("ctrl+s")
+            err = form.query_one("#err-max_num_batched_tokens")
+            await wait_until(pilot, lambda: "max_num_seqs" in str(err.render()), 10, "inline error")
+            assert ">= max_num_seqs (8)" in str(err.render())
+            fields = c.get("/admin/config").json()["fields"]
+            assert fields["engine.max_num_batched_tokens"]["value"] == 2048
+            assert fields["engine.max_num_seqs"]["value"] == 8
+            # Valid: max_num_seqs 8 -> 5.
+            form.query_one("#in-max_num_batched_tokens").value = "2048"
+            form.query_one("#in-max_num_seqs").value = "5"
+            await pilot.press("ctrl+s")
+            status = form.query_one("#tune-status")
+            await wait_until(pilot, lambda: "applied" in str(status.render()), 10, "applied")
+            assert "max_num_seqs = 5" in str(status.render())
+            assert str(err.render()) == ""
+            await pilot.press("escape")
+            # The engine sees it; the dashboard shows the new effective value from the stream.
+            await wait_until(
+                pilot, lambda: "/ 5 max_num_seqs" in screen_text(app), 10, "new max shown"
+            )
+            await wait_until(pilot, lambda: "engine.max_num_seqs" in screen_text(app), 10)
+
+    asyncio.run(main())
+    fields = c.get("/admin/config").json()["fields"]
+    assert fields["engine.max_num_seqs"] == {"value": 5, "source": "tui", "live": True}
+    assert c.get("/admin/stats").json()["max_num_seqs"] == 5
+    entry = c.get("/admin/config/history", params={"field": "engine.max_num_seqs"}).json()[
+        "changes"
+    ][0]
+    assert (entry["source"], entry["actor"], entry["old_value"], entry["new_value"]) == (
+        "tui",
+        "ops",
+        8,
+        5,
+    )
+    c.patch("/admin/config", json={"engine": {"max_num_seqs": 8}})
+
+
+def test_abort_selected_request_after_confirmation(daemon):
+    result: dict = {}
+
+    def long_request() -> None:
+        result["r"] = httpx.post(
+            daemon.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "long", "max_tokens": 900, "ignore_eos": True},
+        ).json()
+
+    t = threading.Thread(target=long_request)
+
+    async def main() -> None:
+        app = make_app(daemon.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.stats_received, 5)
+            t.start()
+            table = app.query_one(RequestsTable)
+            await wait_until(pilot, lambda: table.row_count == 1, 15, "the request in the table")
+            rid = table.selected_id()
+            table.focus()
+            await pilot.press("a")
+            await wait_until(pilot, lambda: "Abort request" in screen_text(app), 5)
+            await pilot.press("y")
+            await wait_until(pilot, lambda: "r" in result, 20, "the request ends")
+            assert result["r"]["choices"][0]["finish_reason"] == "abort"
+            assert rid and rid.startswith("cmpl")
+            # Drain and resume, each after a confirmation; "n" changes nothing.
+            await pilot.press("d")
+            await pilot.press("n")
+            await pilot.pause(0.2)
+            assert httpx.get(daemon.url + "/health").json().get("status") != "draining"
+            await pilot.press("d")
+            await pilot.press("y")
+            await wait_until(pilot, lambda: "draining" in screen_text(app), 10, "draining")
+            await pilot.press("r")
+            await pilot.press("y")
+            await wait_until(pilot, lambda: "serving" in screen_text(app), 10, "serving")
+
+    try:
+        asyncio.run(main())
+    finally:
+        t.join(60)
+
+
+def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
+    port = free_port()
+    first = start_daemon(tmp_path, tiny_model_dir, port)
+
+    async def main() -> None:
+        nonlocal first
+        app = make_app(first.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.connected, 5)
+            await asyncio.to_thread(first.stop)
+            await wait_until(pilot, lambda: "unreachable" in screen_text(app), 15, "unreachable")
+            assert "reconnecting" in screen_text(app)
+            second = await asyncio.to_thread(start_daemon, tmp_path, tiny_model_dir, port)
+            try:
+                await wait_until(pilot, lambda: app.connected, 20, "reconnected")
+                await wait_until(pilot, lambda: "reconnected" in screen_text(app), 5)
+                await wait_until(pilot, lambda: "state serving" in screen_text(app), 20)
+            finally:
+                await asyncio.to_thread(second.stop)
+
+    asyncio.run(main())
+
+
+def test_token_resolution(tmp_path):
+    assert resolve_token("t1", env={"CONTROLPLANE_ADMIN_TOKEN": "t2"}) == "t1"
+    assert resolve_token(None, env={"CONTROLPLANE_ADMIN_TOKEN": "t2"}) == "t2"
+    (tmp_path / "admin_token").write_text("t3\n")
+    assert resolve_token(None, env={"CONTROLPLANE_DATA_DIR": str(tmp_path)}) == "t3"
+    assert resolve_token(None, env={"CONTROLPLANE_DATA_DIR": str(tmp_path / "none")}) is None
+    parser = argparse.ArgumentParser()
+    add_tui_parser(parser.add_subparsers())
+    args = parser.parse_args(["tui", "--url", "http://h:1", "--token", "x"])
+    assert (args.url, args.token, args.func.__name__) == ("http://h:1", "x", "_cmd_tui")
+
+
+def test_wrong_token_is_reported_not_fatal(daemon):
+    async def main() -> None:
+        app = DashboardApp(daemon.url, "wrong-token-wrong-token", reconnect_max_s=0.5)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_until(pilot, lambda: "API error 401" in screen_text(app), 5, "401 shown")
+            assert "state unauthorized" in screen_text(app) and not app.connected
+            await pilot.press("t", "escape", "g", "a", "d", "n")  # nothing crashes
+
+    asyncio.run(main())
+
+
+# -- deterministic snapshots --------------------------------------------------------------------
+T0 = 1_795_000_000.0
+
+
+def fake_stats(i: int) -> dict[str, Any]:
+    return {
+        "state": "ready",
+        "model": "tiny-llama",
+        "uptime_s": 3723.0 + i,
+        "time": T0 + i,
+        "num_running": 6,
+        "num_waiting": 3,
+        "num_swapped": 0,
+        "queue_length": 3,
+        "kv_blocks_used": 412,
+        "kv_blocks_total": 1024,
+        "kv_usage_perc": 40.2,
+        "num_preemptions": 2 * i // 10,
+        "num_finished": 3 * i,
+        "step": 1000 + i,
+        "batch_fill_seqs": 0.75,
+        "batch_fill_tokens": 0.41,
+        "steps_in_window": 200,
+        "step_time_p50_ms": 11.5,
+        "step_time_p99_ms": 27.25,
+        "preemptions_in_window": 1,
+        "prefill_tokens_per_s": 800 + 300 * ((i * 7) % 11),
+        "decode_tokens_per_s": 1500 + 40 * ((i * 5) % 13),
+        "requests_in_flight": 9,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 2048,
+        "max_queue_len": 256,
+    }
+
+
+class FakeClient:
+    """Fixed payloads with AdminClient's async methods; for the snapshots only."""
+
+    async def aclose(self) -> None:
+        pass
+
+    async def events(self, interval: float = 0.5):
+        for i in range(60):
+            yield "stats", fake_stats(i * 5)
+        await asyncio.Event().wait()
+
+    async def config(self) -> dict[str, Any]:
+        def f(value: Any, source: str = "default") -> dict[str, Any]:
+            return {"value": value, "source": source, "live": True}
+
+        return {
+            "fields": {
+                "engine.max_num_seqs": f(8, "tui"),
+                "engine.max_num_batched_tokens": f(2048),
+                "engine.prefill_chunk_size": f(512),
+                "engine.preemption_mode": f("recompute"),
+            }
+        }
+
+    async def history(self, limit: int = 50) -> dict[str, Any]:
+        def e(i: int, t: str, src: str, actor: Any, field: str, old: Any, new: Any) -> dict:
+            return dict(
+                id=i, time=t, source=src, actor=actor, field=field, old_value=old, new_value=new
+            )
+
+        return {
+            "changes": [
+                e(2, "2026-11-18T09:41:05+00:00", "tui", "ops", "engine.max_num_seqs", 16, 8),
+                e(1, "2026-11-18T09:30:00+00:00", "file", None, "server.max_queue_len", 128, 256),
+            ]
+        }
+
+    async def requests(self) -> dict[str, Any]:
+        live = [
+            {
+                "id": f"cmpl-{i:04x}",
+                "state": "running" if i < 6 else "waiting",
+                "api_key_name": ["alice", "bob", None][i % 3],
+                "age_s": 1.5 * (9 - i),
+                "prompt_tokens": 20 + 7 * i,
+                "output_tokens": 100 - 9 * i,
+                "preemptions": 0,
+                "endpoint": "completions",
+            }
+            for i in range(9)
+        ]
+        return {"live": live, "finished": [], "next_cursor": None}
+
+    async def costs(self, since: str = "1h") -> dict[str, Any]:
+        totals = {"list_usd_per_mtok_completion": 0.6, "gpu_usd_per_mtok": 0.0412}
+        return {"columns": ["model", *totals], "rows": [], "totals": totals, "empty": False}
+
+    async def utilization(self, since: str = "1h") -> dict[str, Any]:
+        totals = {"mean_busy_fraction": 0.63, "mean_kv_usage": 0.38, "mean_gpu_power_w": None}
+        return {"columns": ["hour", *totals], "rows": [], "totals": totals, "empty": False}
+
+
+def fake_app() -> DashboardApp:
+    return DashboardApp("http://127.0.0.1:8000", "token", client=FakeClient(), clock=lambda: T0)
+
+
+async def loaded(pilot: Any) -> None:
+    app = pilot.app
+    await wait_until(
+        pilot,
+        lambda: app.stats_received == 60 and app.changes and app.costs and app.util,
+        10,
+        "fake data",
+    )
+    await pilot.pause(0.1)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+def test_snapshot_dashboard(snap_compare, size):
+    assert snap_compare(fake_app(), terminal_size=size, run_before=loaded)
+
+
+def test_snapshot_tune_form(snap_compare):
+    async def open_form(pilot: Any) -> None:
+        await loaded(pilot)
+        await pilot.press("t")
+        await pilot.pause(0.2)
+
+    assert snap_compare(fake_app(), terminal_size=(80, 24), run_before=open_form)
