@@ -11,6 +11,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer
 
 from controlplane.tui.client import AdminClient, APIError, ClientError
@@ -40,6 +41,13 @@ KEYS = [
     ("tab", "move focus between the tables"),
     ("q", "quit"),
 ]
+
+
+class _Gone:
+    """Stands in for a dashboard widget that no longer exists (app shutting down)."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
 
 
 class DashboardApp(App[None]):
@@ -124,8 +132,15 @@ class DashboardApp(App[None]):
             await self.client.aclose()
 
     def w(self, cls: type[Any]) -> Any:
-        """A dashboard widget, whatever modal screen is on top."""
-        return self.screen_stack[0].query_one(cls)
+        """A dashboard widget, whatever modal screen is on top.
+
+        While the app shuts down its widgets are removed before its workers stop: a worker
+        that updates one then gets a stand-in whose methods do nothing, instead of crashing.
+        """
+        try:
+            return self.screen_stack[0].query_one(cls)
+        except (NoMatches, IndexError):
+            return _Gone()
 
     def refresh_header(self) -> None:
         self.w(HeaderBar).show(self.url, self.stats, self.connected, self.note, self.down_state)

@@ -93,7 +93,9 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
                 yield Button("Close (esc)", id="close")
 
     def on_mount(self) -> None:
-        self.query_one(f"#in-{TUNABLE[0]}", Input).focus()
+        first = self.query_one(f"#in-{TUNABLE[0]}", Input)
+        first.focus()
+        first.select_all()  # typing replaces the current value
 
     def changes(self) -> dict[str, Any]:
         body: dict[str, Any] = {}
