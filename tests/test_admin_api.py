@@ -443,6 +443,18 @@ def test_metrics_parse_and_move_under_load(admin, tmp_path):
     assert load["requests_ok"] == 12
     st = httpx.get(d.url + "/admin/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert st["requests_finished_in_window"] >= 12 and st["ttft_p50_ms"] > 0
+    mapped = httpx.get(
+        d.url + "/admin/stats",
+        params={"block_map": 16},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ).json()["kv_block_map"]
+    assert len(mapped) == 16 and all(0.0 <= f <= 1.0 for f in mapped)
+    bad = httpx.get(
+        d.url + "/admin/stats",
+        params={"block_map": 2},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "block_map"
     assert st["itl_p99_ms"] >= st["itl_p50_ms"] > 0
     for name in (
         "controlplane:prompt_tokens_total",

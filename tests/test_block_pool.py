@@ -36,3 +36,14 @@ def test_misuse_is_an_error_not_a_corruption():
     with pytest.raises(ValueError, match="released more often than it was held"):
         pool.release(b)
     assert pool.num_free == 2
+
+
+def test_occupancy_map():
+    pool = BlockPool(8)
+    assert pool.occupancy(4) == [0.0, 0.0, 0.0, 0.0]
+    held = pool.allocate(3)  # blocks 0, 1, 2 (the free list is FIFO)
+    assert held == [0, 1, 2]
+    assert pool.occupancy(4) == [1.0, 0.5, 0.0, 0.0]
+    assert pool.occupancy(100) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # at most one per block
+    pool.release(held)
+    assert pool.occupancy(2) == [0.0, 0.0]

@@ -95,6 +95,9 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
             text = screen_text(app)
             assert f"/ {api_stats['max_num_seqs']} max_num_seqs" in text
             assert f"/ {api_stats['kv_blocks_total']}" in text
+            await wait_until(pilot, lambda: "map " in screen_text(app), 10, "KV block map")
+            kv_map = screen_text(app).split("map ", 1)[1].split()[0]
+            assert set(kv_map) & set("▁▂▃▄▅▆▇█"), kv_map  # the blocks in use show up
             assert api_stats["model"] in text and "serving" in text
             shown = app.stats["num_running"]
             assert f"running {shown} /" in text and 0 < shown <= api_stats["max_num_seqs"]
@@ -329,6 +332,9 @@ class FakeClient:
                 e(1, "2026-11-18T09:30:00+00:00", "file", None, "server.max_queue_len", 128, 256),
             ]
         }
+
+    async def block_map(self, buckets: int = 48) -> list[float]:
+        return [((i * 7) % 9) / 8 for i in range(buckets)]
 
     async def requests(self) -> dict[str, Any]:
         live = [

@@ -86,8 +86,15 @@ def admin_router(daemon: Daemon) -> Router:
         return {"changes": entries}
 
     @get("/stats", summary="Engine and queue statistics (10 s window)")
-    async def stats() -> dict[str, Any]:
-        return daemon.stats_payload()
+    async def stats(block_map: FromQuery[int | None] = None) -> dict[str, Any]:
+        body = daemon.stats_payload()
+        if block_map is not None:
+            if not 8 <= block_map <= 1024:
+                raise _unprocessable("block_map", f"must be in [8, 1024] buckets, got {block_map}")
+            pool = daemon.aengine.engine.block_pool if daemon.aengine else None
+            # Fraction in use per range of block ids: a compact map of the KV cache.
+            body["kv_block_map"] = pool.occupancy(block_map) if pool else []
+        return body
 
     @get("/events", summary="Server-Sent Events: stats snapshots and config changes")
     async def events(interval: FromQuery[float | None] = None) -> ServerSentEvent:

@@ -6,6 +6,7 @@ when its last holder lets go.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 
@@ -26,6 +27,18 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    def occupancy(self, buckets: int) -> list[float]:
+        """Fraction of blocks in use in each of `buckets` equal ranges of block ids: a compact
+        map of the cache for dashboards. Reads the counts without locking (a snapshot that may
+        be one step stale, never inconsistent in length)."""
+        counts = self.ref_counts
+        n = len(counts)
+        buckets = max(1, min(buckets, n))
+        edges = [n * i // buckets for i in range(buckets + 1)]
+        return [
+            sum(1 for c in counts[lo:hi] if c) / (hi - lo) for lo, hi in itertools.pairwise(edges)
+        ]
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)

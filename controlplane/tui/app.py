@@ -265,9 +265,11 @@ class DashboardApp(App[None]):
     async def fetch_requests(self) -> None:
         try:
             live = (await self.client.requests()).get("live") or []
+            occupancy = await self.client.block_map()
         except ClientError:
             return
         self.w(RequestsTable).show(live)
+        self.w(KVPanel).show_map(occupancy)
 
     @work(exclusive=True, group="reports")
     async def poll_reports(self) -> None:

@@ -63,6 +63,11 @@ class AdminClient:
     async def stats(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/stats")
 
+    async def block_map(self, buckets: int = 48) -> list[float]:
+        """Fraction of KV blocks in use per range of block ids."""
+        body = await self._request("GET", "/admin/stats", params={"block_map": buckets})
+        return body.get("kv_block_map") or []
+
     async def config(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/config")
 

@@ -115,7 +115,15 @@ class KVPanel(Panel):
     def compose(self) -> ComposeResult:
         yield Static(id="kv-label")
         yield ProgressBar(total=100, show_eta=False, id="kv-bar")
+        yield Static(id="kv-map")
         yield Static(id="kv-preempt")
+
+    def show_map(self, occupancy: list[float]) -> None:
+        """One character per range of block ids, from empty (space) to full (█)."""
+        levels = " ▁▂▃▄▅▆▇█"
+        # Any block in use shows at least the lowest level: a big, lightly used cache stays visible.
+        cells = "".join(levels[0 if f <= 0 else max(1, min(8, round(f * 8)))] for f in occupancy)
+        self.query_one("#kv-map", Static).update(f"map [reverse]{cells}[/]" if cells else "")
 
     def show(self, stats: dict[str, Any], hist: StatsHistory) -> None:
         used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
