@@ -140,3 +140,16 @@ def engine(db_url: str) -> Iterator[Any]:
     eng = make_engine(db_url)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture(autouse=True)
+def _reap_daemons() -> Iterator[None]:
+    """Kill daemon subprocesses a test left running (say, after a failed assertion)."""
+    yield
+    from tests.daemon_util import STARTED
+
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

@@ -45,6 +45,11 @@ def write_config(
     return path
 
 
+# Every daemon subprocess a test started: conftest kills the ones still alive after each test,
+# so a failing assertion never leaves a daemon running.
+STARTED: list[subprocess.Popen] = []
+
+
 @dataclass
 class DaemonProcess:
     config: Path
@@ -68,6 +73,7 @@ class DaemonProcess:
             env=env,
         )
         d = cls(config, proc)
+        STARTED.append(proc)
         d._reader = threading.Thread(target=d._pump, daemon=True)
         d._reader.start()
         d.wait_for("listening on", timeout)
