@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 from litestar.connection import ASGIConnection
@@ -50,20 +51,30 @@ def resolve_tokens(
     return [AdminToken("local", path.read_text().strip())], path
 
 
+def match_bearer(authorization: str | None, secrets: Sequence[bytes]) -> int | None:
+    """Index of the secret an `Authorization: Bearer <secret>` header carries, or None.
+
+    Every secret is compared, in constant time, so timing says nothing about which matched.
+    """
+    if not authorization or authorization[:7].lower() != "bearer ":
+        return None
+    given = authorization[7:].strip().encode()
+    found = None
+    for i, secret in enumerate(secrets):
+        if hmac.compare_digest(given, secret):
+            found = i
+    return found
+
+
 class AdminAuth:
     def __init__(self, tokens: list[AdminToken]) -> None:
-        self._tokens = [(t.name, t.token.encode()) for t in tokens]
+        self._names = [t.name for t in tokens]
+        self._secrets = [t.token.encode() for t in tokens]
 
     def actor(self, authorization: str | None) -> str | None:
-        """The token's name, or None. Every configured token is compared, in constant time."""
-        if not authorization or authorization[:7].lower() != "bearer ":
-            return None
-        given = authorization[7:].strip().encode()
-        found = None
-        for name, token in self._tokens:
-            if hmac.compare_digest(given, token):
-                found = name
-        return found
+        """The token's name, or None."""
+        i = match_bearer(authorization, self._secrets)
+        return None if i is None else self._names[i]
 
     def guard(self, connection: ASGIConnection, _: BaseRouteHandler) -> None:
         actor = self.actor(connection.headers.get("authorization"))

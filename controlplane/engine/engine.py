@@ -107,11 +107,9 @@ class Engine:
         model_dir = Path(s.model)
         self.model_config = cfg = load_model_config(model_dir)
         self.device = resolve_device(s.device)
-        self.dtype = (
-            _DTYPES[cfg.torch_dtype if s.dtype == "auto" else s.dtype]
-            if (s.dtype != "auto" or cfg.torch_dtype in _DTYPES)
-            else torch.float32
-        )
+        # "auto": the checkpoint's dtype (float32 if it names one we don't run); explicit
+        # values were validated against DTYPES.
+        self.dtype = _DTYPES.get(cfg.torch_dtype if s.dtype == "auto" else s.dtype, torch.float32)
         limit = cfg.max_position_embeddings
         if cfg.sliding_window is not None and cfg.sliding_window < limit:
             # Full attention equals sliding-window attention while sequences fit the window.
@@ -306,7 +304,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             return self._finish(seq, reason, now, [token], [lp], flush=not stop_string)
-        return self._output(seq, [token], [lp], finished=False)
+        return self._output(seq, [token], [lp], now, finished=False)
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, new_chars: int) -> bool:
@@ -334,10 +332,15 @@ class Engine:
         self.scheduler.remove(seq)
         del self.requests[seq.request_id]
         self._num_finished += 1
-        return self._output(seq, new, lps, finished=True)
+        return self._output(seq, new, lps, now, finished=True)
 
     def _output(
-        self, seq: Sequence, new: list[int], lps: list[TokenLogprobs | None], finished: bool
+        self,
+        seq: Sequence,
+        new: list[int],
+        lps: list[TokenLogprobs | None],
+        now: float,
+        finished: bool,
     ) -> RequestOutput:
         # Hold back text that could still turn out to be the start of a stop string.
         release = len(seq.output_text)
@@ -356,7 +359,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
             logprobs=lps if seq.params.logprobs is not None else [],
-            time=time.time(),
+            time=now,
         )
 
     # -- stats ----------------------------------------------------------------------------

@@ -78,8 +78,7 @@ class InferenceAPI:
                 param="model",
                 code="model_not_found",
             )
-        stats = d.aengine.stats()
-        waiting = max(0, d.aengine.num_unfinished - stats.num_running)
+        waiting = d.queue_length()
         limit = d.cfg.server.max_queue_len
         if waiting >= limit:
             raise APIError(

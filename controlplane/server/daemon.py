@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import itertools
 import logging
 import os
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from controlplane.admin_api.auth import AdminAuth, resolve_tokens
+from controlplane.admin_api.auth import AdminAuth, match_bearer, resolve_tokens
 from controlplane.admin_api.metrics import Metrics
 from controlplane.admin_api.stats import percentile, summarize
 from controlplane.config import ApiKey, Config, demo_model_path, read_toml
@@ -114,15 +113,9 @@ class Daemon:
         return self.state == READY and self.aengine is not None and self.aengine.is_running
 
     def authenticate(self, authorization: str | None) -> tuple[ApiKey, str] | None:
-        """The matching key and its hash; compared in constant time against every key."""
-        if not authorization or not authorization.lower().startswith("bearer "):
-            return None
-        given = authorization[7:].strip().encode()
-        found = None
-        for key, digest in self._keys:
-            if hmac.compare_digest(given, key.key.encode()):
-                found = (key, digest)
-        return found
+        """The matching key and its hash (see match_bearer: constant time, every key compared)."""
+        i = match_bearer(authorization, [key.key.encode() for key, _ in self._keys])
+        return None if i is None else self._keys[i]
 
     def record(self, rec: RequestRecord) -> None:
         if rec.status == "running":
@@ -206,18 +199,24 @@ class Daemon:
             self._broadcast({"type": "state", "state": self.state, "actor": actor})
 
     # -- admin: visibility ----------------------------------------------------------------------
+    def queue_length(self) -> int:
+        """Requests accepted but not running (as of the engine's last step)."""
+        if self.aengine is None:
+            return 0
+        return max(0, self.aengine.num_unfinished - self.aengine.stats().num_running)
+
     def stats_payload(self) -> dict[str, Any]:
         s = self.cfg.engine
+        now = time.time()
         steps = self.aengine.recent_steps() if self.aengine else []
         body = summarize(
             steps,
-            now=time.time(),
+            now=now,
             window_s=10.0,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
         )
-        running = self.aengine.stats().num_running if self.aengine else 0
-        recent = [item for item in self._latencies if item[0] > time.time() - 60.0]
+        recent = [item for item in self._latencies if item[0] > now - 60.0]
         ttfts = [t for _, t, _ in recent if t is not None]
         gaps = [g for _, _, gs in recent for g in gs]
 
@@ -235,10 +234,10 @@ class Daemon:
         body.update(
             state=self.state if self.state != READY or self.healthy else DEAD,
             model=self.model_name or None,
-            uptime_s=round(time.time() - self.started_at, 3),
-            time=time.time(),
+            uptime_s=round(now - self.started_at, 3),
+            time=now,
             requests_in_flight=self.aengine.num_unfinished if self.aengine else 0,
-            queue_length=max(0, (self.aengine.num_unfinished if self.aengine else 0) - running),
+            queue_length=self.queue_length(),
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_queue_len=self.cfg.server.max_queue_len,

@@ -101,7 +101,7 @@ class Jobs:
             model=d.model_name,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
-            queue_length=d.stats_payload()["queue_length"],
+            queue_length=d.queue_length(),
             flops_per_token=eng.model_config.flops_per_token(),
         )
         try:
