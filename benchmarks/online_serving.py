@@ -1,28 +1,36 @@
-"""Online serving: the daemon under Poisson load, with SQL request recording on and off.
+"""Online serving: the daemon under Poisson load, with SQL request recording (and its crash
+journal) on and off.
 
 What is measured
 ----------------
-For every combination of arrival rate (``--rates``, default 2 and 6 req/s) and request recording
-(``[store] record_requests = true`` / ``false``), a fresh daemon is started as a subprocess,
+For every combination of arrival rate (``--rates``, default 2 and 6 req/s) and recording mode
+(``--modes``, default all three: ``journal`` = ``[store] record_requests = true, journal = true``,
+the default; ``sql`` = recording without the journal, ``journal = false``; ``off`` =
+``record_requests = false``), a fresh daemon is started as a subprocess,
 
     python -m controlplane serve --config CFG --port P
 
 with CFG a temporary TOML file (fresh ``data_dir`` per daemon, so every run starts with an empty
-database; ``[engine]`` model = the ``small`` demo model, ``dtype = "bfloat16"``, ``max_num_seqs =
+database; ``[engine]`` model = the ``small`` demo model, ``dtype = "auto"``, ``max_num_seqs =
 16``). Once ``GET /health`` answers 200 a few warmup requests are sent (not measured), then
 ``controlplane.loadgen.run_load`` drives it: ``--requests`` (64) streaming completions, prompts of
 ``--prompt-len`` (32-256) random token ids, ``--output-len`` (16-128) tokens with EOS ignored,
-Poisson arrivals at the rate, workload seed ``--seed + repeat`` (the same for recording on and
-off). The daemon is then stopped with SIGTERM. Combinations are interleaved within each repeat
-(the on/off order alternates between rates and repeats) and the whole set runs ``--repeats``
-(2) times; medians over the repeats are reported.
+Poisson arrivals at the rate, workload seed ``--seed + repeat`` (the same for every mode). The
+daemon is then stopped with SIGTERM. Combinations are interleaved within each repeat (the order
+of the modes rotates between rates and repeats) and the whole set runs ``--repeats`` (2) times;
+medians over the repeats are reported.
 
 Figures, per combination: output tokens/s (completion tokens from ``usage`` / wall time from the
 first send to the last completion), requests/s, TTFT p50/p99, ITL p50/p99 (gaps between streamed
-chunks) and failed requests. Per rate: the **recording overhead** = 1 - (tok/s with recording /
-tok/s without), target < 2%. Below saturation the output throughput follows the offered load
+chunks) and failed requests. Per rate: the **recording overhead** of each recording mode = 1 -
+(tok/s of the mode / tok/s with ``off``), target < 2%, and the journal's own cost = 1 - (tok/s
+``journal`` / tok/s ``sql``). Below saturation the output throughput follows the offered load
 (rate x mean output length, printed as ``offered``), so a throughput overhead near 0 there says
-little; the ITL p50 ratio (with / without) is printed beside it for that reason.
+little; the ITL p50 ratio is printed beside it for that reason.
+
+Before the runs, the journal's cost per record is also timed in-process, where it is not lost in
+the noise: ``Recorder.submit`` of ``--submit-records`` records into a SQLite file, with and
+without the journal (microseconds per record, median of 5).
 
 These are figures to read, never timed assertions: the machine is shared and noisy; the
 daemon and this load generator share its CPUs.
@@ -62,6 +70,7 @@ from controlplane.loadgen import LoadConfig, LoadSummary, parse_range, run_load
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "small"
 TARGET_OVERHEAD = 0.02
+MODES = ("journal", "sql", "off")
 
 
 def log(msg: str) -> None:
@@ -84,7 +93,7 @@ def _toml_str(value: str) -> str:
 
 
 def write_config(
-    path: Path, data_dir: Path, port: int, record: bool, model_dir: Path, args: argparse.Namespace
+    path: Path, data_dir: Path, port: int, mode: str, model_dir: Path, args: argparse.Namespace
 ) -> None:
     path.write_text(
         f"data_dir = {_toml_str(str(data_dir))}\n"
@@ -92,7 +101,8 @@ def write_config(
         'host = "127.0.0.1"\n'
         f"port = {port}\n"
         "\n[store]\n"
-        f"record_requests = {'true' if record else 'false'}\n"
+        f"record_requests = {'false' if mode == 'off' else 'true'}\n"
+        f"journal = {'true' if mode == 'journal' else 'false'}\n"
         "\n[engine]\n"
         f"model = {_toml_str(str(model_dir))}\n"
         f"dtype = {_toml_str(args.dtype)}\n"
@@ -150,12 +160,12 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(workdir: Path, record: bool, model_dir: Path, args: argparse.Namespace) -> Daemon:
+def start_daemon(workdir: Path, mode: str, model_dir: Path, args: argparse.Namespace) -> Daemon:
     port = free_port()
     data_dir = workdir / "data"
     data_dir.mkdir(parents=True)
     cfg = workdir / "config.toml"
-    write_config(cfg, data_dir, port, record, model_dir, args)
+    write_config(cfg, data_dir, port, mode, model_dir, args)
     log_path = workdir / "daemon.log"
     # The config file alone decides: drop CONTROLPLANE_* overrides inherited from the shell.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
@@ -180,7 +190,7 @@ def start_daemon(workdir: Path, record: bool, model_dir: Path, args: argparse.Na
 @dataclass
 class Run:
     rate: float
-    record: bool
+    mode: str  # journal | sql | off
     repeat: int
     startup_s: float = 0.0
     daemon_exit_code: int | None = None
@@ -209,12 +219,10 @@ METRICS = (
 )
 
 
-def run_one(
-    rate: float, record: bool, repeat: int, model_dir: Path, args: argparse.Namespace
-) -> Run:
-    run = Run(rate=rate, record=record, repeat=repeat)
+def run_one(rate: float, mode: str, repeat: int, model_dir: Path, args: argparse.Namespace) -> Run:
+    run = Run(rate=rate, mode=mode, repeat=repeat)
     with tempfile.TemporaryDirectory(prefix="cp-online-") as tmp:
-        daemon = start_daemon(Path(tmp), record, model_dir, args)
+        daemon = start_daemon(Path(tmp), mode, model_dir, args)
         try:
             try:
                 run.startup_s = daemon.wait_healthy(args.startup_timeout)
@@ -272,14 +280,24 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def _overhead(mine: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """1 - tok/s(mine) / tok/s(base), and the ITL p50 ratio mine / base."""
+    overhead = itl_ratio = None
+    if mine["output_throughput"] and base["output_throughput"]:
+        overhead = 1 - mine["output_throughput"] / base["output_throughput"]
+    if mine["itl_ms_p50"] and base["itl_ms_p50"]:
+        itl_ratio = mine["itl_ms_p50"] / base["itl_ms_p50"]
+    return {"overhead": overhead, "itl_p50_ratio": itl_ratio}
+
+
 def report(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
     mean_out = (args.output_len[0] + args.output_len[1]) / 2
     combos: list[dict[str, Any]] = []
     for rate in args.rates:
-        for record in (True, False):
-            mine = [r for r in runs if r.rate == rate and r.record == record]
+        for mode in args.modes:
+            mine = [r for r in runs if r.rate == rate and r.mode == mode]
             med = {m: _median([r.metric(m) for r in mine]) for m in METRICS}
-            combos.append({"rate": rate, "record_requests": record, "medians": med})
+            combos.append({"rate": rate, "mode": mode, "medians": med})
 
     header = (
         f"{'rate':>5} {'recording':>9} {'offered':>8} {'tok/s':>8} {'req/s':>6} "
@@ -290,7 +308,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
     for c in combos:
         m = c["medians"]
         log(
-            f"{c['rate']:>5g} {'on' if c['record_requests'] else 'off':>9} "
+            f"{c['rate']:>5g} {c['mode']:>9} "
             f"{c['rate'] * mean_out:>8.0f} {_fmt(m['output_throughput']):>8} "
             f"{_fmt(m['request_throughput'], '.2f'):>6} {_fmt(m['ttft_ms_p50']):>9} "
             f"{_fmt(m['ttft_ms_p99']):>9} {_fmt(m['itl_ms_p50']):>8} {_fmt(m['itl_ms_p99']):>8} "
@@ -298,29 +316,78 @@ def report(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
         )
     log("(medians over repeats; latencies in ms; offered = rate x mean output length, tok/s)")
 
+    # (mode, baseline) pairs: recording against no recording, and the journal against SQL alone.
+    pairs = [(m, "off") for m in ("journal", "sql") if m in args.modes and "off" in args.modes]
+    if "journal" in args.modes and "sql" in args.modes:
+        pairs.append(("journal", "sql"))
     overheads: list[dict[str, Any]] = []
-    log(f"\nrecording overhead = 1 - tok/s(on) / tok/s(off), target < {TARGET_OVERHEAD:.0%}")
+    log(f"\noverhead = 1 - tok/s(mode) / tok/s(baseline); recording target < {TARGET_OVERHEAD:.0%}")
     for rate in args.rates:
-        on, off = (
-            next(c["medians"] for c in combos if c["rate"] == rate and c["record_requests"] is r)
-            for r in (True, False)
-        )
-        overhead = itl_ratio = None
-        if on["output_throughput"] and off["output_throughput"]:
-            overhead = 1 - on["output_throughput"] / off["output_throughput"]
-        if on["itl_ms_p50"] and off["itl_ms_p50"]:
-            itl_ratio = on["itl_ms_p50"] / off["itl_ms_p50"]
-        verdict = (
-            "n/a" if overhead is None else ("ok" if overhead < TARGET_OVERHEAD else "ABOVE TARGET")
-        )
-        log(
-            f"  rate {rate:g}: overhead {_fmt(None if overhead is None else overhead * 100, '+.2f')}%"
-            f" ({verdict}), ITL p50 on/off {_fmt(itl_ratio, '.3f')}"
-        )
-        overheads.append(
-            {"rate": rate, "overhead": overhead, "itl_p50_ratio": itl_ratio, "verdict": verdict}
-        )
+        med = {c["mode"]: c["medians"] for c in combos if c["rate"] == rate}
+        for mode, base in pairs:
+            o = _overhead(med[mode], med[base])
+            verdict = (
+                "n/a"
+                if o["overhead"] is None
+                else ("ok" if o["overhead"] < TARGET_OVERHEAD else "ABOVE TARGET")
+            )
+            pct = None if o["overhead"] is None else o["overhead"] * 100
+            log(
+                f"  rate {rate:g}: {mode} vs {base}: {_fmt(pct, '+.2f')}% ({verdict}), "
+                f"ITL p50 ratio {_fmt(o['itl_p50_ratio'], '.3f')}"
+            )
+            overheads.append(
+                {"rate": rate, "mode": mode, "baseline": base, **o, "verdict": verdict}
+            )
     return {"combinations": combos, "overhead": overheads}
+
+
+def measure_submit_cost(records: int, repeats: int = 5) -> dict[str, float]:
+    """Microseconds per `Recorder.submit` (median of `repeats`), without and with the journal:
+    the journal's cost where it is not lost in the noise of a serving run."""
+    from datetime import UTC, datetime
+
+    from controlplane.config import StoreSettings
+    from controlplane.store import Recorder, RequestRecord, upgrade
+
+    def one(tmp: Path, journal: bool, rep: int) -> float:
+        url = f"sqlite:///{tmp / f'{journal}-{rep}.db'}"
+        upgrade(url)
+        settings = StoreSettings(buffer_max_records=10 * records)
+        rec = Recorder(url, settings, journal_dir=tmp / f"journal-{rep}" if journal else None)
+        now = datetime.now(UTC)
+        recs = [
+            RequestRecord(
+                id=f"cmpl-{rep}-{i:08d}{'0' * 24}",
+                instance_id="cp-bench",
+                model="demo-small",
+                endpoint="completions",
+                status="running" if i % 2 == 0 else "success",
+                arrival_time=now,
+                api_key_hash="0" * 64,
+                prompt_tokens=100,
+                completion_tokens=0 if i % 2 == 0 else 64,
+            )
+            for i in range(records)
+        ]
+        t0 = time.perf_counter()
+        for r in recs:
+            rec.submit(r)
+        elapsed = time.perf_counter() - t0
+        rec.close(60)
+        return elapsed / records * 1e6
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="cp-submit-") as tmp:
+        for journal in (False, True):
+            key = "journal" if journal else "sql"
+            out[key] = statistics.median(one(Path(tmp), journal, rep) for rep in range(repeats))
+    log(
+        f"Recorder.submit: {out['sql']:.2f} us/record without the journal, {out['journal']:.2f} "
+        f"us/record with it (+{out['journal'] - out['sql']:.2f} us; {records} records, median of "
+        f"{repeats})"
+    )
+    return out
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -348,6 +415,13 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected distinct modes among {MODES}, got {text!r}")
+    return modes
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -355,6 +429,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--rates", type=_rates, default="2,6", help="comma-separated arrival rates, req/s"
+    )
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        default="journal,sql,off",
+        help="recording modes to compare: journal (the default config), sql (no journal), off",
+    )
+    p.add_argument(
+        "--submit-records",
+        type=int,
+        default=20000,
+        help="records for the in-process Recorder.submit timing (0: skip it)",
     )
     p.add_argument("--repeats", type=int, default=2, help="repeats of the whole set (medians)")
     p.add_argument("--requests", type=int, default=64, help="measured requests per run")
@@ -380,7 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_MODEL_DIR,
         help="small demo model, written if missing",
     )
-    p.add_argument("--dtype", default="bfloat16", help="[engine] dtype")
+    p.add_argument(
+        "--dtype", default="auto", help="[engine] dtype (auto: bf16 only with native bf16)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16, help="[engine] max_num_seqs")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for /health")
     p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds after SIGTERM")
@@ -405,15 +493,16 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output "
         f"{args.output_len[0]}-{args.output_len[1]}, {args.repeats} repeats, cpus {os.cpu_count()}"
     )
+    submit_cost = measure_submit_cost(args.submit_records) if args.submit_records > 0 else None
     runs: list[Run] = []
     for repeat in range(args.repeats):
         for i, rate in enumerate(args.rates):
-            order = (True, False) if (repeat + i) % 2 == 0 else (False, True)
-            for record in order:
-                tag = f"[repeat {repeat + 1}/{args.repeats}] rate {rate:g} recording {'on' if record else 'off'}"
+            k = (repeat + i) % len(args.modes)
+            for mode in args.modes[k:] + args.modes[:k]:
+                tag = f"[repeat {repeat + 1}/{args.repeats}] rate {rate:g} recording {mode}"
                 log(f"{tag}: starting daemon ...")
                 try:
-                    run = run_one(rate, record, repeat, model_dir, args)
+                    run = run_one(rate, mode, repeat, model_dir, args)
                 except DaemonError as exc:
                     log(f"{tag}: FAILED: {exc}")
                     return 1
@@ -430,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "config": {
                 "rates": args.rates,
+                "modes": args.modes,
                 "repeats": args.repeats,
                 "requests": args.requests,
                 "prompt_len": list(args.prompt_len),
@@ -442,10 +532,11 @@ def main(argv: list[str] | None = None) -> int:
                 "cpus": os.cpu_count(),
             },
             **result,
+            "submit_us_per_record": submit_cost,
             "runs": [
                 {
                     "rate": r.rate,
-                    "record_requests": r.record,
+                    "mode": r.mode,
                     "repeat": r.repeat,
                     "startup_s": r.startup_s,
                     "daemon_exit_code": r.daemon_exit_code,

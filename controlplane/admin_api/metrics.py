@@ -64,8 +64,16 @@ __all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetricsLike"]
 
 log = logging.getLogger(__name__)
 
+# The exposition's media type without its charset: the HTTP response appends "; charset=utf-8"
+# to every text/* type itself, and prometheus_client's CONTENT_TYPE_LATEST already ends in one
+# (passing it on unchanged sent the charset twice).
+MEDIA_TYPE = "; ".join(
+    part for part in CONTENT_TYPE_LATEST.split("; ") if not part.startswith("charset=")
+)
+
 PREFIX = "controlplane:"
-FINISH_REASONS = ("stop", "length", "abort")
+# "error": one request failed inside the engine, which kept serving the others.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 CONFIG_SOURCES = ("default", "file", "env", "api", "tui")
 
 # vLLM v1 (vllm/v1/metrics/loggers.py, PrometheusStatLogger) bucket boundaries.
@@ -336,8 +344,8 @@ class Metrics:
     ) -> None:
         """Record one finished request.
 
-        ``finish_reason`` labels ``request_success_total`` (stop | length | abort; as in vLLM,
-        aborted requests are counted there too). Latencies that are None (never scheduled, no
+        ``finish_reason`` labels ``request_success_total`` (stop | length | abort | error; as in vLLM,
+        aborted and failed requests are counted there too). Latencies that are None (never scheduled, no
         token) are not observed. ``token_times``: the time of each output token; each gap
         between consecutive tokens is one inter-token-latency observation. Without it,
         ``mean_itl`` is observed ``num_output_tokens - 1`` times.
@@ -390,5 +398,6 @@ class Metrics:
 
     # -- exposition -----------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The Prometheus text exposition (UTF-8) and its media type, without the charset (see
+        MEDIA_TYPE)."""
+        return generate_latest(self.registry), MEDIA_TYPE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -13,11 +13,22 @@ from litestar.params import FromPath, FromQuery
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from controlplane.server.errors import APIError
+from controlplane.server.protocol import load_json, openapi_body
 
 if TYPE_CHECKING:
     from controlplane.server.daemon import Daemon
 
 KEEPALIVE_S = 15.0
+# Row ids and other integers bound into SQL: both databases store them as signed 64-bit.
+MAX_SQL_INT = (1 << 63) - 1
+# Report bounds a datetime can hold with room for the hour arithmetic around them.
+MIN_REPORT_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+MAX_REPORT_TIME = datetime(9999, 1, 1, tzinfo=UTC)
+CONFIG_PATCH_SCHEMA = {
+    "type": "object",
+    "minProperties": 1,
+    "description": 'fields to change, nested ({"engine": {"max_num_seqs": 16}}) or dotted',
+}
 
 
 def _unprocessable(param: str, message: str, status: int = 422) -> APIError:
@@ -36,19 +47,24 @@ def _time_param(name: str, value: str | None) -> datetime | None:
         raise _unprocessable(name, str(exc).split(": ", 1)[-1]) from None
 
 
-def admin_router(daemon: Daemon) -> Router:
+def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = None) -> Router:
+    """`finished(request_id)`: how a recently finished request ended (None: unknown), so that
+    aborting it answers 409 rather than 404."""
     from controlplane.server.live_config import ConfigChangeError
 
     @get("/config", summary="Effective settings: value, source and live-tunability of every field")
     async def get_config() -> dict[str, Any]:
         return {"fields": daemon.live.describe()}
 
-    @patch("/config", status_code=200, summary="Change live settings (all or nothing)")
+    @patch(
+        "/config",
+        status_code=200,
+        summary="Change live settings (all or nothing)",
+        operation_class=openapi_body(CONFIG_PATCH_SCHEMA),
+    )
     async def patch_config(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _unprocessable("body", f"is not valid JSON ({exc})", 400) from None
+        # 400 naming the field for malformed JSON, too deep, huge integers, lone surrogates.
+        body = load_json(await request.body())
         if not isinstance(body, dict) or not body:
             raise _unprocessable("body", "must be a non-empty JSON object of fields to change", 400)
         source = (
@@ -57,7 +73,7 @@ def admin_router(daemon: Daemon) -> Router:
         from controlplane.server.live_config import flatten_raw
 
         try:
-            changes = daemon.live.apply(flatten_raw(body), source, request.state.actor)
+            changes = await daemon.change_config(flatten_raw(body), source, request.state.actor)
         except ConfigChangeError as exc:
             raise _unprocessable(exc.field, exc.message, exc.status) from None
         return {
@@ -73,6 +89,8 @@ def admin_router(daemon: Daemon) -> Router:
     ) -> dict[str, Any]:
         if not 1 <= limit <= 1000:
             raise _unprocessable("limit", f"must be in [1, 1000], got {limit}")
+        if before_id is not None and not 1 <= before_id <= MAX_SQL_INT:
+            raise _unprocessable("before_id", f"must be in [1, {MAX_SQL_INT}], got {before_id}")
         from controlplane.store.audit import history
 
         entries = await asyncio.to_thread(
@@ -140,14 +158,23 @@ def admin_router(daemon: Daemon) -> Router:
         summary="Abort a running or waiting request",
     )
     async def abort(request_id: FromPath[str], request: Request) -> dict[str, Any]:
-        if not daemon.abort_request(request_id, request.state.actor):
+        if daemon.abort_request(request_id, request.state.actor):
+            return {"aborted": request_id}
+        ended = finished(request_id) if finished is not None else None
+        if ended is not None:
             raise APIError(
-                404,
-                f"request {request_id!r} is not in flight",
+                409,
+                f"request {request_id!r} already finished ({ended}): nothing to abort",
+                type="conflict",
                 param="request_id",
-                code="not_found",
+                code="already_finished",
             )
-        return {"aborted": request_id}
+        raise APIError(
+            404,
+            f"request {request_id!r} is not in flight",
+            param="request_id",
+            code="not_found",
+        )
 
     @post("/drain", status_code=200, summary="Stop admitting new requests; running ones finish")
     async def drain(request: Request) -> dict[str, Any]:
@@ -162,16 +189,34 @@ def admin_router(daemon: Daemon) -> Router:
     def _window(
         since: str | None, until: str | None, group_by: str, allowed: tuple[str, ...]
     ) -> tuple:
-        from controlplane.store.reports import parse_group_by, parse_time
+        from controlplane.store.reports import parse_group_by
 
         try:
-            start = parse_time("since", since or "24h")
-            end = parse_time("until", until) if until else datetime.now(UTC)
+            start = _report_time("since", since or "24h")
+            end = _report_time("until", until) if until else datetime.now(UTC)
             keys = parse_group_by(group_by, allowed)
         except ValueError as exc:
             param, _, message = str(exc).partition(": ")
             raise _unprocessable(param, message or str(exc)) from None
+        if start >= end:
+            raise _unprocessable(
+                "since", f"must be before until ({start.isoformat()} >= {end.isoformat()})"
+            )
         return start, end, keys
+
+    def _report_time(name: str, value: str) -> datetime:
+        from controlplane.store.reports import parse_time
+
+        try:
+            at = parse_time(name, value)
+        except OverflowError:  # "99999999d": before year 1
+            at = None
+        if at is None or not MIN_REPORT_TIME <= at <= MAX_REPORT_TIME:
+            raise ValueError(
+                f"{name}: {value!r} is out of range ({MIN_REPORT_TIME.date()} to "
+                f"{MAX_REPORT_TIME.date()})"
+            )
+        return at
 
     @get(
         "/costs",

@@ -162,10 +162,17 @@ class AsyncEngine:
         return self.engine.stats()
 
     def recent_steps(self, since_step: int = -1) -> list[StepStats]:
-        """Stats of the recent steps after `since_step`, oldest first (thread-safe copy)."""
+        """Stats of the recent steps after `since_step`, oldest first (thread-safe copy).
+
+        The latest snapshot always comes back, even when it is not after `since_step`: an abort
+        may have refreshed its gauges since the caller saw it (same step number, so a reader
+        that counts steps by number skips it, and takes its gauges; see `_publish_stats`).
+        """
         with self._recent_lock:
             steps = list(self._recent)
-        return [s for s in steps if s.step > since_step] if since_step >= 0 else steps
+        if since_step < 0:
+            return steps
+        return [s for s in steps if s.step > since_step] or steps[-1:]
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) in the step thread at the next step boundary and return its result.
@@ -205,7 +212,9 @@ class AsyncEngine:
                     prompt_ids, params, request_id = arg
                     try:
                         self.engine.add_request(prompt_ids, params, request_id)
-                    except ValueError as exc:
+                    except Exception as exc:  # that request fails; the engine goes on
+                        if not isinstance(exc, ValueError):
+                            log.exception("request %s failed at admission", request_id)
                         loop = self._loop
                         assert loop is not None
                         stream = self._streams.pop(request_id, None)
@@ -215,6 +224,7 @@ class AsyncEngine:
                     out = self.engine.abort(arg)
                     if out is not None:
                         outputs.append(out)
+                        self._publish_stats()  # its freed blocks show now, not a step later
                 elif cmd == "call":
                     fn, future = arg
                     try:
@@ -228,6 +238,17 @@ class AsyncEngine:
             pass
         return outputs
 
+    def _publish_stats(self) -> None:
+        """Put the engine's latest snapshot in the ring. After an abort it is the last step's
+        snapshot with refreshed gauges (same step number, same per-step figures): it replaces
+        that step's entry instead of adding one, so windows and counters see each step once."""
+        stats = self.engine.stats()
+        with self._recent_lock:
+            if self._recent and self._recent[-1].step == stats.step:
+                self._recent[-1] = stats
+            else:
+                self._recent.append(stats)
+
     def _run(self) -> None:
         loop = self._loop
         assert loop is not None
@@ -236,8 +257,7 @@ class AsyncEngine:
                 outputs = self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     outputs += self.engine.step()
-                    with self._recent_lock:
-                        self._recent.append(self.engine.stats())
+                    self._publish_stats()
                 if outputs:
                     loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:  # the engine is dead: tell every waiter, don't hang them

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,20 +20,26 @@ import torch
 from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.gguf.known import resolve_model_path
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
-from controlplane.engine.loader import load_model
+from controlplane.engine.loader import load_model, load_tokenizer
 from controlplane.engine.model.config import load_model_config
+from controlplane.engine.model.linear import auto_dtype
+from controlplane.engine.model.quant import MemoryUse, QuantConfig
 from controlplane.engine.runner import ModelRunner
 from controlplane.engine.sampler import Sampler, TokenLogprobs
 from controlplane.engine.sampling_params import SamplingParams
-from controlplane.engine.scheduler import Scheduler
+from controlplane.engine.scheduler import Scheduler, SchedulerOutput
 from controlplane.engine.sequence import RequestMetrics, Sequence
 from controlplane.engine.settings import EngineSettings, check, validate_changes
-from controlplane.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A failed forward pass fails the requests of that step and the engine goes on; this many
+# failed forwards in a row mean the device (not a request) is broken: step() raises, and
+# AsyncEngine declares the engine dead.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +83,11 @@ class RequestOutput:
         str  # released by this step (never a broken UTF-8 char, never part of a stop string)
     )
     finished: bool
-    finish_reason: str | None  # stop | length | abort
+    finish_reason: str | None  # stop | length | abort | error
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
     time: float = 0.0  # when this output was produced (time.time()): per-token latencies
+    error: str | None = None  # why, when finish_reason is "error" (the engine kept serving)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,12 +110,15 @@ class Engine:
         s = self._settings
         if not s.model:
             raise InvalidSettingError("model", "a model directory is required")
-        model_dir = Path(s.model)
+        model_dir = resolve_model_path(s.model)  # a directory, a .gguf file, or an alias
         self.model_config = cfg = load_model_config(model_dir)
         self.device = resolve_device(s.device)
-        # "auto": the checkpoint's dtype (float32 if it names one we don't run); explicit
-        # values were validated against DTYPES.
-        self.dtype = _DTYPES.get(cfg.torch_dtype if s.dtype == "auto" else s.dtype, torch.float32)
+        # Explicit values were validated against DTYPES; "auto" is what this device runs fast.
+        if s.dtype == "auto":
+            self.dtype, why = auto_dtype(cfg.torch_dtype, self.device)
+            log.info("dtype auto: %s (%s)", str(self.dtype).removeprefix("torch."), why)
+        else:
+            self.dtype = _DTYPES[s.dtype]
         limit = cfg.max_position_embeddings
         if cfg.sliding_window is not None and cfg.sliding_window < limit:
             # Full attention equals sliding-window attention while sequences fit the window.
@@ -118,9 +127,10 @@ class Engine:
         self.max_model_len = min(s.max_model_len or limit, limit)
 
         t0 = time.perf_counter()
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        quant = QuantConfig(s.quantization, s.quantization_group_size, s.quantize_lm_head)
         self.model = load_model(
-            model_dir, cfg, self.dtype, self.device, self.max_model_len, s.cpu_weight_packing
+            model_dir, cfg, self.dtype, self.device, self.max_model_len, s.cpu_weight_packing, quant
         )
         log.info(
             "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
@@ -144,6 +154,8 @@ class Engine:
         num_swap = s.swap_space_bytes // spec.bytes_per_block
         log.info("KV cache: %s; swap space: %d blocks", why, num_swap)
         self.kv_cache = KVCache(spec, num_blocks, num_swap, self.device)
+        self.memory = MemoryUse.of(self.model, spec, num_blocks, s.quantization, self.dtype)
+        log.info("memory: %s", self.memory.describe())
         self.block_pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap)
         self.scheduler = Scheduler(s, self.block_pool, self.swap_pool, s.block_size)
@@ -157,6 +169,7 @@ class Engine:
         self._pending: EngineSettings | None = None
         self._step = 0
         self._num_finished = 0
+        self._failed_steps = 0  # consecutive steps whose forward pass raised
         # Before the first step: all zeros (step 0 is this snapshot, not a step).
         self._stats = StepStats(0, time.time(), 0, 0, 0, 0, num_blocks, 0, 0, 0, 0.0, 0, 0)
 
@@ -192,6 +205,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidSettingError("prompt", f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidSettingError(
+                "stop_token_ids", f"token ids must be in [0, {vocab}) (the model's vocabulary)"
+            )
         if n >= self.max_model_len:
             raise InvalidSettingError(
                 "prompt",
@@ -231,7 +248,7 @@ class Engine:
             raise InvalidSettingError("request_id", f"{request_id!r} is already in flight")
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(params.torch_seed)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -249,7 +266,12 @@ class Engine:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        return self._finish(seq, "abort", time.time(), [], [])
+        out = self._finish(seq, "abort", time.time(), [], [])
+        # Publish the freed blocks and the removed request now: the next step may be long away
+        # (an idle engine takes none). Same step number and per-step figures, new gauges only,
+        # so nothing cumulative counts twice (see AsyncEngine._publish_stats).
+        self._stats = dataclasses.replace(self._stats, **self._gauges())
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -262,21 +284,98 @@ class Engine:
         sched = self.scheduler.schedule(now)
         outputs: list[RequestOutput] = []
         sampled = 0
+        prefill, decode = sched.num_prefill_tokens, sched.num_decode_tokens
         if not sched.is_empty:
-            logits, seqs = self.runner.execute(sched)
-            for item in sched.scheduled:
-                item.seq.num_computed_tokens += item.num_new_tokens
+            try:
+                logits, seqs = self.runner.execute(sched)
+            except Exception as exc:
+                outputs = self._fail_step(sched, exc)
+                seqs, prefill, decode = [], 0, 0  # nothing was computed
+            else:
+                self._failed_steps = 0
+                for item in sched.scheduled:
+                    item.seq.num_computed_tokens += item.num_new_tokens
             if seqs:
-                sampled = len(seqs)
-                tokens, logprobs = self.sampler(logits, seqs)
+                tokens, logprobs, errors = self._sample(logits, seqs)
+                sampled = len(seqs) - len(errors)
                 now = time.time()
-                for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-                    outputs.append(self._append(seq, token, lp, now))
+                for i, (seq, token, lp) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
+                    if i in errors:
+                        outputs.append(self._fail(seq, errors[i], now))
+                    else:
+                        outputs.append(self._append_or_fail(seq, token, lp, now))
         self._step += 1
-        self._stats = self._snapshot(
-            sched.num_prefill_tokens, sched.num_decode_tokens, sampled, time.perf_counter() - t0
-        )
+        self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
         return outputs
+
+    # -- failures: one request's fault ends that request, not the engine --------------------
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The forward pass raised: no one request is to blame, so every request whose KV this
+        step touched fails (its blocks are freed; their contents are unknown) and the engine
+        goes on. Call from inside the `except` block (the log takes the traceback from it)."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise RuntimeError(
+                f"{self._failed_steps} consecutive steps failed in the forward pass; last: {exc!r}"
+            ) from exc
+        hosts = {host for _, host in sched.swap_out}  # swapped out by this step's copy
+        failed = [item.seq for item in sched.scheduled]
+        failed += [seq for seq in self.scheduler.swapped if hosts & set(seq.swap_table)]
+        log.exception(
+            "step %d: forward pass failed (%d in a row); failing its requests: %s",
+            self._step + 1,
+            self._failed_steps,
+            ", ".join(seq.request_id for seq in failed),
+        )
+        now = time.time()
+        return [self._fail(seq, f"forward pass failed: {exc!r}", now) for seq in failed]
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, str]]:
+        """Sample the batch; should that raise, sample row by row so that only the rows that
+        fail on their own fail. Returns tokens, logprobs and {row: error message}.
+
+        Failures come from per-row arithmetic (penalties, filters) before any random draw, so
+        the retry draws what the batch would have for seeded requests."""
+        try:
+            tokens, lps = self.sampler(logits, seqs)
+            return tokens, lps, {}
+        except Exception as exc:
+            log.warning("batched sampling failed (%r); sampling row by row", exc)
+        tokens: list[int] = [0] * len(seqs)
+        lps: list[TokenLogprobs | None] = [None] * len(seqs)
+        errors: dict[int, str] = {}
+        for i, seq in enumerate(seqs):
+            try:
+                (tokens[i],), (lps[i],) = self.sampler(logits[i : i + 1], [seq])
+            except Exception as exc:
+                log.exception("request %s failed in sampling", seq.request_id)
+                errors[i] = f"sampling failed: {exc!r}"
+        return tokens, lps, errors
+
+    def _append_or_fail(
+        self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
+    ) -> RequestOutput:
+        try:
+            return self._append(seq, token, lp, now)
+        except Exception as exc:
+            log.exception(
+                "request %s failed after sampling (stop checks, detokenizer)", seq.request_id
+            )
+            return self._fail(seq, f"post-processing failed: {exc!r}", now)
+
+    def _fail(self, seq: Sequence, message: str, now: float) -> RequestOutput:
+        """Finish one request with reason `error`, whatever state its failure left it in."""
+        seq.finish_reason = "error"
+        seq.metrics.finish_time = now
+        if self.requests.get(seq.request_id) is seq:  # else it finished before it failed
+            self.scheduler.remove(seq)
+            del self.requests[seq.request_id]
+            self._num_finished += 1
+        out = self._output(seq, [], [], now, finished=True)
+        out.error = message
+        return out
 
     def _append(
         self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
@@ -363,28 +462,35 @@ class Engine:
         )
 
     # -- stats ----------------------------------------------------------------------------
-    def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:
+    def _gauges(self) -> dict[str, int]:
+        """The point-in-time fields of StepStats (and the cumulative counts read, not summed)."""
         sch = self.scheduler
+        return {
+            "num_running": len(sch.running),
+            "num_waiting": len(sch.waiting),
+            "num_swapped": len(sch.swapped),
+            "kv_blocks_used": self.block_pool.num_used,
+            "kv_blocks_total": self.block_pool.num_blocks,
+            "num_preemptions": sch.num_preemptions,
+            "num_finished": self._num_finished,
+        }
+
+    def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:
         last = self._stats
+        running = len(self.scheduler.running)
         return StepStats(
             busy_s_total=last.busy_s_total + duration,
             prefill_tokens_total=last.prefill_tokens_total + prefill,
             decode_tokens_total=last.decode_tokens_total + decode,
-            running_total=last.running_total + len(sch.running),
+            running_total=last.running_total + running,
             batched_tokens_total=last.batched_tokens_total + prefill + decode,
             step=self._step,
             time=time.time(),
-            num_running=len(sch.running),
-            num_waiting=len(sch.waiting),
-            num_swapped=len(sch.swapped),
-            kv_blocks_used=self.block_pool.num_used,
-            kv_blocks_total=self.block_pool.num_blocks,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
             num_sampled_tokens=sampled,
             step_duration=duration,
-            num_preemptions=sch.num_preemptions,
-            num_finished=self._num_finished,
+            **self._gauges(),
         )
 
     def stats(self) -> StepStats:

@@ -41,7 +41,9 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
         rank = torch.arange(vocab, device=device).unsqueeze(0)
-        k_t = torch.tensor([k if k > 0 else vocab for k in ks], device=device).unsqueeze(1)
+        # k beyond the vocabulary keeps everything (and must not reach torch: int64 overflow).
+        k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks], device=device)
+        k_t = k_t.unsqueeze(1)
         drop = rank >= k_t
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         cum = sorted_p.cumsum(-1) - sorted_p

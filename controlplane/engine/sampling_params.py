@@ -1,18 +1,36 @@
-"""Per-request sampling parameters."""
+"""Per-request sampling parameters, range-checked so that no request can upset the sampler.
+
+Every numeric field must be finite and in range (see `validate`): a value the sampler cannot
+handle (a top_k that overflows int64, a NaN temperature, a seed outside int64) is refused at
+admission with an `InvalidSettingError` naming the field and the limit, never met in a step.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from controlplane.engine.errors import InvalidSettingError
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+# Below this, dividing logits by the temperature overflows float32 to inf (1e-320 is a valid
+# JSON number); a tiny temperature means "take the most likely token", so it is served greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # the sampler clamps k to the vocabulary size
+# Large enough to forbid any repeat; bounded so that logits x penalty stay finite in float32.
+MAX_REPETITION_PENALTY = 1e6
+MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, OpenAI's type
+MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1  # engine-independent bound; validate_request checks the vocabulary
 
 
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) = greedy
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
     min_p: float = 0.0
@@ -33,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
@@ -43,50 +61,80 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self) -> None:
-        def num(name: str, value: object) -> float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidSettingError(name, f"must be a number, got {value!r}")
-            return float(value)
+    @property
+    def torch_seed(self) -> int | None:
+        """The seed as torch takes it: int64 negatives map onto [2^63, 2^64) (two's complement)."""
+        return None if self.seed is None else self.seed % 2**64
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise InvalidSettingError(
-                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
-            )
-        if self.max_tokens < 1:
-            raise InvalidSettingError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if num("temperature", self.temperature) < 0:
-            raise InvalidSettingError("temperature", f"must be >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidSettingError(
-                "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k!r}"
-            )
-        if not 0 < num("top_p", self.top_p) <= 1:
-            raise InvalidSettingError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0 <= num("min_p", self.min_p) <= 1:
-            raise InvalidSettingError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if num("repetition_penalty", self.repetition_penalty) <= 0:
-            raise InvalidSettingError(
-                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= num(name, getattr(self, name)) <= 2:
-                raise InvalidSettingError(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise InvalidSettingError("seed", f"must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+    def validate(self) -> None:
+        """Raise InvalidSettingError (field, limit) for any value out of range; changes nothing."""
+        _int("max_tokens", self.max_tokens, 1, None)
+        _float(
+            "temperature",
+            self.temperature,
+            0.0,
+            MAX_TEMPERATURE,
+            what=f"a finite number >= 0 and <= {MAX_TEMPERATURE:g} "
+            f"(0, or below {MIN_SAMPLING_TEMPERATURE:g}: greedy)",
+        )
+        _int("top_k", self.top_k, -1, MAX_TOP_K, what="-1 or 0 (disabled), or in [1, 2^31-1]")
+        _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _float("min_p", self.min_p, 0.0, 1.0)
+        _float(
+            "repetition_penalty",
+            self.repetition_penalty,
+            0.0,
+            MAX_REPETITION_PENALTY,
+            low_open=True,
+        )
+        _float("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _float("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        if self.seed is not None:
+            _int("seed", self.seed, SEED_MIN, SEED_MAX, what="an int64, in [-2^63, 2^63-1]")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidSettingError("stop", "must be non-empty strings")
-        if len(self.stop) > 16:
-            raise InvalidSettingError("stop", f"at most 16 stop strings, got {len(self.stop)}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidSettingError("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
+        if len(self.stop) > MAX_STOP:
             raise InvalidSettingError(
-                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+                "stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}"
             )
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidSettingError("stop_token_ids", "must be a list of token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidSettingError(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t, 0, MAX_TOKEN_ID, what="token ids in [0, 2^31-1]")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSettingError(name, f"must be a boolean, got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+
+def _int(name: str, value: object, lo: int, hi: int | None, what: str = "") -> None:
+    """An int (not a bool) in [lo, hi]; `what` describes the range when the default won't do."""
+    what = what or (f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or value < lo or (hi is not None and value > hi):
+        raise InvalidSettingError(name, f"must be {what}, got {_show(value)}")
+
+
+def _show(value: object) -> str:
+    """repr, short for huge ints (str() refuses ints over 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        sign = "negative " if value < 0 else ""
+        return f"a {sign}{abs(value).bit_length()}-bit integer"
+    return repr(value)
+
+
+def _float(
+    name: str, value: object, lo: float, hi: float, low_open: bool = False, what: str = ""
+) -> None:
+    """A finite number in [lo, hi] ((lo, hi] with low_open); NaN and infinities never pass."""
+    what = what or f"a finite number in {'(' if low_open else '['}{lo:g}, {hi:g}]"
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    v = float(value) if ok and (isinstance(value, float) or abs(value) < 2**1000) else math.inf
+    if not ok or not math.isfinite(v) or v < lo or v > hi or (low_open and v == lo):
+        raise InvalidSettingError(name, f"must be {what}, got {_show(value)}")

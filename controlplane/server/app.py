@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +21,10 @@ from controlplane.engine.errors import InvalidSettingError
 from controlplane.server import protocol
 from controlplane.server.errors import (
     APIError,
+    body_too_large,
     handle_api_error,
     handle_http_exception,
+    handle_unexpected,
     invalid,
     unavailable,
 )
@@ -49,9 +55,100 @@ def envelope(
     }
 
 
+def _request_failed(out: RequestOutput) -> APIError:
+    """One request failed inside the engine (its row says why); everyone else is served."""
+    return APIError(500, f"request failed in the engine: {out.error}", type="server_error")
+
+
+# Prompts at least this long are tokenized in a worker thread: a multi-megabyte prompt takes
+# seconds to tokenize, and the event loop must keep answering (/health, other streams) meanwhile.
+OFF_LOOP_CHARS = 4096
+# Finished request ids remembered so that an admin abort can say "already finished" (409).
+RECENTLY_FINISHED = 10_000
+_END = object()  # the last item of a Flight's output queue
+
+
+class EngineFailure(Exception):
+    """The engine failed this request (it died, or ended the request with an error)."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(eq=False)
+class Flight:
+    """One admitted request, from admission to its one final record.
+
+    A task of its own (`run`) consumes the engine's stream and writes the final record, so the
+    request's end does not depend on the HTTP response: Litestar cancels a streaming body
+    whose client has left, possibly before the body's first line ran (so a `finally` in the
+    body never runs). The response reads outputs from `outputs`. A client that leaves (seen by
+    `watch`), and a response that stops early, call `abort()`; the engine then ends the request
+    with an `abort` output, which ends `run` like any other last output.
+    """
+
+    daemon: Daemon
+    stream: RequestStream
+    rec: RequestRecord
+    on_end: Callable[[Flight], None]  # called once, right after the final record
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    token_times: list[float] = field(default_factory=list)  # one per output token (ITL metrics)
+    last: RequestOutput | None = None
+    done: bool = False  # the final record is written
+    _abort_sent: bool = False
+
+    async def run(self) -> None:
+        error = None
+        try:
+            async for out in self.stream:
+                self.last = out
+                self.token_times.extend([out.time] * len(out.new_token_ids))
+                self.outputs.put_nowait(out)
+        except asyncio.CancelledError:  # the loop is going away: still one final record
+            self.stream.cancel()
+            raise
+        except Exception as exc:  # the engine died: tell the response, record the error
+            error = repr(exc)
+            self.outputs.put_nowait(EngineFailure(unavailable(f"engine failed: {exc}")))
+        finally:
+            self.done = True
+            self.daemon.finish(self.rec, self.last, self.token_times, error=error)
+            self.on_end(self)
+            self.outputs.put_nowait(_END)
+
+    def abort(self) -> None:
+        """Stop the engine request (idempotent; nothing to do once it has ended)."""
+        if not self.done and not self._abort_sent and self.daemon.aengine is not None:
+            self._abort_sent = True
+            self.daemon.aengine.abort(self.rec.id)
+
+    async def watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        """Abort when the client disconnects. uvicorn answers every `receive` with
+        `http.disconnect` once the client is gone or the response is complete, whoever else
+        (Litestar's streaming response) is listening too."""
+        while not self.done:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.abort()
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; EngineFailure if the engine failed it."""
+        while (item := await self.outputs.get()) is not _END:
+            if isinstance(item, EngineFailure):
+                raise item
+            if item.finish_reason == "error":  # this request failed, the engine serves on
+                raise EngineFailure(_request_failed(item))
+            yield item
+
+
 class InferenceAPI:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps weak ones
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
 
     # -- admission --------------------------------------------------------------------------
     def _admit(self, request: Request, model: str) -> tuple[str | None, str | None]:
@@ -78,9 +175,11 @@ class InferenceAPI:
                 param="model",
                 code="model_not_found",
             )
-        waiting = d.queue_length()
         limit = d.cfg.server.max_queue_len
-        if waiting >= limit:
+        # Would this request wait beyond the limit? (This counts the requests accepted since
+        # the engine's last step, which that step's statistics do not show yet.)
+        if d.queue_length(incoming=1) > limit:
+            waiting = d.queue_length()
             raise APIError(
                 429,
                 f"the waiting queue is full ({waiting} waiting, max_queue_len {limit}); retry later",
@@ -91,20 +190,37 @@ class InferenceAPI:
         return key_name, key_hash
 
     async def _body(self, request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise invalid("body", f"is not valid JSON ({exc})") from None
+        return protocol.load_json(await request.body())
+
+    async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS)."""
+        if size < OFF_LOOP_CHARS:
+            return fn(*args, **kw)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, lambda: fn(*args, **kw))
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _remember(self, flight: Flight) -> None:
+        last = flight.last
+        reason = last.finish_reason if last is not None and last.finished else None
+        self.recently_finished[flight.rec.id] = reason or "abort"
+        while len(self.recently_finished) > RECENTLY_FINISHED:
+            self.recently_finished.popitem(last=False)
 
     def _start(
         self,
+        request: Request,
         parsed: protocol.ParsedRequest,
         prompt_ids: list[int],
         endpoint: str,
         key_name: str | None,
         key_hash: str | None,
-    ) -> tuple[RequestStream, RequestRecord]:
+    ) -> Flight:
         d = self.daemon
         assert d.aengine is not None
         eng = d.aengine.engine
@@ -130,49 +246,42 @@ class InferenceAPI:
             prompt_tokens=len(prompt_ids),
         )
         d.record(rec)
-        return stream, rec
+        flight = Flight(d, stream, rec, on_end=self._remember)
+        self._spawn(flight.run())
+        self._spawn(flight.watch(request.receive))
+        return flight
 
     # -- shared response flow ------------------------------------------------------------------
-    async def _respond(self, parsed, stream, rec, render_final, render_chunk, first_chunk=None):
-        d = self.daemon
-        token_times: list[float] = []  # one per output token: inter-token latency metrics
+    async def _respond(self, parsed, flight, render_final, render_chunk, first_chunk=None):
+        rec = flight.rec
         if not parsed.stream:
-            last: RequestOutput | None = None
             pieces: list[RequestOutput] = []
             try:
-                async for out in stream:
+                async for out in flight:
                     pieces.append(out)
-                    token_times += [out.time] * len(out.new_token_ids)
-                    last = out
-            except Exception as exc:
-                d.finish(rec, last, token_times, error=repr(exc))
-                raise unavailable(f"engine failed: {exc}") from exc
+            except EngineFailure as exc:
+                raise exc.error from None
             finally:
-                stream.cancel()
-            d.finish(rec, last, token_times)
-            return Response(render_final(pieces, last))
+                flight.abort()  # the handler was cancelled: the request goes with it
+            return Response(render_final(pieces, flight.last))
 
         async def events() -> AsyncIterator[str]:
-            last = None
-            error = None
             try:
                 if first_chunk is not None:
                     yield _sse(first_chunk)
-                async for out in stream:
-                    last = out
-                    token_times.extend([out.time] * len(out.new_token_ids))
+                async for out in flight:
                     chunk = render_chunk(out)
                     if chunk is not None:
                         yield _sse(chunk)
-                if parsed.include_usage and last is not None:
-                    yield _sse(self._usage_chunk(rec, last))
+                if parsed.include_usage and flight.last is not None:
+                    yield _sse(self._usage_chunk(rec, flight.last))
                 yield "[DONE]"
-            except Exception as exc:  # the engine died mid-stream: say so in-band, then stop
-                error = repr(exc)
-                yield _sse(APIError(500, f"engine failed: {exc}", type="server_error").body())
+            except EngineFailure as exc:  # say so in-band, then stop (no [DONE])
+                yield _sse(APIError(500, exc.error.message, type="server_error").body())
             finally:
-                stream.cancel()  # a client that went away aborts its request here
-                d.finish(rec, last, token_times, error=error)
+                # A body that stops early (cancelled, closed) aborts; after the end, a no-op.
+                # A body that never started is covered by Flight.watch.
+                flight.abort()
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
 
@@ -192,10 +301,15 @@ class InferenceAPI:
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         parsed = protocol.parse_completion(await self._body(request))
-        key_name, key_hash = self._admit(request, parsed.model)
+        self._admit(request, parsed.model)
         tok = self.daemon.aengine.engine.tokenizer
-        prompt_ids = tok.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
-        stream, rec = self._start(parsed, prompt_ids, "completions", key_name, key_hash)
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            prompt = await self._off_loop(len(prompt), tok.encode, prompt)
+        # Admission again: the queue may have filled (or a drain begun) while tokenizing.
+        key_name, key_hash = self._admit(request, parsed.model)
+        flight = self._start(request, parsed, prompt, "completions", key_name, key_hash)
+        rec = flight.rec
         created = protocol.now()
         want_lp = parsed.params.logprobs is not None
 
@@ -243,20 +357,25 @@ class InferenceAPI:
                 },
             )
 
-        return await self._respond(parsed, stream, rec, final, chunk)
+        return await self._respond(parsed, flight, final, chunk)
 
     # -- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         parsed = protocol.parse_chat(await self._body(request))
-        key_name, key_hash = self._admit(request, parsed.model)
+        self._admit(request, parsed.model)
         tok = self.daemon.aengine.engine.tokenizer
+        # "escape": special-token text typed into a message is plain text, not control tokens.
+        escape = self.daemon.cfg.server.chat_special_tokens == "escape"
+        size = len(await request.body())  # read once, kept by Litestar
         try:
-            text = tok.apply_chat_template(parsed.messages, add_generation_prompt=True)
+            prompt_ids = await self._off_loop(
+                size, tok.encode_chat, parsed.messages, True, escape=escape
+            )
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
-        # The template already holds the special tokens (bos included): don't add them twice.
-        prompt_ids = tok.encode(text, add_special_tokens=False)
-        stream, rec = self._start(parsed, prompt_ids, "chat.completions", key_name, key_hash)
+        key_name, key_hash = self._admit(request, parsed.model)
+        flight = self._start(request, parsed, prompt_ids, "chat.completions", key_name, key_hash)
+        rec = flight.rec
         created = protocol.now()
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
@@ -318,7 +437,7 @@ class InferenceAPI:
                 "finish_reason": None,
             },
         )
-        return await self._respond(parsed, stream, rec, final, chunk, first_chunk=first)
+        return await self._respond(parsed, flight, final, chunk, first_chunk=first)
 
     def models(self) -> dict[str, Any]:
         d = self.daemon
@@ -338,12 +457,23 @@ class InferenceAPI:
 
 def create_app(daemon: Daemon) -> Litestar:
     api = InferenceAPI(daemon)
+    max_body = daemon.cfg.server.max_body_bytes
 
-    @post("/v1/completions", status_code=200, summary="OpenAI completions")
+    @post(
+        "/v1/completions",
+        status_code=200,
+        summary="OpenAI completions",
+        operation_class=protocol.openapi_body(protocol.COMPLETION_SCHEMA),
+    )
     async def completions(request: Request) -> Response:
         return await api.completions(request)
 
-    @post("/v1/chat/completions", status_code=200, summary="OpenAI chat completions")
+    @post(
+        "/v1/chat/completions",
+        status_code=200,
+        summary="OpenAI chat completions",
+        operation_class=protocol.openapi_body(protocol.CHAT_SCHEMA),
+    )
     async def chat_completions(request: Request) -> Response:
         return await api.chat(request)
 
@@ -369,10 +499,16 @@ def create_app(daemon: Daemon) -> Litestar:
             chat_completions,
             models,
             health,
-            admin_router(daemon),
+            admin_router(daemon, finished=api.recently_finished.get),
             metrics_handler(daemon),
         ],
-        exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception},
+        exception_handlers={
+            APIError: handle_api_error,
+            HTTPException: handle_http_exception,
+            413: lambda request, _: handle_api_error(request, body_too_large(max_body)),
+            Exception: handle_unexpected,
+        },
+        request_max_body_size=max_body,
         debug=False,
         logging_config=None,  # the daemon configured logging (text or JSON); keep it
     )

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,9 +26,14 @@ import uvicorn
 from controlplane.admin_api.auth import AdminAuth, match_bearer, resolve_tokens
 from controlplane.admin_api.metrics import Metrics
 from controlplane.admin_api.stats import percentile, summarize
-from controlplane.config import ApiKey, Config, demo_model_path, read_toml
+from controlplane.config import ApiKey, Config, default_model, read_toml
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig
+from controlplane.server.live_config import (
+    ConfigAuditError,
+    ConfigChangeError,
+    FieldChange,
+    LiveConfig,
+)
 from controlplane.store.records import RequestRecord, hash_api_key
 
 if TYPE_CHECKING:
@@ -47,6 +51,10 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def instance_id(cfg: Config) -> str:
@@ -98,8 +106,10 @@ class Daemon:
         # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
         # percentiles over the last minute for /admin/stats.
         self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
-        # Audit rows are written in order, off the event loop, by one worker.
-        self._audit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        # One config change at a time: each is planned, audited, then applied (see
+        # change_config), and a second one planned meanwhile would revert the first.
+        self._config_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()  # reloads started by SIGHUP (kept referenced)
         self.live.subscribe(self._on_config_change)
 
     @property
@@ -163,6 +173,8 @@ class Daemon:
             rec.cached_prompt_tokens = m.num_cached_tokens
             rec.completion_tokens = m.num_output_tokens
             rec.preemptions = m.num_preemptions
+        if error is None and out is not None and out.finish_reason == "error":
+            error = out.error or "request failed in the engine"  # the engine kept serving
         if error is not None:
             rec.status, rec.finish_reason, rec.error = "error", "error", error
         elif out is not None and out.finished and out.finish_reason in ("stop", "length"):
@@ -177,7 +189,12 @@ class Daemon:
 
     # -- admin: control -------------------------------------------------------------------------
     def abort_request(self, request_id: str, actor: str) -> bool:
-        if request_id not in self.request_meta or self.aengine is None:
+        """Abort a request in flight; False if it is not (unknown, or already finished)."""
+        if (
+            request_id not in self.request_meta
+            or self.aengine is None
+            or request_id not in self.aengine.unfinished_ids()  # ended, record not yet written
+        ):
             return False
         self.admin_aborted[request_id] = actor
         self.aengine.abort(request_id)
@@ -199,11 +216,18 @@ class Daemon:
             self._broadcast({"type": "state", "state": self.state, "actor": actor})
 
     # -- admin: visibility ----------------------------------------------------------------------
-    def queue_length(self) -> int:
-        """Requests accepted but not running (as of the engine's last step)."""
+    def queue_length(self, incoming: int = 0) -> int:
+        """Requests accepted but not running, `incoming` more included: those waiting at the
+        engine's last step, plus those accepted since then (the step's statistics do not show
+        them yet) that the free max_num_seqs slots cannot take."""
         if self.aengine is None:
             return 0
-        return max(0, self.aengine.num_unfinished - self.aengine.stats().num_running)
+        s = self.aengine.stats()
+        waiting = s.num_waiting + s.num_swapped
+        new = max(0, self.aengine.num_unfinished - s.num_running - waiting) + incoming
+        if waiting:  # something besides free slots holds requests back (KV blocks, budget)
+            return waiting + new
+        return max(0, new - max(0, self.cfg.engine.max_num_seqs - s.num_running))
 
     def stats_payload(self) -> dict[str, Any]:
         s = self.cfg.engine
@@ -241,6 +265,7 @@ class Daemon:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_queue_len=self.cfg.server.max_queue_len,
+            memory=dataclasses.asdict(self.aengine.engine.memory) if self.aengine else None,
         )
         return body
 
@@ -311,43 +336,63 @@ class Daemon:
             for c in changes:
                 if c.field in intervals:
                     self.jobs.reschedule(intervals[c.field], c.new)
-        when = datetime.now(UTC)
-        if self.db is not None:
-            from controlplane.store.audit import ConfigChange
-
-            entries = [ConfigChange(when, source, actor, c.field, c.old, c.new) for c in changes]
-            self._audit.submit(
-                self._write_audit, entries, any(c.field == "prices" for c in changes)
-            )
+        if self.recorder is not None and any(c.field == "prices" for c in changes):
+            self.recorder.reload_prices()  # the new rows are in the table already (audit)
         self.metrics.config_changed(source, len(changes))
         self.metrics.set_config(self.live.live_values())
         self._broadcast(
             {
                 "type": "config",
-                "time": when.isoformat(),
+                "time": datetime.now(UTC).isoformat(),
                 "source": source,
                 "actor": actor,
                 "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in changes],
             }
         )
 
-    def _write_audit(self, entries: list[Any], prices_changed: bool) -> None:
+    async def change_config(
+        self, changes: Mapping[str, Any], source: str, actor: str | None = None
+    ) -> list[FieldChange]:
+        """The one way a running daemon changes its config: validate, write the audit rows
+        (and new price rows) in a worker thread, then apply. If the audit write fails, the
+        change is not applied and ConfigAuditError says why."""
+        async with self._config_lock:
+            plan = self.live.plan(changes, source)
+            if plan.changes:
+                try:
+                    await asyncio.to_thread(
+                        self._write_audit, plan.new, list(plan.changes), source, actor
+                    )
+                except ConfigAuditError as exc:
+                    if source != "file":  # a reload logs its own rejection
+                        log.error("config change from %s (%s) rejected: %s", source, actor, exc)
+                    raise
+            return self.live.commit(plan, source, actor)
+
+    def _write_audit(
+        self, new: Config, changes: list[FieldChange], source: str, actor: str | None
+    ) -> None:
+        """Audit rows and price rows in one transaction: both are written or neither."""
         from controlplane.store import sync_prices
-        from controlplane.store.audit import write_changes
+        from controlplane.store.audit import ConfigChange, write_changes
 
+        when = datetime.now(UTC)
+        entries = [ConfigChange(when, source, actor, c.field, c.old, c.new) for c in changes]
         try:
-            if prices_changed:
-                sync_prices(self.db, self.cfg.prices)
-                if self.recorder is not None:
-                    self.recorder.reload_prices()
-            write_changes(self.db, self.instance_id, entries)
-        except Exception:
-            # Never silent: the change is in the log even if the audit table is unreachable.
-            log.exception(
-                "could not write %d config changes to the audit table: %s", len(entries), entries
-            )
+            if self.db is None:
+                raise RuntimeError("the store is not open")
+            with self.db.begin() as conn:
+                if any(c.field == "prices" for c in changes):
+                    sync_prices(conn, new.prices)
+                write_changes(conn, self.instance_id, entries)
+        except Exception as exc:
+            fields = ", ".join(c.field for c in changes)
+            raise ConfigAuditError(
+                f"could not write the audit log ({type(exc).__name__}: {_first_line(exc)}); "
+                f"nothing changed ({fields})"
+            ) from exc
 
-    def reload_config(self, reason: str) -> None:
+    async def reload_config(self, reason: str) -> None:
         if self.config_path is None:
             log.warning(
                 "config reload (%s) ignored: the daemon was started without --config", reason
@@ -355,10 +400,12 @@ class Daemon:
             return
         try:
             raw = read_toml(self.config_path)
-            changes, restart = self.live.reload_file(raw)
+            live, restart = self.live.file_changes(raw)
+            changes = await self.change_config(live, "file") if live else []
         except (ConfigChangeError, InvalidSettingError) as exc:
             log.error("config reload (%s) rejected, keeping the running values: %s", reason, exc)
-            return
+            return  # the file is read again on the next change or SIGHUP
+        self.live.file_read(raw)
         if restart:
             log.warning(
                 "config file changes that need a restart (not applied): %s", ", ".join(restart)
@@ -366,6 +413,12 @@ class Daemon:
             self._broadcast({"type": "restart_required", "fields": restart})
         if not changes and not restart:
             log.info("config reload (%s): nothing changed", reason)
+
+    def _reload_soon(self, reason: str) -> None:
+        """SIGHUP handler: reload in a task (signal handlers cannot await)."""
+        task = asyncio.get_running_loop().create_task(self.reload_config(reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _watch_config(self) -> None:
         """Reload when the file's mtime or size changes (polling: works on every filesystem)."""
@@ -393,7 +446,7 @@ class Daemon:
                     break
                 now = settled
             last = now
-            self.reload_config("file changed")
+            await self.reload_config("file changed")
 
     async def _pump_metrics_forever(self) -> None:
         # Counters must see every step even if nobody scrapes for a while: the step ring is
@@ -406,18 +459,23 @@ class Daemon:
     def _open_store(self) -> None:
         from controlplane.store import Recorder, make_engine, mark_interrupted, sync_prices
         from controlplane.store.migrate import upgrade
+        from controlplane.store.recorder import replay_journal
 
         url = self.cfg.store_url
         upgrade(url)
         db = make_engine(url)
         sync_prices(db, self.cfg.prices)
-        n = mark_interrupted(db, self.instance_id)
-        if n:
-            log.warning("marked %d request rows left running by a previous crash as interrupted", n)
+        # A killed predecessor's journal first: what it had not committed gets its row, and the
+        # ones still "running" are then marked interrupted with the rest.
+        journal_dir = self.cfg.data_path / "journal" / self.instance_id
+        replay_journal(db, journal_dir)
+        mark_interrupted(db, self.instance_id)  # it logs the count (once)
         self.db = db
         where = db.url.render_as_string(hide_password=True)
         if self.cfg.store.record_requests:
-            self.recorder = Recorder(db, self.cfg.store)
+            self.recorder = Recorder(
+                db, self.cfg.store, journal_dir=journal_dir if self.cfg.store.journal else None
+            )
             log.info("recording requests to %s", where)
         else:
             log.info(
@@ -426,17 +484,12 @@ class Daemon:
 
     def _load_engine(self) -> AsyncEngine:
         from controlplane.engine import AsyncEngine, Engine
+        from controlplane.engine.gguf.known import served_model_name
 
         settings = self.cfg.engine
-        if not settings.model:
-            from controlplane.engine.demo_model import write_demo_model
-
-            path = demo_model_path(self.cfg)
-            log.info("no model configured: using the small demo model in %s", path)
-            settings = dataclasses.replace(
-                settings, model=str(write_demo_model(path, size="small"))
-            )
-        self.model_name = self.model_name or Path(settings.model).name
+        if not settings.model:  # SmolLM2 if installed, else the generated demo model
+            settings = dataclasses.replace(settings, model=default_model(self.cfg))
+        self.model_name = self.model_name or served_model_name(settings.model)
         return AsyncEngine(Engine(settings))
 
     async def serve(self) -> int:
@@ -444,7 +497,7 @@ class Daemon:
         if self.install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_shutdown, sig.name)
-            loop.add_signal_handler(signal.SIGHUP, self.reload_config, "SIGHUP")
+            loop.add_signal_handler(signal.SIGHUP, self._reload_soon, "SIGHUP")
         log.info("loading", extra={"event": "loading"})
         if self.admin_token_file is not None:
             print(f"controlplane: admin token in {self.admin_token_file}", flush=True)
@@ -494,6 +547,13 @@ class Daemon:
 
         self.jobs = Jobs(self)
         self.jobs.start()
+        from controlplane.server.memory import configured_idle_s, trim_when_idle
+
+        # Storms leave freed C-heap memory cached: give it back once the engine is idle.
+        aeng = self.aengine
+        background.append(
+            asyncio.create_task(trim_when_idle(lambda: aeng.stats().step, configured_idle_s()))
+        )
         self.state = READY
         self.ready.set()
         print(
@@ -553,7 +613,9 @@ class Daemon:
             ok = await asyncio.to_thread(self.recorder.close, 30.0)
             if not ok:
                 log.error("could not flush every request record before exit")
-        await asyncio.to_thread(self._audit.shutdown, True)
+        if self.jobs is not None:
+            # After the recorder's last flush, so the last requests are in the rollup.
+            await self.jobs.close()
         self.state = STOPPED
         log.info("stopped", extra={"event": "stopped"})
         print("controlplane: stopped", flush=True)

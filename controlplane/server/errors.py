@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from litestar import Request, Response
+
+log = logging.getLogger("controlplane.api")
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates (valid in a Python str, invalid in UTF-8) escaped as \\udXXX,
+    so an error that quotes hostile input can always be serialized."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class APIError(Exception):
@@ -31,9 +40,9 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message,
+                "message": printable(self.message),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else printable(self.param),
                 "code": self.code,
             }
         }
@@ -58,11 +67,34 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
 
 
 def handle_http_exception(_: Request, exc: Exception) -> Response:
-    """Litestar's own errors (404 route, 405, bad body) in OpenAI's shape too."""
+    """Litestar's own errors (404 route, 405, a query parameter of the wrong type) in OpenAI's
+    shape too."""
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", None) or str(exc) or "error"
+    param = None
+    extra = getattr(exc, "extra", None)
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
+        # A validation error: name the parameter, as our own errors do.
+        param = extra[0].get("key")
+        detail = f"{param}: {extra[0].get('message', detail)}" if param else detail
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return Response(
-        {"error": {"message": detail, "type": kind, "param": None, "code": None}},
-        status_code=status,
+    headers = dict(getattr(exc, "headers", None) or {})
+    return handle_api_error(
+        _, APIError(status, str(detail), type=kind, param=param, headers=headers)
     )
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than the limit of {limit} bytes (server.max_body_bytes)",
+        param="body",
+        code="request_too_large",
+    )
+
+
+def handle_unexpected(_: Request, exc: Exception) -> Response:
+    """Anything else is a bug: log it with its traceback, answer a 500 in the usual shape."""
+    log.error("unhandled error in a request handler", exc_info=exc)
+    error = APIError(500, f"internal error ({type(exc).__name__})", type="server_error")
+    return handle_api_error(_, error)

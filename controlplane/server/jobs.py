@@ -3,7 +3,8 @@
 - utilization sampler (jobs.utilization_interval_s): engine busy fraction, batch fill, KV usage,
   token rates, queue length, plus NVML readings per GPU, into `utilization_samples`;
 - cost rollup (jobs.rollup_interval_s): hourly buckets by model and API key into
-  `cost_rollups` (idempotent, watermarked), then retention pruning.
+  `cost_rollups` (idempotent, watermarked), then retention pruning; once more at shutdown,
+  after the recorder's last flush.
 
 Database and NVML work runs in a worker thread: the event loop never waits on either.
 Intervals are live: a config change reschedules the job without a restart.
@@ -68,7 +69,15 @@ class Jobs:
         return {job.id: job.trigger.interval.total_seconds() for job in self.scheduler.get_jobs()}
 
     async def stop(self) -> None:
+        """No scheduled run starts after this; `close` runs the last rollup."""
         self.scheduler.shutdown(wait=False)
+
+    async def close(self) -> None:
+        """At shutdown, once the recorder has written its last rows: a last cost rollup, so
+        a daemon stopped before its first interval (or inside one) leaves every request
+        rolled up; then the worker and NVML are released."""
+        if await self.rollup():
+            log.info("final cost rollup written")
         await asyncio.to_thread(self._worker.shutdown, True)
         self.gpus.close()
 
@@ -112,12 +121,13 @@ class Jobs:
             return
         self.runs[SAMPLE_JOB] += 1
 
-    async def rollup(self) -> None:
+    async def rollup(self) -> bool:
+        """One rollup and pruning run; False if it failed (logged) or there is no store."""
         from controlplane.store.rollup import prune, run_rollup
 
         d = self.daemon
         if d.db is None:
-            return
+            return False
         j = d.cfg.jobs
         now = datetime.now(UTC)
         try:
@@ -141,6 +151,7 @@ class Jobs:
             )
         except Exception:
             log.exception("cost rollup failed; it will run again at the next interval")
-            return
+            return False
         self.runs[ROLLUP_JOB] += 1
         log.debug("cost rollup: %s; pruned %s", result, pruned)
+        return True

@@ -2,8 +2,10 @@
 
 A change from the admin API, the TUI or the config file is flattened to dotted fields
 (`engine.max_num_seqs`), checked against the live/restart-only split, validated by the same
-code that validates the config file and `Engine.update_settings`, and applied all or nothing.
-Each applied field is reported to listeners (audit table, SSE events, metrics).
+code that validates the config file and `Engine.update_settings`, and applied all or nothing:
+`plan` validates, the caller writes the audit rows (the daemon: `Daemon.change_config`), and
+only then `commit` applies and tells the listeners (engine, jobs, SSE events, metrics). A change
+whose audit row cannot be written is never applied.
 """
 
 from __future__ import annotations
@@ -36,11 +38,19 @@ LIVE_FIELDS = frozenset(
 
 
 class ConfigChangeError(ValueError):
-    """`status` is the HTTP status the admin API answers with: 422 invalid, 409 restart needed."""
+    """`status` is the HTTP status the admin API answers with: 422 invalid, 409 restart needed,
+    503 the change could not be audited (nothing was applied)."""
 
     def __init__(self, field: str, message: str, status: int = 422) -> None:
         super().__init__(f"{field}: {message}")
         self.field, self.message, self.status = field, message, status
+
+
+class ConfigAuditError(ConfigChangeError):
+    """The audit row could not be written, so the change was not applied."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("audit", message, 503)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,20 @@ class FieldChange:
     field: str
     old: Any
     new: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated change, not applied yet: `commit` applies it if `base` is still in force."""
+
+    base: Config
+    new: Config
+    changes: tuple[FieldChange, ...]
+
+
+# audit(new_config, changes, source, actor): records the change durably or raises; it runs
+# before the change is applied, so a change is never in force without its audit row.
+Audit = Callable[[Config, list[FieldChange], str, str | None], None]
 
 
 def _plain(value: Any) -> Any:
@@ -165,24 +189,32 @@ class LiveConfig:
             new, api_keys=self.effective.api_keys, admin_tokens=self.effective.admin_tokens
         )
 
-    def apply(
-        self, changes: Mapping[str, Any], source: str, actor: str | None = None
-    ) -> list[FieldChange]:
-        """Validate and apply; raises ConfigChangeError (naming the field) and changes nothing."""
+    def plan(self, changes: Mapping[str, Any], source: str) -> Plan:
+        """Validate `changes` against the effective config; raises ConfigChangeError naming the
+        field. Applies nothing."""
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}")
+        base = self.effective
         new = self._candidate(changes)
-        before, after = flatten(self.effective), flatten(new)
-        diff = [
+        before, after = flatten(base), flatten(new)
+        diff = tuple(
             FieldChange(k, before[k], after[k]) for k in sorted(changes) if before[k] != after[k]
-        ]
-        if not diff:
+        )
+        return Plan(base, new, diff)
+
+    def commit(self, plan: Plan, source: str, actor: str | None = None) -> list[FieldChange]:
+        """Apply a planned (and audited) change and tell the listeners."""
+        if not plan.changes:
             return []
-        self.effective = new
+        if plan.base is not self.effective:
+            # Another change was applied in between: its fields would be silently reverted.
+            raise ConfigChangeError("config", "changed concurrently; send the change again", 409)
+        diff = list(plan.changes)
+        self.effective = plan.new
         for change in diff:
             self.sources[change.field] = source
         for listener in self._listeners:
-            listener(new, diff, source, actor)
+            listener(plan.new, diff, source, actor)
         log.info(
             "config change from %s%s: %s",
             source,
@@ -191,15 +223,27 @@ class LiveConfig:
         )
         return diff
 
-    def reload_file(self, raw: Mapping[str, Any]) -> tuple[list[FieldChange], list[str]]:
-        """Apply what changed in the file since it was last read.
+    def apply(
+        self,
+        changes: Mapping[str, Any],
+        source: str,
+        actor: str | None = None,
+        audit: Audit | None = None,
+    ) -> list[FieldChange]:
+        """Validate, audit, apply: raises ConfigChangeError (naming the field) and changes
+        nothing if the change is invalid or `audit` raises. The daemon audits in a worker
+        thread instead (`Daemon.change_config`), through the same plan and commit."""
+        plan = self.plan(changes, source)
+        if plan.changes and audit is not None:
+            audit(plan.new, list(plan.changes), source, actor)
+        return self.commit(plan, source, actor)
 
-        Only keys whose value in the file changed are applied, so a reload never reverts a
-        change made through the API to a key the file did not touch. Returns the applied
-        changes and the restart-only keys that differ (reported, not applied).
-        """
+    def file_changes(self, raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """What a reload of the file would change: (live changes to apply, restart-only keys
+        that differ). Only keys whose value in the file changed count, so a reload never
+        reverts a change made through the API to a key the file did not touch. Raises
+        ConfigChangeError if the new file is invalid (a broken file changes nothing)."""
         old, new = flatten_raw(self._file_raw), flatten_raw(raw)
-        # Validate the whole new file first: a broken file changes nothing.
         try:
             build_config(raw, env=self._env)
         except InvalidSettingError as exc:
@@ -212,9 +256,11 @@ class LiveConfig:
             if key in LIVE_FIELDS:
                 # A key removed from the file falls back to its default.
                 live[key] = touched[key] if key in new else defaults[key]
-        changes = self.apply(live, "file") if live else []
+        return live, restart
+
+    def file_read(self, raw: Mapping[str, Any]) -> None:
+        """Remember `raw` as the file's content once its changes are applied."""
         self._file_raw = dict(raw)
-        for key in new:
+        for key in flatten_raw(raw):
             if key not in LIVE_FIELDS:
                 self.sources.setdefault(key, "file")
-        return changes, restart

@@ -6,13 +6,21 @@ field the way OpenAI's API does (`param`), and says the limit.
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from controlplane.server.errors import invalid
+from controlplane.server.errors import invalid, printable
+
+# Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
+# (the chat template, config flattening) far from Python's recursion limit.
+MAX_JSON_DEPTH = 32
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _COMMON = {
     "model",
@@ -50,6 +58,166 @@ CHAT_FIELDS = _COMMON | {
     "service_tier",
     "modalities",
 }
+
+
+def load_json(raw: bytes) -> Any:
+    """Parse a request body, refusing what would fail later: nesting deeper than
+    MAX_JSON_DEPTH, integers of more than 4300 digits (Python refuses to convert them) and
+    strings or field names with lone surrogates (not encodable as UTF-8). Errors name the
+    field, as `invalid` does."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise invalid("body", f"is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except UnicodeDecodeError as exc:
+        raise invalid("body", f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise invalid("body", f"is not valid JSON ({exc})") from None
+    except ValueError:  # Python refuses to convert integers this long (CVE-2020-10735)
+        limit = sys.get_int_max_str_digits()
+        raise invalid("body", f"holds an integer of more than {limit} digits") from None
+    check_json(body)
+    return body
+
+
+def check_json(body: Any) -> None:
+    """Walk the parsed body without recursion: depth, and UTF-8-safe strings and keys."""
+    # (value, its path for messages, the top-level field it is in, its depth)
+    todo: list[tuple[Any, str, str, int]] = [(body, "body", "body", 0)]
+    while todo:
+        value, path, top, depth = todo.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            # The top-level field, not the 32-level path: short and still says where.
+            raise invalid(printable(top), f"is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, list):
+            todo.extend((v, f"{path}[{i}]", top, depth + 1) for i, v in enumerate(value))
+            continue
+        for key, v in value.items():
+            name = key if depth == 0 else f"{path}.{key}"
+            if _SURROGATE.search(key):
+                raise invalid(printable(name), "field name is not valid UTF-8 (lone surrogate)")
+            todo.append((v, name, key if depth == 0 else top, depth + 1))
+
+
+def _check_text(text: str, path: str) -> None:
+    m = _SURROGATE.search(text)
+    if m:
+        raise invalid(
+            printable(path),
+            f"is not valid UTF-8: lone surrogate {printable(m.group())} at character {m.start()}",
+        )
+
+
+# -- OpenAPI request bodies (documentation, and what schemathesis fuzzes) -------------------
+_NUMBER = {"type": "number"}
+_INT = {"type": "integer"}
+_COMMON_SCHEMA: dict[str, Any] = {
+    "model": {"type": "string", "description": "the served model's id (GET /v1/models)"},
+    "max_tokens": _INT,
+    "temperature": _NUMBER,
+    "top_p": _NUMBER,
+    "top_k": _INT,
+    "min_p": _NUMBER,
+    "n": _INT,
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "seed": _INT,
+    "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER,
+    "repetition_penalty": _NUMBER,
+    "ignore_eos": {"type": "boolean"},
+    "stop_token_ids": {"type": "array", "items": _INT},
+    "skip_special_tokens": {"type": "boolean"},
+    "user": {"type": "string"},
+    "logit_bias": {"type": "object", "description": "not supported: must be empty"},
+}
+COMPLETION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "additionalProperties": False,
+    "properties": {
+        **_COMMON_SCHEMA,
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": _INT, "minItems": 1},
+            ]
+        },
+        "logprobs": _INT,
+        # Accepted for compatibility; only their defaults are supported (else a 400).
+        "echo": {"type": "boolean"},
+        "suffix": {"type": "string"},
+        "best_of": _INT,
+    },
+}
+CHAT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "additionalProperties": False,
+    "properties": {
+        **_COMMON_SCHEMA,
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role"],
+                "properties": {
+                    "role": {"type": "string"},
+                    "content": {
+                        "oneOf": [
+                            {"type": "string"},
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "type": {"enum": ["text"]},
+                                        "text": {"type": "string"},
+                                    },
+                                },
+                            },
+                        ]
+                    },
+                },
+            },
+        },
+        "max_completion_tokens": _INT,
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": _INT,
+        # Accepted for compatibility; tools and non-text formats are refused with a 400.
+        "response_format": {"type": "object"},
+        "tools": {"type": "array"},
+        "tool_choice": {},
+        "parallel_tool_calls": {"type": "boolean"},
+        "metadata": {"type": "object"},
+        "store": {"type": "boolean"},
+        "service_tier": {"type": "string"},
+        "modalities": {"type": "array"},
+    },
+}
+
+
+def openapi_body(schema: dict[str, Any]) -> type:
+    """A Litestar OpenAPI operation class documenting a JSON request body that the handler
+    parses itself (so that every error names its field the OpenAI way)."""
+    from litestar.openapi.spec import Operation
+
+    @dataclass
+    class WithBody(Operation):
+        def to_schema(self) -> dict[str, Any]:
+            out = super().to_schema()
+            content = {"application/json": {"schema": schema}}
+            out["requestBody"] = {"required": True, "content": content}
+            return out
+
+    return WithBody
 
 
 @dataclass(slots=True)

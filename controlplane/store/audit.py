@@ -18,7 +18,7 @@ from decimal import Decimal
 from pathlib import PurePath
 from typing import Any
 
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Connection, Engine, insert, select
 
 from controlplane.store.models import CONFIG_SOURCES, ConfigChangeRow
 
@@ -86,8 +86,11 @@ def _check(change: ConfigChange) -> None:
         raise ValueError(f"time: {t!r} is not a timezone-aware datetime (field {change.field!r})")
 
 
-def write_changes(engine: Engine, instance_id: str, changes: Sequence[ConfigChange]) -> None:
-    """Append `changes` to the audit log, all in one transaction (none on any error).
+def write_changes(
+    bind: Engine | Connection, instance_id: str, changes: Sequence[ConfigChange]
+) -> None:
+    """Append `changes` to the audit log, all in one transaction (none on any error); with a
+    Connection, in the caller's transaction.
 
     Raises ValueError for an unknown source, an empty field or a naive time, and TypeError for
     a value that cannot be encoded as JSON; nothing is written then.
@@ -112,7 +115,10 @@ def write_changes(engine: Engine, instance_id: str, changes: Sequence[ConfigChan
         )
     if not rows:
         return
-    with engine.begin() as conn:
+    if isinstance(bind, Connection):
+        bind.execute(insert(CONFIG_CHANGES), rows)
+        return
+    with bind.begin() as conn:
         conn.execute(insert(CONFIG_CHANGES), rows)
 
 

@@ -8,8 +8,9 @@ config) therefore only affects requests that arrive under it; stored history is 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -51,17 +52,18 @@ def cost(price: PriceRow, prompt: int, cached: int, completion: int) -> float:
     ) / 1e6
 
 
-def sync_prices(engine: Engine, prices: Iterable[Price]) -> int:
+def sync_prices(bind: Engine | Connection, prices: Iterable[Price]) -> int:
     """Insert the configured prices that the table lacks, keyed by (model, effective_from).
 
     Existing rows are never updated or deleted: a config entry whose key exists with different
     amounts is ignored with a warning (add a new entry with a later effective_from instead).
-    Returns the number of rows inserted.
+    Returns the number of rows inserted. With a Connection, the caller's transaction holds the
+    rows (the daemon writes them with the config change's audit rows: both or neither).
     """
     prices = list(prices)
     if not prices:
         return 0
-    with engine.begin() as conn:
+    with _transaction(bind) as conn:
         existing = {(r.model, r.effective_from): r for r in conn.execute(select(PRICES))}
         new: dict[tuple[str, datetime], dict[str, Any]] = {}
         for p in prices:
@@ -93,9 +95,18 @@ def sync_prices(engine: Engine, prices: Iterable[Price]) -> int:
             # DO NOTHING: another daemon sharing the database may insert the same price first.
             stmt = insert(PRICES).on_conflict_do_nothing(index_elements=["model", "effective_from"])
             conn.execute(stmt, list(new.values()))
-    if new:
+    if new and isinstance(bind, Engine):  # a caller's transaction may still roll back
         log.info("added %d price(s) to the price history", len(new))
     return len(new)
+
+
+@contextlib.contextmanager
+def _transaction(bind: Engine | Connection) -> Iterator[Connection]:
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            yield conn
+    else:
+        yield bind
 
 
 def _differs(a: dict[str, float], b: dict[str, float]) -> bool:

@@ -8,6 +8,12 @@ records collapse into one row, and a final status is never overwritten by "runni
 When the database is unreachable the records stay in memory (at most `buffer_max_records`; the
 oldest are dropped and counted beyond that) and the write is retried every `retry_interval_s`.
 An outage logs one warning when it starts and one line when it ends, however long it lasts.
+
+With a journal directory (`store.journal`, on by default) every submitted record is also
+appended to a local journal (see controlplane.store.journal) until its batch is committed, so a
+process killed outright loses nothing it had submitted: the next start replays the journal
+(`replay_journal`) before marking rows left "running" as interrupted (`mark_interrupted`).
+Records still unwritten at close (the database was down) stay in the journal for that replay.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import URL, Connection, Engine, or_, update
@@ -27,6 +34,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from controlplane.config import StoreSettings
 from controlplane.store.db import dialect_insert, make_engine
+from controlplane.store.journal import Journal, encode, read_journal
 from controlplane.store.models import RequestRow, time_buckets
 from controlplane.store.prices import PriceBook, cost
 from controlplane.store.records import RequestRecord
@@ -111,6 +119,7 @@ class Recorder:
         *,
         price_refresh_s: float = 60.0,
         drop_log_interval_s: float = 10.0,
+        journal_dir: str | Path | None = None,
     ) -> None:
         if isinstance(url_or_engine, Engine):
             self._engine, self._owns_engine = url_or_engine, False
@@ -120,6 +129,7 @@ class Recorder:
         self._stmt = upsert_statement(self._engine.dialect.name)
         self._price_refresh_s = price_refresh_s
         self._drop_log_interval_s = drop_log_interval_s
+        self._journal = _open_journal(journal_dir) if journal_dir is not None else None
 
         # Shared state, guarded by _cond's lock. The writer never holds it during database I/O.
         self._cond = threading.Condition()
@@ -152,6 +162,8 @@ class Recorder:
         """Queue a record for writing; never blocks on (or touches) the database."""
         if not self.settings.record_requests:
             return
+        # Encoded before taking the lock, which the writer thread also needs.
+        line = encode(record) if self._journal is not None else None
         warn_late = False
         with self._cond:
             if self._stopping:
@@ -162,8 +174,11 @@ class Recorder:
                 buf = self._buffer
                 buf.append(record)
                 self._submitted += 1
+                if self._journal is not None:
+                    self._journal.append(record, line)
                 if len(buf) > self.settings.buffer_max_records:
-                    buf.popleft()  # the oldest goes: recent records are the more useful ones
+                    # The oldest goes: recent records are the more useful ones.
+                    self._forget([buf.popleft()])
                     self._dropped += 1
                     self._drops_unlogged += 1
                     self._resolved += 1
@@ -220,10 +235,18 @@ class Recorder:
             self._dropped += lost
             self._resolved += lost
             self._cond.notify_all()
+            journal, self._journal = self._journal, None
         self._log_drops(force=True)
+        kept = journal is not None and not journal.failed
+        if journal is not None:
+            journal.close()
         if lost:
             log.error(
-                "request store unreachable at shutdown: %d request records were not written", lost
+                "request store unreachable at shutdown: %d request records were not written%s",
+                lost,
+                f" (kept in the journal in {journal.directory}: the next start writes them)"
+                if kept
+                else "",
             )
         if self._owns_engine:
             self._engine.dispose()
@@ -286,14 +309,15 @@ class Recorder:
                 self._written += written
                 self._dropped += rejected
                 self._resolved += written + rejected
+                # The batch is written in order: what is not retried is committed (or rejected).
+                self._forget(batch[: len(batch) - len(retry)])
                 if retry:
                     self._failed_writes += 1
                     # Back to the front, in order, then enforce the bound again (the batch was
                     # outside the buffer while being written).
                     self._buffer.extendleft(reversed(retry))
                     overflow = len(self._buffer) - self.settings.buffer_max_records
-                    for _ in range(max(0, overflow)):
-                        self._buffer.popleft()
+                    self._forget([self._buffer.popleft() for _ in range(max(0, overflow))])
                     if overflow > 0:
                         self._dropped += overflow
                         self._drops_unlogged += overflow
@@ -313,6 +337,11 @@ class Recorder:
                     lambda: self._stopping, self.settings.retry_interval_s
                 ):
                     return
+
+    def _forget(self, records: list[RequestRecord]) -> None:
+        """(Lock held.) These records are written or dropped: the journal need not keep them."""
+        if self._journal is not None and records:
+            self._journal.committed(records)
 
     def _next_batch(self) -> list[RequestRecord]:
         """Wait (lock held) for a batch worth writing: a full one, a partial one that has waited
@@ -453,3 +482,67 @@ def mark_interrupted(engine: Engine | str | URL, instance_id: str) -> int:
     if count:
         log.warning("marked %d request(s) left running by a previous run as interrupted", count)
     return count
+
+
+def _open_journal(directory: str | Path) -> Journal | None:
+    try:
+        return Journal(directory)
+    except OSError as exc:
+        log.error(
+            "cannot open the request journal in %s (%s): a crash may lose the records of up to "
+            "flush_interval_s of requests",
+            directory,
+            exc,
+        )
+        return None
+
+
+def replay_journal(engine: Engine, directory: str | Path, batch_size: int = 500) -> int:
+    """At daemon start, before `mark_interrupted`: write the records a previous process of this
+    instance journaled but may not have committed (it was killed), then delete its journal.
+
+    Upserts by the usual rule, so rows already written are unchanged and a final record wins
+    over "running"; requests whose last record is "running" are then marked interrupted by
+    `mark_interrupted`. Returns how many requests the journal held. Damaged lines (a torn last
+    line after a power loss) are skipped and counted in the log."""
+    files, records, damaged = read_journal(Path(directory))
+    if not files:
+        return 0
+    rows = collapse(records)
+    stmt = upsert_statement(engine.dialect.name)
+    with engine.connect() as conn:
+        book = PriceBook.load(conn)
+    rejected = 0
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i : i + batch_size]
+        try:
+            with engine.begin() as conn:
+                conn.execute(stmt, [_row(r, book) for r in batch])
+        except Exception as exc:
+            if _is_outage(exc):
+                raise  # the journal stays for the next start
+            # A record the database refuses must not block every later start: write the batch
+            # one record at a time and skip (and count) the refused ones, as the writer does.
+            for rec in batch:
+                try:
+                    with engine.begin() as conn:
+                        conn.execute(stmt, [_row(rec, book)])
+                except Exception as one:
+                    if _is_outage(one):
+                        raise
+                    rejected += 1
+                    log.error("journaled record %r rejected by the database: %s", rec.id, one)
+    for path in files:
+        path.unlink(missing_ok=True)
+    running = sum(not r.is_final for r in rows)
+    lost = [f"{damaged} damaged lines could not be read"] if damaged else []
+    lost += [f"{rejected} records were rejected"] if rejected else []
+    log.warning(
+        "replayed the request journal of a previous run (%d files): %d requests, %d of them "
+        "last journaled as running%s",
+        len(files),
+        len(rows),
+        running,
+        "; " + ", ".join(lost) if lost else "",
+    )
+    return len(rows)

@@ -6,7 +6,11 @@ instances. The window is whole UTC hours: every hour that overlaps [since, until
 hour containing `since` up to the hour containing the last instant before `until`; the
 `Report`'s since / until are that effective window.
 
-Cost reports read `cost_rollups` (see `controlplane.store.rollup` for each figure). Per group:
+Cost reports read `cost_rollups` (see `controlplane.store.rollup` for each figure), and the
+request rows the rollup has not counted yet (requests that ended since an instance's last rollup
+run, or of an instance that never ran one): their (hour, instance) is recounted from the rows,
+with the GPU figures of the last rollup, and every row and total it touches has
+`provisional` = true until the next rollup. Per group:
 counts, tokens and costs are sums; `list_usd_per_mtok_prompt` / `_completion` are the group's
 prompt-side / completion-side list cost per million prompt / completion tokens;
 `gpu_usd_per_mtok` is the group's GPU cost per million computed tokens (prompt - cached +
@@ -31,22 +35,28 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, case, func, select
+from sqlalchemy import Connection, Engine, case, func, select
 
 from controlplane.store.models import (
+    FINAL_STATUSES,
     CostRollupRow,
     GpuSampleRow,
+    JobWatermarkRow,
+    RequestRow,
     UtilizationSampleRow,
     time_buckets,
 )
-from controlplane.store.rollup import HOUR, floor_hour
+from controlplane.store.rollup import HOUR, ROLLUP_JOB, floor_hour, request_groups
 
 ROLLUPS = CostRollupRow.__table__
+REQUESTS = RequestRow.__table__
+WATERMARKS = JobWatermarkRow.__table__
+_FINAL = sorted(FINAL_STATUSES)
 SAMPLES = UtilizationSampleRow.__table__
 GPUS = GpuSampleRow.__table__
 
@@ -67,6 +77,7 @@ COST_METRICS = (
     "gpu_usd_per_mtok",
     "mean_utilization",
     "mfu",
+    "provisional",
 )
 # Sample readings averaged over time (weighted by interval_s, over samples that carry them).
 _SAMPLE_MEANS = (
@@ -191,20 +202,26 @@ class _CostAcc:
     hours: dict[tuple[str, str], tuple[float, float | None, float | None]] = field(
         default_factory=dict
     )
+    provisional: bool = False
 
-    def add(self, r: Any) -> None:
-        self.succeeded += r.requests_succeeded
-        self.failed += r.requests_failed
-        self.prompt += r.prompt_tokens
-        self.cached += r.cached_prompt_tokens
-        self.completion += r.completion_tokens
-        self.list_cost.append(float(r.list_cost_usd))
-        self.gpu_cost.append(float(r.gpu_cost_usd))
-        if r.list_usd_per_mtok_prompt is not None:
-            self.prompt_side.append(r.list_usd_per_mtok_prompt * r.prompt_tokens)
-        if r.list_usd_per_mtok_completion is not None:
-            self.completion_side.append(r.list_usd_per_mtok_completion * r.completion_tokens)
-        self.hours[(r.hour_bucket, r.instance_id)] = (r.covered_s, r.mean_utilization, r.mfu)
+    def add(self, r: Mapping[str, Any]) -> None:
+        self.succeeded += r["requests_succeeded"]
+        self.failed += r["requests_failed"]
+        self.prompt += r["prompt_tokens"]
+        self.cached += r["cached_prompt_tokens"]
+        self.completion += r["completion_tokens"]
+        self.list_cost.append(float(r["list_cost_usd"]))
+        self.gpu_cost.append(float(r["gpu_cost_usd"]))
+        if r["list_usd_per_mtok_prompt"] is not None:
+            self.prompt_side.append(r["list_usd_per_mtok_prompt"] * r["prompt_tokens"])
+        if r["list_usd_per_mtok_completion"] is not None:
+            self.completion_side.append(r["list_usd_per_mtok_completion"] * r["completion_tokens"])
+        self.hours[(r["hour_bucket"], r["instance_id"])] = (
+            r["covered_s"],
+            r["mean_utilization"],
+            r["mfu"],
+        )
+        self.provisional = self.provisional or r["provisional"]
 
     def result(self) -> dict[str, Any]:
         computed = self.prompt - self.cached + self.completion
@@ -231,6 +248,7 @@ class _CostAcc:
             "gpu_usd_per_mtok": _div(gpu_cost * 1e6, computed),
             "mean_utilization": _div(util_num, util_den),
             "mfu": _div(mfu_num, mfu_den),
+            "provisional": self.provisional,
         }
 
 
@@ -242,21 +260,124 @@ _COST_KEYS = {
 }
 
 
+def _not_rolled_up(conn: Connection, first: str, last: str) -> dict[str, set[str]]:
+    """instance -> the hours in [first, last] whose final request rows outnumber what the
+    instance's rollup counted (requests that ended after its last run, or an instance that
+    never ran one).
+
+    Hours before an instance's rollup watermark are final and not checked. An instance
+    without a watermark is checked from the newest watermark of any instance on (a daemon in
+    its first rollup interval), or over the whole window when no rollup ever ran.
+    """
+    marks = {
+        inst: time_buckets(value)[0]
+        for inst, value in conn.execute(
+            select(WATERMARKS.c.instance_id, WATERMARKS.c.value).where(
+                WATERMARKS.c.job == ROLLUP_JOB
+            )
+        )
+    }
+    unmarked_from = max(first, max(marks.values())) if marks else first
+    starts = {inst: max(first, mark) for inst, mark in marks.items()}
+    low = min([unmarked_from, *starts.values()])
+    if low > last:
+        return {}
+    r, c = REQUESTS.c, ROLLUPS.c
+    # The status test is counted, not filtered: a filter on it lets SQLite pick the status
+    # index and read every row of the table instead of the hour range.
+    final = func.sum(case((r.status.in_(_FINAL), 1), else_=0))
+    counted = conn.execute(
+        select(r.instance_id, r.hour_bucket, final.label("n"))
+        .where(r.hour_bucket >= low, r.hour_bucket <= last)
+        .group_by(r.instance_id, r.hour_bucket)
+    ).all()
+    rolled = {
+        (row.instance_id, row.hour_bucket): int(row.n or 0)
+        for row in conn.execute(
+            select(
+                c.instance_id,
+                c.hour_bucket,
+                func.sum(c.requests_succeeded + c.requests_failed).label("n"),
+            )
+            .where(c.hour_bucket >= low, c.hour_bucket <= last)
+            .group_by(c.instance_id, c.hour_bucket)
+        )
+    }
+    pending: dict[str, set[str]] = defaultdict(set)
+    for row in counted:
+        start = starts.get(row.instance_id, unmarked_from)
+        if row.hour_bucket >= start and row.n > rolled.get((row.instance_id, row.hour_bucket), 0):
+            pending[row.instance_id].add(row.hour_bucket)
+    return pending
+
+
+def _provisional_rows(
+    conn: Connection, stored: list[dict[str, Any]], pending: dict[str, set[str]]
+) -> list[dict[str, Any]]:
+    """`stored` with the pending (hour, instance) pairs recounted from the request rows: their
+    request counts, tokens and list cost are the rows' sums (as the next rollup will count
+    them); GPU cost, covered time, utilization and MFU stay as of the last rollup (none
+    before the first). Every row of a pending pair is marked provisional."""
+    out = [r for r in stored if r["hour_bucket"] not in pending.get(r["instance_id"], ())]
+    for inst, hours in sorted(pending.items()):
+        old = {
+            (r["hour_bucket"], r["model"], r["api_key_name"]): r
+            for r in stored
+            if r["instance_id"] == inst and r["hour_bucket"] in hours
+        }
+        hour_figures = {h: r for (h, _m, _k), r in old.items()}
+        fresh = request_groups(conn, inst, min(hours), max(hours))
+        for (hour, model, key), g in sorted(fresh.items()):
+            if hour not in hours:
+                continue
+            before = old.pop((hour, model, key), None)
+            figures = hour_figures.get(hour)
+            out.append(
+                {
+                    "hour_bucket": hour,
+                    "day_bucket": g.day,
+                    "instance_id": inst,
+                    "model": model,
+                    "api_key_name": key,
+                    "requests_succeeded": g.succeeded,
+                    "requests_failed": g.failed,
+                    "prompt_tokens": g.prompt,
+                    "cached_prompt_tokens": g.cached,
+                    "completion_tokens": g.completion,
+                    "list_cost_usd": g.list_cost,
+                    "list_usd_per_mtok_prompt": _div(g.prompt_side * 1e6, g.prompt),
+                    "list_usd_per_mtok_completion": _div(g.completion_side * 1e6, g.completion),
+                    "gpu_cost_usd": before["gpu_cost_usd"] if before else 0.0,
+                    "covered_s": figures["covered_s"] if figures else 0.0,
+                    "mean_utilization": figures["mean_utilization"] if figures else None,
+                    "mfu": figures["mfu"] if figures else None,
+                    "provisional": True,
+                }
+            )
+        # Rows of the pairs with no fresh counterpart: the "(idle)" line (its GPU cost stands).
+        out += [{**r, "provisional": True} for r in old.values()]
+    return out
+
+
 def cost_report(
     engine: Engine, *, since: datetime, until: datetime, group_by: Sequence[str] | str
 ) -> Report:
     """Cost by any of day|hour, model, api_key (always summed across instances), from
-    `cost_rollups`; see the module docstring for each figure."""
+    `cost_rollups`, plus what the rollup has not counted yet, from the request rows (marked
+    provisional); see the module docstring for each figure."""
     groups = parse_group_by(group_by, COST_GROUPS)
     start, end, first, last = window(since, until)
     c = ROLLUPS.c
     stmt = select(ROLLUPS).where(c.hour_bucket >= first, c.hour_bucket <= last)
     with engine.connect() as conn:
-        rows = conn.execute(stmt).all()
+        rows = [{**r._mapping, "provisional": False} for r in conn.execute(stmt)]
+        pending = _not_rolled_up(conn, first, last)
+        if pending:
+            rows = _provisional_rows(conn, rows, pending)
     accs: dict[tuple[str, ...], _CostAcc] = defaultdict(_CostAcc)
     total = _CostAcc()
     for r in rows:
-        accs[tuple(getattr(r, _COST_KEYS[g]) for g in groups)].add(r)
+        accs[tuple(r[_COST_KEYS[g]] for g in groups)].add(r)
         total.add(r)
     out = [
         {**dict(zip(groups, key, strict=True)), **acc.result()} for key, acc in sorted(accs.items())
@@ -266,7 +387,7 @@ def cost_report(
         group_by=groups,
         columns=[*groups, *COST_METRICS],
         rows=out,
-        totals=total.result() if rows else dict.fromkeys(COST_METRICS),
+        totals=total.result() if rows else {**dict.fromkeys(COST_METRICS), "provisional": False},
         since=start.isoformat(),
         until=end.isoformat(),
         empty=not rows,

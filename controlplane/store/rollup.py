@@ -301,8 +301,8 @@ def _set_watermark(conn: Connection, job: str, instance_id: str, value: datetime
 
 
 @dataclass(slots=True)
-class _Group:
-    """The requests of one (hour, model, key)."""
+class RequestGroup:
+    """The final requests of one (hour, model, key), as the rollup counts them."""
 
     day: str = ""
     succeeded: int = 0
@@ -342,9 +342,9 @@ def _first_hour(conn: Connection, instance_id: str) -> str | None:
     return min(found) if found else None
 
 
-def _request_groups(
+def request_groups(
     conn: Connection, instance_id: str, first: str, last: str
-) -> dict[tuple[str, str, str], _Group]:
+) -> dict[tuple[str, str, str], RequestGroup]:
     c = REQUESTS.c
     cached = case(
         (c.cached_prompt_tokens < c.prompt_tokens, c.cached_prompt_tokens), else_=c.prompt_tokens
@@ -365,20 +365,17 @@ def _request_groups(
             func.sum(c.completion_tokens).label("completion"),
             func.sum(c.cost_usd).label("cost"),
         )
-        .where(
-            c.instance_id == instance_id,
-            c.hour_bucket >= first,
-            c.hour_bucket <= last,
-            c.status.in_(_FINAL),
-        )
+        # No status filter here: with one, SQLite reads every final row of the table through
+        # the status index instead of the hour range; running rows are skipped below.
+        .where(c.instance_id == instance_id, c.hour_bucket >= first, c.hour_bucket <= last)
         .group_by(c.hour_bucket, c.day_bucket, c.model, c.api_key_name, c.status, c.price_id)
     )
-    rows = conn.execute(stmt).all()
+    rows = [r for r in conn.execute(stmt) if r.status in FINAL_STATUSES]
     price_ids = {r.price_id for r in rows if r.price_id is not None}
     prices: dict[int, Any] = {}
     if price_ids:
         prices = {p.id: p for p in conn.execute(select(PRICES).where(PRICES.c.id.in_(price_ids)))}
-    groups: dict[tuple[str, str, str], _Group] = defaultdict(_Group)
+    groups: dict[tuple[str, str, str], RequestGroup] = defaultdict(RequestGroup)
     for r in rows:
         g = groups[(r.hour_bucket, r.model, r.api_key_name or "")]
         g.day = r.day_bucket
@@ -437,7 +434,7 @@ def _sample_hours(conn: Connection, instance_id: str, first: str, last: str) -> 
 def _hour_rows(
     hour: str,
     instance_id: str,
-    groups: dict[tuple[str, str], _Group],
+    groups: dict[tuple[str, str], RequestGroup],
     samples: _Hour | None,
     *,
     now: datetime,
@@ -555,9 +552,9 @@ def run_rollup(
         hours = 0
         if first is not None and first <= last:
             hours = int((hour_start(last) - hour_start(first)) / HOUR) + 1
-            groups = _request_groups(conn, instance_id, first, last)
+            groups = request_groups(conn, instance_id, first, last)
             samples = _sample_hours(conn, instance_id, first, last)
-            by_hour: dict[str, dict[tuple[str, str], _Group]] = defaultdict(dict)
+            by_hour: dict[str, dict[tuple[str, str], RequestGroup]] = defaultdict(dict)
             for (hour, model, key), g in groups.items():
                 by_hour[hour][(model, key)] = g
             for hour in sorted(set(by_hour) | set(samples)):

@@ -68,6 +68,17 @@ def fmt_pct(v: Any, scale: float = 100.0) -> str:
     return "–" if n is None else f"{n * scale:.0f}%"
 
 
+def fmt_bytes(v: Any) -> str:
+    n = _num(v)
+    if n is None:
+        return "–"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def fmt_duration(seconds: Any) -> str:
     n = _num(seconds)
     if n is None:

@@ -12,6 +12,7 @@ from textual.widgets import DataTable, ProgressBar, Sparkline, Static
 
 from controlplane.tui.history import (
     StatsHistory,
+    fmt_bytes,
     fmt_duration,
     fmt_num,
     fmt_pct,
@@ -56,6 +57,9 @@ class HeaderBar(Static):
         if stats:
             t.append("  model ", style="dim")
             t.append(str(stats.get("model") or "–"))
+            quant = (stats.get("memory") or {}).get("quantization")
+            if quant and quant != "none":
+                t.append(f" {quant}", style="bold")
             t.append("  up ", style="dim")
             t.append(fmt_duration(stats.get("uptime_s")))
         if note and connected:
@@ -117,6 +121,7 @@ class KVPanel(Panel):
         yield ProgressBar(total=100, show_eta=False, id="kv-bar")
         yield Static(id="kv-map")
         yield Static(id="kv-preempt")
+        yield Static(id="kv-memory")
 
     def show_map(self, occupancy: list[float]) -> None:
         """One character per range of block ids, from empty (space) to full (█)."""
@@ -141,6 +146,11 @@ class KVPanel(Panel):
             per_min *= 60
         self.query_one("#kv-preempt", Static).update(
             f"preempt/min [b]{fmt_num(per_min)}[/] (Σ {fmt_value(stats.get('num_preemptions'))})"
+        )
+        mem = stats.get("memory") or {}
+        self.query_one("#kv-memory", Static).update(
+            f"weights [b]{fmt_bytes(mem.get('weights_bytes'))}[/]  "
+            f"KV [b]{fmt_bytes(mem.get('kv_cache_bytes'))}[/]"
         )
 
 

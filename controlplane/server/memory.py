@@ -1,0 +1,84 @@
+"""Give the C heap's free memory back to the OS once the daemon is idle.
+
+Measured with benchmarks/rss_storms.py: a storm of requests grows the daemon's RSS by hundreds
+of MB that stay after it ends, and the growth slows storm after storm (a plateau, not a leak).
+It is glibc malloc keeping freed memory: many threads (engine, HTTP, tokenizer, SQL writer)
+each get an arena, and the large, short-lived buffers of a busy step (activations, logits,
+request bodies) are freed into them rather than unmapped. `malloc_trim(0)` hands the free pages
+of every arena back; it costs a few milliseconds, so it runs only after the engine has had no
+request for a while, never while serving.
+
+Off where the C library has no `malloc_trim` (not glibc). `CONTROLPLANE_MALLOC_TRIM_IDLE_S`
+sets the idle time before a trim (default 5 s; 0 turns it off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "CONTROLPLANE_MALLOC_TRIM_IDLE_S"
+DEFAULT_IDLE_S = 5.0
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    except OSError:
+        return None
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def idle_seconds(env: Mapping[str, str]) -> float:
+    """The configured idle time before a trim; 0 means off (also for a value that is not a
+    finite number >= 0, which is logged)."""
+    raw = env.get(ENV_VAR)
+    if raw is None:
+        return DEFAULT_IDLE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        log.warning("%s=%r is not a number of seconds >= 0: idle malloc_trim is off", ENV_VAR, raw)
+        return 0.0
+    return value
+
+
+async def trim_when_idle(activity: Callable[[], int], idle_s: float, poll_s: float = 1.0) -> None:
+    """Forever: once `activity()` (a counter of work done, e.g. engine steps) has not moved for
+    `idle_s`, trim the C heap; once per idle spell (the next trim waits for more work)."""
+    trim = _libc_trim()
+    if trim is None or idle_s <= 0:
+        return
+    last = activity()
+    idle_since = time.monotonic()
+    trimmed = True  # nothing to give back before the first request
+    while True:
+        await asyncio.sleep(poll_s)
+        now, seen = time.monotonic(), activity()
+        if seen != last:
+            last, idle_since, trimmed = seen, now, False
+            continue
+        if trimmed or now - idle_since < idle_s:
+            continue
+        t0 = time.perf_counter()
+        # In a worker thread: the event loop keeps serving while the heap is walked.
+        await asyncio.to_thread(trim, 0)
+        trimmed = True
+        log.debug("malloc_trim after %.0fs idle: %.1f ms", idle_s, 1e3 * (time.perf_counter() - t0))
+
+
+def configured_idle_s() -> float:
+    return idle_seconds(os.environ)
