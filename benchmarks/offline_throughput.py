@@ -57,6 +57,17 @@ ALL_CONTENDERS = ("engine", "static", "cb")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def auto_dtype() -> str:
+    """The engine's dtype "auto" for a 16-bit checkpoint on this CPU: bfloat16 only where the CPU
+    has native bf16 (AVX512-BF16 or AMX), float32 elsewhere (emulated bf16 is many times slower
+    and would make the figures meaningless)."""
+    try:
+        from controlplane.engine.model.linear import cpu_has_native_bf16
+    except Exception:  # the engine does not import: its contender is reported as skipped
+        return "float32"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -606,7 +617,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_MODEL_DIR,
         help="model directory; the default one is created with write_demo_model(size='small')",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weights dtype")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=auto_dtype(),
+        help="weights dtype (default: bfloat16 with native bf16, else float32)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per contender (medians)")
     p.add_argument("--num-requests", type=int, default=128, help="requests in the workload")
     p.add_argument("--seed", type=int, default=0, help="workload seed")

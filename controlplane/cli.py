@@ -21,7 +21,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from controlplane.config import demo_model_path, load_config
+    from controlplane.config import default_model, load_config
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -33,11 +33,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.dtype:
         settings = dataclasses.replace(settings, dtype=args.dtype)
     if not settings.model:
-        from controlplane.engine.demo_model import write_demo_model
-
-        settings = dataclasses.replace(
-            settings, model=str(write_demo_model(demo_model_path(cfg), size="small"))
-        )
+        settings = dataclasses.replace(settings, model=default_model(cfg))
     from controlplane.engine import LLM, SamplingParams
 
     llm = LLM(settings.model, settings)
@@ -122,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", help="prompt strings")
     gen.add_argument("--config", help="TOML config file (its [engine] table is used)")
     gen.add_argument(
-        "--model", help="model directory (default: the small demo model, generated on first use)"
+        "--model",
+        help="model directory, .gguf file or smollm2 (default: SmolLM2 if installed, else the demo model)",
     )
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-tokens", type=int, default=64)

@@ -1,7 +1,8 @@
-"""Load a Hugging Face-format checkpoint into `CausalLM` without a second copy in RAM.
+"""Load a checkpoint into `CausalLM`: a Hugging Face directory or a GGUF file.
 
-The model is built on the meta device, then each parameter is assigned the tensor that
-safetensors maps from the file (zero-copy on CPU when the dtype already matches).
+The model is built on the meta device, then each parameter is assigned its tensor: from a
+directory, the tensor safetensors maps from the file (zero-copy on CPU when the dtype already
+matches); from a `.gguf` file, the tensor dequantized from its blocks (see engine/gguf).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import torch
 from safetensors import safe_open
 
 from controlplane.engine.errors import ModelLoadError
+from controlplane.engine.gguf.known import is_gguf
 from controlplane.engine.model.config import ModelConfig
 from controlplane.engine.model.linear import cpu_packing_supported, pack_linears
 from controlplane.engine.model.llama import CausalLM, RotaryEmbedding
+from controlplane.engine.model.quant import QuantConfig, quantize_model
+from controlplane.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,36 +53,77 @@ def load_model(
     device: torch.device,
     max_len: int,
     cpu_weight_packing: bool = True,
+    quant: QuantConfig | None = None,
 ) -> CausalLM:
     model_dir = Path(model_dir)
-    files = weight_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg, max_len)
-    state: dict[str, torch.Tensor] = {}
-    with ExitStack() as stack:
-        handles = {
-            p: stack.enter_context(safe_open(p, framework="pt")) for p in set(files.values())
-        }
-        for name, param in model.named_parameters():
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            path = files.get(name)
-            if path is None:
-                raise ModelLoadError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
-            shape = handles[path].get_slice(name).get_shape()
-            if tuple(shape) != tuple(param.shape):
-                raise ModelLoadError(
-                    f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(param.shape)}"
-                )
-            # Same dtype on CPU: the mmap'd tensor itself, no copy.
-            state[name] = handles[path].get_tensor(name).to(device=device, dtype=dtype)
+    if is_gguf(model_dir):
+        state = _gguf_state(model_dir, model, cfg, dtype, device)
+    else:
+        state = _safetensors_state(model_dir, model, cfg, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     # Buffers computed, not loaded: build them for real now.
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
+    if quant is not None and quant.kind != "none":
+        del state  # each layer's float weight is freed as soon as its quantized one replaces it
+        quantize_model(model, quant)
     if device.type == "cpu" and cpu_weight_packing and cpu_packing_supported(dtype):
         # A tied lm_head stays unpacked: packing it would duplicate the embedding table.
         skip = ("lm_head",) if cfg.tie_word_embeddings else ()
         log.info("packed %d linear layers for oneDNN", pack_linears(model, skip))
     model.eval()
     return model
+
+
+def _loaded_parameters(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, for every parameter read from the checkpoint."""
+    return {
+        name: tuple(param.shape)
+        for name, param in model.named_parameters()
+        if not (name == "lm_head.weight" and cfg.tie_word_embeddings)
+    }
+
+
+def _safetensors_state(
+    model_dir: Path, model: CausalLM, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    files = weight_files(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        handles = {
+            p: stack.enter_context(safe_open(p, framework="pt")) for p in set(files.values())
+        }
+        for name, expected in _loaded_parameters(model, cfg).items():
+            path = files.get(name)
+            if path is None:
+                raise ModelLoadError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
+            shape = handles[path].get_slice(name).get_shape()
+            if tuple(shape) != expected:
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {expected}"
+                )
+            # Same dtype on CPU: the mmap'd tensor itself, no copy.
+            state[name] = handles[path].get_tensor(name).to(device=device, dtype=dtype)
+    return state
+
+
+def _gguf_state(
+    path: Path, model: CausalLM, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    from controlplane.engine.gguf import weights
+    from controlplane.engine.gguf.file import open_gguf
+
+    return weights.load_state_dict(
+        open_gguf(path), cfg, _loaded_parameters(model, cfg), dtype, device
+    )
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """The tokenizer of a model directory (tokenizer.json) or of a GGUF file (its metadata)."""
+    if is_gguf(model):
+        from controlplane.engine.gguf.tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(model)
+    return Tokenizer.from_dir(model)

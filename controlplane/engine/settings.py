@@ -20,6 +20,8 @@ class RestartRequiredError(InvalidSettingError):
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
 
 def _live(doc: str, default: Any) -> Any:
@@ -49,6 +51,19 @@ class EngineSettings:
     seed: int = _restart("Seed of the engine's shared sampling generator.", 0)
     cpu_weight_packing: bool = _restart(
         "On CPU, pre-pack linear weights for oneDNN (faster).", True
+    )
+    quantization: str = _restart(
+        "Weight-only quantization of the linear layers, done at load: none, int8 (per output "
+        "channel) or int4 (group-wise). Embeddings and norms stay float.",
+        "none",
+    )
+    quantization_group_size: int = _restart(
+        "int4: input features sharing one scale and zero point (32, 64, 128 or 256).", 32
+    )
+    quantize_lm_head: bool = _restart(
+        "With quantization on, quantize lm_head too, to int8 (a tied one becomes an int8 copy: "
+        "the embedding table stays float). Faster decode, some quality.",
+        False,
     )
     # Live: applied at the next step boundary.
     max_num_seqs: int = _live("Most sequences in one batch.", 32)
@@ -107,6 +122,19 @@ def check(settings: EngineSettings) -> EngineSettings:
     if not isinstance(s.cpu_weight_packing, bool):
         raise InvalidSettingError(
             "cpu_weight_packing", f"must be true or false, got {s.cpu_weight_packing!r}"
+        )
+    _choice("quantization", s.quantization, QUANTIZATIONS)
+    if isinstance(s.quantization_group_size, bool) or (
+        s.quantization_group_size not in INT4_GROUP_SIZES
+    ):
+        raise InvalidSettingError(
+            "quantization_group_size",
+            f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
+            f"got {s.quantization_group_size!r}",
+        )
+    if not isinstance(s.quantize_lm_head, bool):
+        raise InvalidSettingError(
+            "quantize_lm_head", f"must be true or false, got {s.quantize_lm_head!r}"
         )
     _int("max_num_seqs", s.max_num_seqs, 1, 4096)
     _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)

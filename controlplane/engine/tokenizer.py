@@ -13,6 +13,7 @@ half a UTF-8 character, decoding only a short window of recent tokens per step.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -225,6 +226,11 @@ class Tokenizer:
             raise ModelLoadError(f"{source}: 'chat_template' must be a string or a list")
         self.chat_template: str | None = template
         self._compiled_template = None
+        # Special tokens as text (longest first, so a regex alternation prefers the longest), and
+        # a copy of the backend that reads them as plain text: built on first escaped chat.
+        specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        self.special_token_texts: tuple[str, ...] = tuple(sorted(specials, key=len, reverse=True))
+        self._plain_backend: Any = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -268,7 +274,7 @@ class Tokenizer:
         return self._backend.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(self._backend, text, add_special_tokens)
         if add_special_tokens and self.add_bos_token != self._post_processor_adds_bos:
             if self.add_bos_token:
                 ids = [self.bos_token_id, *ids]
@@ -318,8 +324,102 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
 
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, *, escape: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat template (which holds any bos token itself).
+
+        `escape`: special-token text inside the messages (`<|eot_id|>` typed by a user) is
+        tokenized as the plain text it is, so a message cannot forge the template's control
+        tokens (end its turn, open a system turn); only the template's own special tokens are
+        control tokens. Without it, the rendered text is encoded as a whole (transformers'
+        behaviour). Template errors come out as ValueError, as in `apply_chat_template`.
+        """
+        if not escape or not self.special_token_texts:
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return self.encode(text, add_special_tokens=False)
+        marks = _Marks(self.special_token_texts, [messages, self.chat_template])
+        text = self.apply_chat_template(marks.hide(messages), add_generation_prompt)
+        return self._encode_marked(text, marks)
+
+    def _encode_marked(self, text: str, marks: _Marks) -> list[int]:
+        # The library splits text at special tokens and encodes the pieces in between on their
+        # own; doing the same split here, with the messages' special text restored inside the
+        # pieces and read by a backend that treats it as text, gives the same ids as `encode`
+        # wherever the messages hold no special-token text.
+        if self._plain_backend is None:
+            from tokenizers import Tokenizer as BackendTokenizer
+
+            plain = BackendTokenizer.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        ids: list[int] = []
+        pos = 0
+        for m in [*marks.special_re.finditer(text), None]:
+            end = len(text) if m is None else m.start()
+            if end > pos:
+                ids += _encode(self._plain_backend, marks.restore(text[pos:end]), False)
+            if m is not None:
+                ids.append(self._backend.token_to_id(m.group()))
+                pos = m.end()
+        return ids
+
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._backend, skip_special_tokens=skip_special_tokens)
+
+
+# Texts at least this long are encoded with `encode_batch`, which releases the GIL (`encode`
+# holds it): a megabyte prompt tokenized in a worker thread then leaves the event loop free.
+_RELEASE_GIL_CHARS = 4096
+
+
+def _encode(backend: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) < _RELEASE_GIL_CHARS:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+class _Marks:
+    """Stand-ins for special-token text inside chat messages while the template renders.
+
+    Each occurrence becomes OPEN + index + CLOSE, two private-use characters that occur in
+    neither the messages nor the template, so after rendering the template's own special tokens
+    are the only ones left.
+    """
+
+    def __init__(self, specials: Sequence[str], texts: Any) -> None:
+        self.specials = list(specials)
+        self.special_re = re.compile("|".join(re.escape(t) for t in self.specials))
+        used = set("".join(_strings(texts)))
+        free = (chr(c) for c in range(0xE000, 0xF8FF) if chr(c) not in used)
+        self.open, self.close = next(free), next(free)
+        self._index = {t: i for i, t in enumerate(self.specials)}
+        self._mark_re = re.compile(f"{re.escape(self.open)}(\\d+){re.escape(self.close)}")
+
+    def hide(self, value: Any) -> Any:
+        """A copy of the messages with every special-token text replaced by its mark."""
+        if isinstance(value, str):
+            return self.special_re.sub(
+                lambda m: f"{self.open}{self._index[m.group()]}{self.close}", value
+            )
+        if isinstance(value, Mapping):
+            return {k: self.hide(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.hide(v) for v in value]
+        return value
+
+    def restore(self, text: str) -> str:
+        return self._mark_re.sub(lambda m: self.specials[int(m.group(1))], text)
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 class IncrementalDetokenizer:

