@@ -57,8 +57,14 @@ def gguf_path() -> Path:
 def engine(gguf_path: Path):
     from controlplane.engine import Engine
 
+    # The dequantized float32 path, held against transformers' (which dequantizes too); the
+    # default `quantization = "auto"` would keep the file's Q4_1 blocks as int4.
     return Engine(
-        model=str(gguf_path), dtype="float32", kv_cache_memory_bytes=128 << 20, max_num_seqs=16
+        model=str(gguf_path),
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory_bytes=128 << 20,
+        max_num_seqs=16,
     )
 
 
@@ -411,6 +417,50 @@ def test_qk_rows_are_unpermuted_and_quantized_blocks_dequantize(tmp_path):
         assert rel < tolerance[qtype], f"{name} {qtype.name}: relative error {rel:.3f}"
         # The raw blocks stay reachable for quantized linears: one row of blocks per row.
         assert weights.raw_blocks(t).shape[0] == original.shape[0]
+
+
+def test_quantization_auto_keeps_how_the_file_stores_its_linears(gguf_path, tmp_path):
+    """`quantization = "auto"` (the default): 4-bit blocks -> int4, 5- to 8-bit -> int8, float
+    files -> none; a mixed file takes the layout of most of its linear weights."""
+    import gguf
+
+    from controlplane.engine import Engine
+    from controlplane.engine.gguf.file import clear_cache
+    from controlplane.engine.model import quant
+    from controlplane.engine.model.config import load_model_config
+
+    T = gguf.GGMLQuantizationType
+    g = np.random.default_rng(3)
+    ffn = {n: g.standard_normal((256, 64), np.float32) for n in ("ffn_gate", "ffn_up")}
+    ffn["ffn_down"] = g.standard_normal((64, 256), np.float32)
+
+    def written(name: str, qtype, down=None) -> Path:
+        types = {"ffn_gate": qtype, "ffn_up": qtype, "ffn_down": down or qtype}
+        tensors = {
+            f"blk.0.{n}.weight": (gguf.quantize(w, types[n]), types[n]) for n, w in ffn.items()
+        }
+        return write_tiny_gguf(tmp_path / name, tensors=tensors)
+
+    clear_cache()
+    # The three FFN matrices (49152 weights) outweigh the four attention ones (12288, F32).
+    assert load_model_config(written("q8.gguf", T.Q8_0)).stored_quantization == "int8"
+    assert load_model_config(written("q4.gguf", T.Q4_0)).stored_quantization == "int4"
+    # Mixed: gate and up (32768 weights) outweigh down (16384), whichever is the 4-bit one.
+    mixed = written("mixed.gguf", T.Q4_1, down=T.Q8_0)
+    assert load_model_config(mixed).stored_quantization == "int4"
+    mixed = written("mixed8.gguf", T.Q8_0, down=T.Q4_1)
+    assert load_model_config(mixed).stored_quantization == "int8"
+    assert load_model_config(write_tiny_gguf(tmp_path / "f32.gguf")).stored_quantization == "none"
+
+    eng = Engine(model=str(gguf_path), kv_cache_memory_bytes=16 << 20, max_num_seqs=2)
+    assert eng.memory.quantization == "int4"  # SmolLM2 ships as Q4_1
+    layer = eng.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, quant.Int4Linear)
+    assert isinstance(layer.self_attn.q_proj, quant.Int4Linear)
+    # An explicit setting wins over the file's layout.
+    eng = Engine(model=str(gguf_path), quantization="int8", kv_cache_memory_bytes=16 << 20)
+    assert eng.memory.quantization == "int8"
+    assert isinstance(eng.model.model.layers[0].mlp.up_proj, quant.Int8Linear)
 
 
 # -- the default model -----------------------------------------------------------------------

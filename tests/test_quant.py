@@ -326,6 +326,15 @@ def test_memory_use_is_weights_as_loaded_and_the_kv_cache(tiny_engines):
     assert eng.memory.dtype == "float32" and "MiB" in eng.memory.describe()
 
 
+def test_quantization_auto_leaves_a_float_checkpoint_float(tiny_model_dir):
+    from controlplane.engine import Engine
+
+    eng = Engine(model=str(tiny_model_dir), kv_cache_memory_bytes=4 << 20)
+    assert EngineSettings().quantization == "auto"
+    assert eng.memory.quantization == "none"
+    assert not any(isinstance(m, (quant.Int8Linear, quant.Int4Linear)) for m in eng.model.modules())
+
+
 # -- a real daemon -----------------------------------------------------------------------------
 
 

@@ -128,7 +128,11 @@ class Engine:
 
         t0 = time.perf_counter()
         self.tokenizer = load_tokenizer(model_dir)
-        quant = QuantConfig(s.quantization, s.quantization_group_size, s.quantize_lm_head)
+        kind = s.quantization
+        if kind == "auto":
+            kind = cfg.stored_quantization
+            log.info("quantization auto: %s (how the checkpoint stores its linear weights)", kind)
+        quant = QuantConfig(kind, s.quantization_group_size, s.quantize_lm_head)
         self.model = load_model(
             model_dir, cfg, self.dtype, self.device, self.max_model_len, s.cpu_weight_packing, quant
         )
@@ -154,7 +158,7 @@ class Engine:
         num_swap = s.swap_space_bytes // spec.bytes_per_block
         log.info("KV cache: %s; swap space: %d blocks", why, num_swap)
         self.kv_cache = KVCache(spec, num_blocks, num_swap, self.device)
-        self.memory = MemoryUse.of(self.model, spec, num_blocks, s.quantization, self.dtype)
+        self.memory = MemoryUse.of(self.model, spec, num_blocks, kind, self.dtype)
         log.info("memory: %s", self.memory.describe())
         self.block_pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap)

@@ -20,7 +20,7 @@ class RestartRequiredError(InvalidSettingError):
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
 
@@ -37,7 +37,9 @@ class EngineSettings:
     # Restart-only: they shape memory or the model itself.
     model: str = _restart("Path of a Hugging Face-format model directory.", "")
     dtype: str = _restart(
-        "Weights and KV dtype: auto (checkpoint's), float32, bfloat16, float16.", "auto"
+        "Weights and KV dtype: auto (bfloat16 where the CPU has native bf16 and the checkpoint is "
+        "16-bit, float32 on other CPUs; the checkpoint's on GPU), float32, bfloat16, float16.",
+        "auto",
     )
     device: str = _restart("auto (cuda if available), cpu or cuda.", "auto")
     block_size: int = _restart("Tokens per KV block.", 16)
@@ -53,9 +55,11 @@ class EngineSettings:
         "On CPU, pre-pack linear weights for oneDNN (faster).", True
     )
     quantization: str = _restart(
-        "Weight-only quantization of the linear layers, done at load: none, int8 (per output "
-        "channel) or int4 (group-wise). Embeddings and norms stay float.",
-        "none",
+        "Weight-only quantization of the linear layers, done at load: auto (a GGUF file's "
+        "quantized linears stay quantized: 4-bit blocks as int4, 5- to 8-bit ones as int8; "
+        "float checkpoints: none), none, int8 (per output channel) or int4 (group-wise). "
+        "Embeddings and norms stay float.",
+        "auto",
     )
     quantization_group_size: int = _restart(
         "int4: input features sharing one scale and zero point (32, 64, 128 or 256).", 32

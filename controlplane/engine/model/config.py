@@ -1,13 +1,17 @@
-"""Model hyper-parameters parsed from a Hugging Face `config.json`."""
+"""Model hyper-parameters parsed from a Hugging Face `config.json` or a GGUF file's metadata."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from controlplane.engine.gguf.file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -31,6 +35,9 @@ class ModelConfig:
     torch_dtype: str
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # What `quantization = "auto"` keeps: the engine layout nearest to how the checkpoint stores
+    # its linear weights ("none" for float checkpoints; see gguf_stored_quantization).
+    stored_quantization: str = "none"
 
     @property
     def num_params(self) -> int:
@@ -203,4 +210,26 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         torch_dtype=_GGUF_FILE_DTYPES.get(f.get("general.file_type"), "float32"),
         sliding_window=sliding if isinstance(sliding, int) and sliding > 0 else None,
         eos_token_ids=eos_ids,
+        stored_quantization=gguf_stored_quantization(f),
     )
+
+
+# GGUF block types -> the engine layout that holds them: 4-bit blocks of 32 weights (Q4_K's
+# sub-blocks too) land on int4 groups of 32; 5-, 6- and 8-bit blocks go to int8, which loses
+# less of their precision than 4 bits would.
+_GGUF_LAYOUTS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+_GGUF_LAYOUTS |= {"Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8"}
+_LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_stored_quantization(f: GGUFFile) -> str:
+    """The engine layout that most of the file's transformer linear weights are stored nearest
+    to, weighted by element count: mixed files (llama.cpp's Q4_K_M keeps some tensors in Q6_K)
+    take the majority's layout, since the engine quantizes every linear layer one way."""
+    counts: dict[str, int] = {}
+    for t in f.tensors.values():
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_TENSORS:
+            layout = _GGUF_LAYOUTS.get(t.type_name, "none")
+            counts[layout] = counts.get(layout, 0) + math.prod(t.shape)
+    return max(counts, key=counts.__getitem__) if counts else "none"
