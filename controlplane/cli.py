@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -55,20 +57,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
     import os
 
     from controlplane.config import build_config, read_toml
     from controlplane.server.logs import setup_logging
 
     file_raw = read_toml(args.config) if args.config else {}
-    cfg = build_config(file_raw, os.environ)
-    server = cfg.server
-    if args.host is not None:
-        server = dataclasses.replace(server, host=args.host)
-    if args.port is not None:
-        server = dataclasses.replace(server, port=args.port)
-    cfg = dataclasses.replace(cfg, server=server)
+    # Flags win over the file and the environment, and are validated like them.
+    flags: dict[str, Any] = {}
+    for name, section, key in (
+        ("host", "server", "host"),
+        ("port", "server", "port"),
+        ("log_level", "server", "log_level"),
+        ("model", "engine", "model"),
+    ):
+        if getattr(args, name) is not None:
+            flags.setdefault(section, {})[key] = getattr(args, name)
+    if args.data_dir is not None:
+        flags["data_dir"] = args.data_dir
+    cfg = build_config(file_raw, os.environ, overrides=flags)
     setup_logging(cfg.server.log_format, cfg.server.log_level)
 
     async def run() -> int:
@@ -81,6 +88,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="controlplane", description=__doc__)
+    try:
+        installed = version("controlplane")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        installed = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"controlplane {installed}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
@@ -89,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML config file (default: embedded defaults)")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8000; 0 picks a free one)")
+    serve.add_argument(
+        "--model",
+        help="model directory, .gguf file or smollm2 (engine.model; default: SmolLM2 "
+        "if installed, else the demo model)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="server.log_level (default info)",
+    )
+    serve.add_argument("--data-dir", help="data_dir: SQLite file, journal, admin token, demo model")
     serve.set_defaults(func=_cmd_serve)
 
     from controlplane.loadgen import add_loadgen_parser
@@ -131,11 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Imported lazily like everything else here, but cheap: no torch, no SQLAlchemy engine.
+    from controlplane.store.db import StoreUnavailableError
+
     try:
         return args.func(args)
     except ValueError as exc:  # bad config or input: one clear line, not a traceback
         print(f"controlplane: error: {exc}", file=sys.stderr)
         return 2
+    except StoreUnavailableError as exc:  # no driver, database unreachable: the same
+        print(f"controlplane: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

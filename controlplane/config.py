@@ -2,12 +2,14 @@
 validated in one place. Torch-free on purpose: the CLI parses config without the engine.
 
 Environment overrides use `CONTROLPLANE_<SECTION>__<KEY>`, e.g. `CONTROLPLANE_SERVER__PORT=8001`
-or `CONTROLPLANE_ENGINE__MAX_NUM_SEQS=16`; `CONTROLPLANE_DATA_DIR` sets `data_dir`.
+or `CONTROLPLANE_ENGINE__MAX_NUM_SEQS=16`; `CONTROLPLANE_DATA_DIR` sets `data_dir`. Any other
+CONTROLPLANE_* variable (besides the few in ENV_NON_KEYS) stops the start with an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -22,6 +24,7 @@ from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.settings import EngineSettings, check
 
 ENV_PREFIX = "CONTROLPLANE_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,8 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     log_format: str = "text"  # text | json
     log_level: str = "info"
+    # One log line per finished request (logger controlplane.access, at info).
+    access_log: bool = False
     # Identifies this daemon's rows when several share one database; default: generated once
     # and kept in <data_dir>/instance_id.
     instance_id: str = ""
@@ -233,6 +238,10 @@ def _validate(cfg: Config) -> Config:
     # The range GET /admin/events accepts for its `interval` (the default must be one).
     _in_range("server.events_interval_s", s.events_interval_s, 0.1, 60)
     _in_range("server.config_watch_interval_s", s.config_watch_interval_s, 0.05, MAX_INTERVAL_S)
+    if s.log_level.lower() not in LOG_LEVELS:
+        raise InvalidSettingError(
+            "server.log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {s.log_level!r}"
+        )
     if s.log_format not in ("text", "json"):
         raise InvalidSettingError(
             "server.log_format", f"must be text or json, got {s.log_format!r}"
@@ -309,19 +318,56 @@ def check_engine(settings: EngineSettings) -> EngineSettings:
         raise InvalidSettingError(f"engine.{exc.field}", str(exc).split(": ", 1)[1]) from None
 
 
+# CONTROLPLANE_* variables that are not config keys, read where they are used.
+ENV_NON_KEYS = frozenset(
+    {
+        "CONTROLPLANE_ADMIN_TOKEN",  # admin_api/auth.py, the TUI
+        "CONTROLPLANE_TEST_POSTGRES",  # tests/conftest.py: the PostgreSQL the tests use
+        "CONTROLPLANE_MALLOC_TRIM_IDLE_S",  # server/memory.py
+    }
+)
+
+
+def env_names() -> list[str]:
+    """Every CONTROLPLANE_* variable that sets a config key."""
+    sections = {
+        "server": ServerSettings,
+        "store": StoreSettings,
+        "jobs": JobsSettings,
+        "engine": EngineSettings,
+    }
+    names = [f"{ENV_PREFIX}DATA_DIR"]
+    for section, cls in sections.items():
+        names += [f"{ENV_PREFIX}{section}__{f.name}".upper() for f in dataclasses.fields(cls)]
+    return names
+
+
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """CONTROLPLANE_SECTION__KEY=value -> {section: {key: value}} (values stay strings)."""
+    """CONTROLPLANE_SECTION__KEY=value -> {section: {key: value}} (values stay strings).
+
+    A CONTROLPLANE_* variable that sets nothing is an error naming it, not silently ignored:
+    `CONTROLPLANE_SERVER_PORT` (one underscore) would otherwise leave the port unchanged."""
     out: dict[str, Any] = {}
+    known: list[str] | None = None
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name in (
-            "CONTROLPLANE_ADMIN_TOKEN",
-            "CONTROLPLANE_TEST_POSTGRES",
-        ):
+        if not name.startswith(ENV_PREFIX) or name.upper() in ENV_NON_KEYS:
             continue
+        known = known or env_names()
+        if name.upper() not in known:
+            # A high cutoff: suggest only near misses (one underscore, a typo), not guesses.
+            close = difflib.get_close_matches(
+                name.upper(), [*known, *ENV_NON_KEYS], n=1, cutoff=0.85
+            )
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise InvalidSettingError(
+                name,
+                f"unknown environment variable: no config key has this name (the form is "
+                f"{ENV_PREFIX}<SECTION>__<KEY>, two underscores, or {ENV_PREFIX}DATA_DIR){hint}",
+            )
         rest = name[len(ENV_PREFIX) :].lower()
         if rest == "data_dir":
             out["data_dir"] = value
-        elif "__" in rest:
+        else:
             section, key = rest.split("__", 1)
             out.setdefault(section, {})[key] = value
     return out
@@ -337,14 +383,20 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise InvalidSettingError("config", f"{p}: invalid TOML: {exc}") from None
 
 
-def build_config(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
-    """Config from a parsed TOML mapping plus environment overrides; raises naming the key."""
+def build_config(
+    raw: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Config from a parsed TOML mapping plus environment overrides, then `overrides` (command
+    line flags, shaped like `raw`) over both; raises naming the key."""
     merged: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
-    for key, value in env_overrides(os.environ if env is None else env).items():
-        if isinstance(value, dict):
-            merged.setdefault(key, {}).update(value)
-        else:
-            merged[key] = value
+    for layer in (env_overrides(os.environ if env is None else env), overrides or {}):
+        for key, value in layer.items():
+            if isinstance(value, dict):
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged[key] = value
     known = {f.name for f in dataclasses.fields(Config)}
     for key in merged:
         if key not in known:

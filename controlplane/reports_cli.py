@@ -1,9 +1,10 @@
-"""`controlplane report cost|utilization`: cost and utilization reports, straight from SQL.
+"""`controlplane report cost|requests|utilization`: reports, straight from SQL.
 
 Reads only the database, so it works while the daemon is down. Torch-free (and cheap to
 import): the store and rich are imported when a report runs.
 
     controlplane report cost --since 7d --group-by day,model,api_key
+    controlplane report requests --since 7d --group-by user
     controlplane report cost --since 2026-03-01 --until 2026-04-01 --format csv
     controlplane report utilization --since 24h --group-by hour,instance --format json
 
@@ -26,15 +27,33 @@ from datetime import UTC, datetime
 from typing import Any
 
 # Kept in step with controlplane.store.reports (not imported here: that pulls in SQLAlchemy).
-_GROUPS = {"cost": ("day", "hour", "model", "api_key"), "utilization": ("day", "hour", "instance")}
+_GROUPS = {
+    "cost": ("day", "hour", "model", "api_key"),
+    "requests": ("day", "hour", "model", "api_key", "user"),
+    "utilization": ("day", "hour", "instance"),
+}
 _DEFAULTS = {
     "cost": ("7d", "day,model,api_key"),
+    "requests": ("7d", "day,user"),
     "utilization": ("24h", "hour"),
 }
 _EMPTY_HINT = {
     "cost": "is the daemon running with store.record_requests = true and have rollups run?",
+    "requests": "is the daemon running with store.record_requests = true?",
     "utilization": "is the daemon running (it samples every jobs.utilization_interval_s)?",
 }
+# Where a group column missing from one report lives instead.
+_ELSEWHERE = {
+    ("cost", "user"): "the hourly rollups are not kept per user; `controlplane report requests "
+    "--group-by user` has the list cost by user, from the request rows",
+}
+# What each report reads: tables, and columns added by later migrations.
+_NEEDED_TABLES = {
+    "cost": {"cost_rollups"},
+    "requests": {"requests"},
+    "utilization": {"utilization_samples", "gpu_samples"},
+}
+_NEEDED_COLUMNS = {"requests": ("requests", "end_user")}  # migration 0004
 
 
 def _time_arg(flag: str) -> Callable[[str], datetime]:
@@ -56,8 +75,10 @@ def _group_arg(kind: str) -> Callable[[str], list[str]]:
         names = [n.strip() for n in value.split(",") if n.strip()]
         bad = [n for n in names if n not in allowed]
         if bad:
+            hint = _ELSEWHERE.get((kind, bad[0]))
             raise argparse.ArgumentTypeError(
                 f"unknown column {bad[0]!r}; use any of {', '.join(allowed)}"
+                + (f" ({hint})" if hint else "")
             )
         if "day" in names and "hour" in names:
             raise argparse.ArgumentTypeError("day and hour exclude each other")
@@ -86,6 +107,8 @@ def _empty_sentence(kind: str, since: str, until: str) -> str:
 
 _HEADERS = {
     "api_key": "API key",
+    "mean_ttft_s": "TTFT s",
+    "mean_e2e_latency_s": "latency s",
     "requests_succeeded": "ok",
     "requests_failed": "failed",
     "prompt_tokens": "prompt tok",
@@ -135,6 +158,8 @@ def _cell(column: str, value: Any) -> str:
         return "-"
     if column == "api_key":
         return value or "(no key)"
+    if column == "user":
+        return value or "(no user)"
     if isinstance(value, str):
         return value
     if column in _PERCENT:
@@ -145,6 +170,8 @@ def _cell(column: str, value: Any) -> str:
         return f"{value / 3.6e6:.3f}"
     if column == "covered_s":
         return f"{value / 3600:.2f} h"
+    if column.startswith("mean_") and column.endswith("_s"):
+        return f"{value:.3f}"
     if column.endswith("_cost_usd"):
         return f"{value:,.4f}"
     if column.endswith("_per_mtok") or "_per_mtok_" in column:
@@ -228,15 +255,18 @@ def _run(args: argparse.Namespace) -> int:
     from controlplane.store.db import make_engine, sqlite_path
 
     url = _url(args)
-    build = reports.cost_report if kind == "cost" else reports.utilization_report
-    needed = {"cost": {"cost_rollups"}, "utilization": {"utilization_samples", "gpu_samples"}}
+    build = {
+        "cost": reports.cost_report,
+        "requests": reports.requests_report,
+        "utilization": reports.utilization_report,
+    }[kind]
     path = sqlite_path(url)
     schema_ok = path is None or path.exists()  # never create an empty database file
     report = None
     if schema_ok:
         engine = make_engine(url, poolclass=NullPool)
         try:
-            schema_ok = needed[kind] <= set(inspect(engine).get_table_names())
+            schema_ok = _has_schema(inspect(engine), kind)
             if schema_ok:
                 report = build(engine, since=args.since, until=until, group_by=args.group_by)
         except SQLAlchemyError as exc:
@@ -246,7 +276,11 @@ def _run(args: argparse.Namespace) -> int:
             engine.dispose()
     if report is None:  # no database or no schema yet: an empty report of the same shape
         start, end, _, _ = reports.window(args.since, until)
-        metrics = reports.COST_METRICS if kind == "cost" else reports.UTILIZATION_METRICS
+        metrics = {
+            "cost": reports.COST_METRICS,
+            "requests": reports.REQUEST_METRICS,
+            "utilization": reports.UTILIZATION_METRICS,
+        }[kind]
         report = reports.Report(
             kind=kind,
             group_by=args.group_by,
@@ -260,7 +294,9 @@ def _run(args: argparse.Namespace) -> int:
     if report.empty:
         sentence = _empty_sentence(kind, report.since, report.until)
         if not schema_ok:
-            sentence += " (the database has no report tables yet: `controlplane db upgrade`)"
+            sentence += (
+                " (the database is not migrated for this report yet: `controlplane db upgrade`)"
+            )
         if args.format == "table":
             print(sentence)
             return 0
@@ -269,17 +305,29 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _has_schema(inspector: Any, kind: str) -> bool:
+    """Whether the database has what the report reads (not migrated far enough: no)."""
+    if not _NEEDED_TABLES[kind] <= set(inspector.get_table_names()):
+        return False
+    if kind in _NEEDED_COLUMNS:
+        table, column = _NEEDED_COLUMNS[kind]
+        return column in {c["name"] for c in inspector.get_columns(table)}
+    return True
+
+
 def add_report_parser(subparsers: Any) -> None:
-    """Add `report cost` and `report utilization` to the CLI's subparsers (sets `func`)."""
+    """Add `report cost|requests|utilization` to the CLI's subparsers (sets `func`)."""
     report = subparsers.add_parser(
         "report", help="cost and utilization reports from the database (daemon not needed)"
     )
     sub = report.add_subparsers(dest="report_kind", required=True)
     helps = {
         "cost": "list-price and GPU-amortized cost by day|hour, model and API key",
+        "requests": "requests, tokens, list cost and latency by day|hour, model, API key and "
+        "user, from the request rows",
         "utilization": "engine and GPU utilization by day|hour and instance",
     }
-    for kind in ("cost", "utilization"):
+    for kind in ("cost", "requests", "utilization"):
         since, group_by = _DEFAULTS[kind]
         p = sub.add_parser(kind, help=helps[kind], description=helps[kind])
         p.add_argument(

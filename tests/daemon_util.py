@@ -60,13 +60,21 @@ class DaemonProcess:
     _q: queue.Queue = field(default_factory=queue.Queue)
 
     @classmethod
-    def start(cls, config: Path, wait_ready: bool = True, timeout: float = 120) -> DaemonProcess:
-        # Hermetic: the config file under test is the only configuration (CI exports
-        # CONTROLPLANE_DATA_DIR for its quickstart run, for instance).
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-        env["PYTHONUNBUFFERED"] = "1"
+    def start(
+        cls,
+        config: Path,
+        wait_ready: bool = True,
+        timeout: float = 120,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> DaemonProcess:
+        """`controlplane serve --config CONFIG ARGS`; `env`: CONTROLPLANE_* variables to set."""
+        # Hermetic: the config file under test (and `env`) is the only configuration (CI
+        # exports CONTROLPLANE_DATA_DIR for its quickstart run, for instance).
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+        env = {**base, **(env or {}), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve", "--config", str(config)],
+            [sys.executable, "-m", "controlplane", "serve", "--config", str(config), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -248,7 +248,14 @@ def test_logprobs(client):
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
         ({"prompt": ""}, 400, "prompt", "non-empty"),
-        ({"prompt": "x", "bogus_field": 1}, 400, "bogus_field", "unknown"),
+        # Unknown fields are ignored (tests/test_real_clients.py); known, unsupported ones are not.
+        ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+        (
+            {"prompt": "x", "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+            "only {'type': 'text'}",
+        ),
         ({"prompt": [1] * 600}, 400, "prompt", "limit is 511"),
         ({"prompt": [1] * 500, "max_tokens": 100}, 400, "max_tokens", "max_model_len (512)"),
         ({"prompt": "x", "model": "gpt-17"}, 404, "model", "does not exist"),

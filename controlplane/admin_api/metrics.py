@@ -20,7 +20,9 @@ and histograms are not listed):
   (with vLLM v1's bucket boundaries);
 - controlplane's own: ``controlplane:config_info`` (gauge = 1, labels = the live knobs),
   ``controlplane:config_changes_total{source}``, ``controlplane:records_dropped_total`` and
-  ``controlplane:records_buffered`` (read from the SQL recorder at scrape time).
+  ``controlplane:records_buffered`` (read from the SQL recorder at scrape time),
+  ``controlplane:ignored_request_fields_total{field}`` (/v1 request fields the server does not
+  read and ignored; label values bounded, see `Metrics.ignored_request_fields`).
 
 prometheus_client appends ``_total`` to counter names itself, so counters are created without
 it (``Counter("controlplane:prompt_tokens", ...)`` renders ``controlplane:prompt_tokens_total``).
@@ -91,6 +93,11 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_MAX_MODEL_LEN = 131072
+# ignored_request_fields_total's `field` label: clients choose field names, so the label's
+# cardinality is bounded; longer names and names beyond the first distinct ones share OTHER.
+MAX_IGNORED_FIELD_LABELS = 100
+MAX_IGNORED_FIELD_CHARS = 64
+OTHER_FIELD = "other"
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -207,6 +214,8 @@ class Metrics:
         self._preemptions_seen = 0  # engine's cumulative preemption count already counted
         self._config_labels: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._recorder: tuple[Callable[[], int] | None, Callable[[], int] | None] = (None, None)
+        self._ignored_names: set[str] = set()  # field names with a label of their own
+        self._ignored_other = False  # whether the OTHER_FIELD label is in use
 
         reg, labels, m = self.registry, ["model_name"], model_name
 
@@ -255,6 +264,12 @@ class Metrics:
         )
         for source in CONFIG_SOURCES:
             self._config_changes.labels(m, source)
+        self._ignored_fields = Counter(
+            PREFIX + "ignored_request_fields",
+            "Request fields the server does not read and ignored, by field name.",
+            [*labels, "field"],
+            registry=reg,
+        )
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
@@ -388,6 +403,36 @@ class Metrics:
     def config_changed(self, source: str, n: int = 1) -> None:
         """Count ``n`` configuration changes from ``source`` (default|file|env|api|tui)."""
         self._config_changes.labels(self.model_name, source).inc(n)
+
+    # -- requests' ignored fields ---------------------------------------------------------
+    def ignored_request_fields(self, names: Iterable[str]) -> list[str]:
+        """Count one request's ignored fields; return the labels seen for the first time.
+
+        The label is the field name, except that names longer than MAX_IGNORED_FIELD_CHARS,
+        and new names once MAX_IGNORED_FIELD_LABELS distinct ones are in use, are counted as
+        OTHER_FIELD: a client sending random field names cannot grow the exposition. One
+        increment per label, however many fields a hostile body holds.
+        """
+        counts: dict[str, int] = {}
+        new: list[str] = []
+        with self._lock:
+            known = self._ignored_names
+            for name in names:
+                if name in known:
+                    label = name
+                elif len(name) <= MAX_IGNORED_FIELD_CHARS and len(known) < MAX_IGNORED_FIELD_LABELS:
+                    known.add(name)
+                    label = name
+                    new.append(name)
+                else:
+                    label = OTHER_FIELD
+                    if not self._ignored_other:
+                        self._ignored_other = True
+                        new.append(OTHER_FIELD)
+                counts[label] = counts.get(label, 0) + 1
+        for label, n in counts.items():
+            self._ignored_fields.labels(self.model_name, label).inc(n)
+        return new
 
     def bind_recorder(self, dropped: Callable[[], int], buffered: Callable[[], int]) -> None:
         """Read ``records_dropped_total`` / ``records_buffered`` from these at each scrape.

@@ -129,6 +129,7 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
         until: FromQuery[str | None] = None,
         limit: FromQuery[int] = 100,
         cursor: FromQuery[str | None] = None,
+        x_request_id: FromQuery[str | None] = None,
     ) -> dict[str, Any]:
         from controlplane.store.queries import list_requests
 
@@ -143,13 +144,20 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
                 limit=limit,
                 cursor=cursor,
                 instance_id=daemon.instance_id,
+                x_request_id=x_request_id,
             )
         except ValueError as exc:
             param, _, message = str(exc).partition(": ")
             raise _unprocessable(param, message or str(exc)) from None
         live = await daemon.live_requests()
+        for row in live:  # what the request row will say, from the record kept in flight
+            meta = daemon.request_meta.get(row["id"])
+            row["end_user"] = meta.end_user if meta else None
+            row["x_request_id"] = meta.x_request_id if meta else None
         if api_key_name is not None:
             live = [r for r in live if r["api_key_name"] == api_key_name]
+        if x_request_id is not None:
+            live = [r for r in live if r["x_request_id"] == x_request_id]
         return {"live": live, "finished": finished, "next_cursor": next_cursor}
 
     @post(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +32,12 @@ from controlplane.server.errors import (
 from controlplane.store.records import RequestRecord
 
 if TYPE_CHECKING:
-    from controlplane.engine import RequestOutput
+    from controlplane.engine import RequestOutput, SamplingParams
     from controlplane.engine.async_engine import RequestStream
     from controlplane.server.daemon import Daemon
+
+
+log = logging.getLogger("controlplane.api")
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -42,15 +46,15 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def envelope(
-    rec: RequestRecord, obj: str, created: int, choice: dict[str, Any] | None, **extra: Any
+    batch: Batch, obj: str, created: int, choices: list[dict[str, Any]], **extra: Any
 ) -> dict[str, Any]:
-    """The OpenAI response / chunk shape around one choice (none: the usage-only last chunk)."""
+    """The OpenAI response / chunk shape around choices (none: the usage-only last chunk)."""
     return {
-        "id": rec.id,
+        "id": batch.id,
         "object": obj,
         "created": created,
-        "model": rec.model,
-        "choices": [] if choice is None else [{"index": 0, **choice}],
+        "model": batch.model,
+        "choices": choices,
         **extra,
     }
 
@@ -78,21 +82,23 @@ class EngineFailure(Exception):
 
 @dataclass(eq=False)
 class Flight:
-    """One admitted request, from admission to its one final record.
+    """One admitted engine request (one prompt), from admission to its one final record.
 
     A task of its own (`run`) consumes the engine's stream and writes the final record, so the
     request's end does not depend on the HTTP response: Litestar cancels a streaming body
     whose client has left, possibly before the body's first line ran (so a `finally` in the
-    body never runs). The response reads outputs from `outputs`. A client that leaves (seen by
-    `watch`), and a response that stops early, call `abort()`; the engine then ends the request
-    with an `abort` output, which ends `run` like any other last output.
+    body never runs). Outputs go to `outputs` as (index, output), the queue its Batch reads.
+    A client that leaves (seen by `Batch.watch`), and a response that stops early, call
+    `abort()`; the engine then ends the request with an `abort` output, which ends `run` like
+    any other last output.
     """
 
     daemon: Daemon
     stream: RequestStream
     rec: RequestRecord
     on_end: Callable[[Flight], None]  # called once, right after the final record
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue  # shared with the other flights of its Batch
+    index: int = 0  # the prompt's position: its choice's `index`
     token_times: list[float] = field(default_factory=list)  # one per output token (ITL metrics)
     last: RequestOutput | None = None
     done: bool = False  # the final record is written
@@ -104,18 +110,19 @@ class Flight:
             async for out in self.stream:
                 self.last = out
                 self.token_times.extend([out.time] * len(out.new_token_ids))
-                self.outputs.put_nowait(out)
+                self.outputs.put_nowait((self.index, out))
         except asyncio.CancelledError:  # the loop is going away: still one final record
             self.stream.cancel()
             raise
         except Exception as exc:  # the engine died: tell the response, record the error
             error = repr(exc)
-            self.outputs.put_nowait(EngineFailure(unavailable(f"engine failed: {exc}")))
+            failure = EngineFailure(unavailable(f"engine failed: {exc}"))
+            self.outputs.put_nowait((self.index, failure))
         finally:
             self.done = True
             self.daemon.finish(self.rec, self.last, self.token_times, error=error)
             self.on_end(self)
-            self.outputs.put_nowait(_END)
+            self.outputs.put_nowait((self.index, _END))
 
     def abort(self) -> None:
         """Stop the engine request (idempotent; nothing to do once it has ended)."""
@@ -123,24 +130,62 @@ class Flight:
             self._abort_sent = True
             self.daemon.aengine.abort(self.rec.id)
 
+
+@dataclass(eq=False)
+class Batch:
+    """The engine requests of one HTTP request: one Flight per prompt (chat: one), read as one
+    stream of (choice index, output) in the order the engine produced them. Every flight ends
+    in its own final record, whatever happens to the others."""
+
+    id: str  # the response's id (each flight's row id is this, or this plus "-<index>")
+    model: str
+    flights: list[Flight]
+    outputs: asyncio.Queue
+
+    @property
+    def done(self) -> bool:
+        return all(f.done for f in self.flights)
+
+    def abort(self) -> None:
+        """Stop every flight still running (idempotent)."""
+        for f in self.flights:
+            f.abort()
+
     async def watch(self, receive: Callable[[], Awaitable[Any]]) -> None:
-        """Abort when the client disconnects. uvicorn answers every `receive` with
-        `http.disconnect` once the client is gone or the response is complete, whoever else
-        (Litestar's streaming response) is listening too."""
+        """Abort when the client disconnects, streaming or not. uvicorn answers every `receive`
+        with `http.disconnect` once the client is gone or the response is complete, whoever
+        else (Litestar's streaming response) is listening too."""
         while not self.done:
             message = await receive()
             if message["type"] == "http.disconnect":
                 self.abort()
                 return
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; EngineFailure if the engine failed it."""
-        while (item := await self.outputs.get()) is not _END:
+    def usage(self) -> dict[str, Any] | None:
+        """Usage summed over the flights (None before any output)."""
+        lasts = [f.last.metrics for f in self.flights if f.last is not None]
+        if not lasts:
+            return None
+        return protocol.usage(
+            sum(m.num_prompt_tokens for m in lasts),
+            sum(m.num_output_tokens for m in lasts),
+            sum(m.num_cached_tokens for m in lasts),
+        )
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) until every flight has ended; EngineFailure if the engine failed
+        one (the caller aborts the rest)."""
+        running = len(self.flights)
+        while running:
+            index, item = await self.outputs.get()
+            if item is _END:
+                running -= 1
+                continue
             if isinstance(item, EngineFailure):
                 raise item
             if item.finish_reason == "error":  # this request failed, the engine serves on
                 raise EngineFailure(_request_failed(item))
-            yield item
+            yield index, item
 
 
 class InferenceAPI:
@@ -151,7 +196,11 @@ class InferenceAPI:
         self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
 
     # -- admission --------------------------------------------------------------------------
-    def _admit(self, request: Request, model: str) -> tuple[str | None, str | None]:
+    def _admit(
+        self, request: Request, model: str, incoming: int = 1
+    ) -> tuple[str | None, str | None]:
+        """Admission for `incoming` engine requests (one per prompt): the API key, the server
+        state, the model and the waiting queue. Returns the key's name and hash."""
         d = self.daemon
         key_name = key_hash = None
         if d.cfg.api_keys:
@@ -178,7 +227,7 @@ class InferenceAPI:
         limit = d.cfg.server.max_queue_len
         # Would this request wait beyond the limit? (This counts the requests accepted since
         # the engine's last step, which that step's statistics do not show yet.)
-        if d.queue_length(incoming=1) > limit:
+        if d.queue_length(incoming=incoming) > limit:
             waiting = d.queue_length()
             raise APIError(
                 429,
@@ -212,105 +261,179 @@ class InferenceAPI:
         while len(self.recently_finished) > RECENTLY_FINISHED:
             self.recently_finished.popitem(last=False)
 
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, where: str | None) -> None:
+        """The engine's checks of one prompt (400 naming the field); `where`: which prompt of
+        several ("prompt[2]"), said in the error."""
+        assert self.daemon.aengine is not None
+        try:
+            self.daemon.aengine.engine.validate_request(prompt_ids, params)
+        except InvalidSettingError as exc:
+            name, message = exc.field, str(exc).split(": ", 1)[1]
+            if where is not None:
+                name, message = (
+                    (where, message) if name == "prompt" else (name, f"{message} ({where})")
+                )
+            raise invalid(name, message) from None
+
     def _start(
         self,
         request: Request,
         parsed: protocol.ParsedRequest,
-        prompt_ids: list[int],
+        prompts_ids: list[list[int]],
         endpoint: str,
-        key_name: str | None,
-        key_hash: str | None,
-    ) -> Flight:
+        keys: tuple[str | None, str | None],
+    ) -> Batch:
+        """Validate every prompt, then queue one engine request (and write one running row)
+        per prompt: a request with one bad prompt queues nothing."""
         d = self.daemon
         assert d.aengine is not None
         eng = d.aengine.engine
-        if parsed.default_max_tokens:
-            # OpenAI chat: no max_tokens means "as much as fits".
-            parsed.params.max_tokens = max(1, eng.max_model_len - len(prompt_ids))
-        try:
-            eng.validate_request(prompt_ids, parsed.params)
-        except InvalidSettingError as exc:
-            raise invalid(exc.field, str(exc).split(": ", 1)[1]) from None
+        n = len(prompts_ids)
+        params = []
+        for i, ids in enumerate(prompts_ids):
+            p = parsed.params
+            if parsed.default_max_tokens:
+                # OpenAI chat: no max_tokens means "as much as fits".
+                p = dataclasses.replace(p, max_tokens=max(1, eng.max_model_len - len(ids)))
+            self._validate(ids, p, f"prompt[{i}]" if n > 1 else None)
+            params.append(p)
+        rid = protocol.request_id(request.scope)
+        # The response's id: the generated X-Request-Id (same shape), else a fresh one. Rows
+        # take it as their id (one prompt) or with the prompt's index appended (several).
         prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        stream = d.aengine.add_request(prompt_ids, parsed.params, rid)
-        rec = RequestRecord(
-            id=rid,
-            instance_id=d.instance_id,
-            model=d.model_name,
-            endpoint=endpoint,
-            status="running",
-            arrival_time=datetime.now(UTC),
-            api_key_name=key_name,
-            api_key_hash=key_hash,
-            prompt_tokens=len(prompt_ids),
-        )
-        d.record(rec)
-        flight = Flight(d, stream, rec, on_end=self._remember)
-        self._spawn(flight.run())
-        self._spawn(flight.watch(request.receive))
-        return flight
+        response_id = protocol.new_id(prefix) if rid.from_client else rid.value
+        batch = Batch(response_id, d.model_name, [], asyncio.Queue())
+        try:
+            for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
+                row_id = response_id if n == 1 else f"{response_id}-{i}"
+                stream = d.aengine.add_request(ids, p, row_id)
+                rec = RequestRecord(
+                    id=row_id,
+                    instance_id=d.instance_id,
+                    model=d.model_name,
+                    endpoint=endpoint,
+                    status="running",
+                    arrival_time=datetime.now(UTC),
+                    api_key_name=keys[0],
+                    api_key_hash=keys[1],
+                    prompt_tokens=len(ids),
+                    end_user=parsed.user,
+                    x_request_id=rid.value,
+                )
+                d.record(rec)
+                flight = Flight(d, stream, rec, self._remember, batch.outputs, index=i)
+                batch.flights.append(flight)
+                self._spawn(flight.run())
+        except BaseException:
+            batch.abort()  # the ones already queued end (and are recorded) as aborted
+            raise
+        self._spawn(batch.watch(request.receive))
+        return batch
+
+    def _note_ignored(self, fields: tuple[str, ...]) -> None:
+        """Count the request's ignored fields; log each field name the first time (a debug
+        line: clients send them by design, it is no error)."""
+        if not fields:
+            return
+        for label in self.daemon.metrics.ignored_request_fields(fields):
+            log.debug(
+                "ignoring request field %r: this server does not use it (counted in "
+                "controlplane:ignored_request_fields_total)",
+                label,
+            )
 
     # -- shared response flow ------------------------------------------------------------------
-    async def _respond(self, parsed, flight, render_final, render_chunk, first_chunk=None):
-        rec = flight.rec
+    async def _respond(
+        self,
+        parsed: protocol.ParsedRequest,
+        batch: Batch,
+        obj: str,
+        render_final: Callable[[int, list[RequestOutput], RequestOutput], dict[str, Any]],
+        render_chunk: Callable[[int, RequestOutput], dict[str, Any] | None],
+        first_chunk: Callable[[int], dict[str, Any]] | None = None,
+    ) -> Response:
+        """The response: one JSON body with a choice per flight, or SSE chunks (each carrying
+        its choice's index) in the order the engine produced them. `first_chunk(index)` is sent
+        for each choice before anything else (chat's role delta)."""
+        created = protocol.now()
         if not parsed.stream:
-            pieces: list[RequestOutput] = []
+            pieces: dict[int, list[RequestOutput]] = {f.index: [] for f in batch.flights}
             try:
-                async for out in flight:
-                    pieces.append(out)
+                async for index, out in batch:
+                    pieces[index].append(out)
             except EngineFailure as exc:
                 raise exc.error from None
             finally:
-                flight.abort()  # the handler was cancelled: the request goes with it
-            return Response(render_final(pieces, flight.last))
+                batch.abort()  # the handler was cancelled: the requests go with it
+            choices = []
+            for f in batch.flights:
+                assert f.last is not None
+                choices.append({"index": f.index, **render_final(f.index, pieces[f.index], f.last)})
+            return Response(envelope(batch, obj, created, choices, usage=batch.usage()))
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return _sse(envelope(batch, obj, created, choices, **extra))
 
         async def events() -> AsyncIterator[str]:
             try:
                 if first_chunk is not None:
-                    yield _sse(first_chunk)
-                async for out in flight:
-                    chunk = render_chunk(out)
-                    if chunk is not None:
-                        yield _sse(chunk)
-                if parsed.include_usage and flight.last is not None:
-                    yield _sse(self._usage_chunk(rec, flight.last))
+                    for f in batch.flights:
+                        yield chunk([{"index": f.index, **first_chunk(f.index)}])
+                async for index, out in batch:
+                    choice = render_chunk(index, out)
+                    if choice is not None:
+                        yield chunk([{"index": index, **choice}])
+                usage = batch.usage()
+                if parsed.include_usage and usage is not None:
+                    yield chunk([], usage=usage)
                 yield "[DONE]"
             except EngineFailure as exc:  # say so in-band, then stop (no [DONE])
                 yield _sse(APIError(500, exc.error.message, type="server_error").body())
             finally:
                 # A body that stops early (cancelled, closed) aborts; after the end, a no-op.
-                # A body that never started is covered by Flight.watch.
-                flight.abort()
+                # A body that never started is covered by Batch.watch.
+                batch.abort()
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
-
-    def _usage_chunk(self, rec: RequestRecord, last: RequestOutput) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if rec.endpoint == "chat.completions" else "text_completion"
-        return envelope(rec, obj, protocol.now(), None, usage=self._usage(last))
-
-    @staticmethod
-    def _usage(last: RequestOutput) -> dict[str, Any]:
-        m = last.metrics
-        return protocol.usage(m.num_prompt_tokens, m.num_output_tokens, m.num_cached_tokens)
 
     def _token_str(self, token_id: int) -> str:
         assert self.daemon.aengine is not None
         return self.daemon.aengine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- /v1/completions -----------------------------------------------------------------------
+    def _check_request_id(self, request: Request) -> None:
+        rid = protocol.request_id(request.scope)
+        if rid.error is not None:
+            raise invalid("X-Request-Id", rid.error)
+
+    def _max_prompts(self) -> int:
+        """Most prompts one request may carry: as many as could ever be admitted together (a
+        full batch plus a full waiting queue)."""
+        cfg = self.daemon.cfg
+        return cfg.engine.max_num_seqs + cfg.server.max_queue_len
+
     async def completions(self, request: Request) -> Response:
+        self._check_request_id(request)
         parsed = protocol.parse_completion(await self._body(request))
-        self._admit(request, parsed.model)
+        self._note_ignored(parsed.ignored_fields)
+        n = len(parsed.prompts)
+        if n > (limit := self._max_prompts()):
+            raise invalid(
+                "prompt",
+                f"has {n} prompts; the limit is {limit} per request "
+                "(engine.max_num_seqs + server.max_queue_len)",
+            )
+        self._admit(request, parsed.model, incoming=n)
         tok = self.daemon.aengine.engine.tokenizer
-        prompt = parsed.prompt
-        if isinstance(prompt, str):
-            prompt = await self._off_loop(len(prompt), tok.encode, prompt)
+
+        def tokenize() -> list[list[int]]:
+            return [tok.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
+
+        size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
+        prompts_ids = await self._off_loop(size, tokenize)
         # Admission again: the queue may have filled (or a drain begun) while tokenizing.
-        key_name, key_hash = self._admit(request, parsed.model)
-        flight = self._start(request, parsed, prompt, "completions", key_name, key_hash)
-        rec = flight.rec
-        created = protocol.now()
+        keys = self._admit(request, parsed.model, incoming=n)
+        batch = self._start(request, parsed, prompts_ids, "completions", keys)
         want_lp = parsed.params.logprobs is not None
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
@@ -329,39 +452,29 @@ class InferenceAPI:
                 "text_offset": offsets,
             }
 
-        def final(outs: list[RequestOutput], last: RequestOutput | None) -> dict[str, Any]:
-            assert last is not None
-            return envelope(
-                rec,
-                "text_completion",
-                created,
-                {
-                    "text": last.text,
-                    "logprobs": logprobs(outs),
-                    "finish_reason": last.finish_reason,
-                },
-                usage=self._usage(last),
-            )
+        def final(_: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
+            return {
+                "text": last.text,
+                "logprobs": logprobs(outs),
+                "finish_reason": last.finish_reason,
+            }
 
-        def chunk(out: RequestOutput) -> dict[str, Any] | None:
+        def chunk(_: int, out: RequestOutput) -> dict[str, Any] | None:
             if not out.delta_text and not out.finished and not want_lp:
                 return None
-            return envelope(
-                rec,
-                "text_completion",
-                created,
-                {
-                    "text": out.delta_text,
-                    "logprobs": logprobs([out]),
-                    "finish_reason": out.finish_reason if out.finished else None,
-                },
-            )
+            return {
+                "text": out.delta_text,
+                "logprobs": logprobs([out]),
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
 
-        return await self._respond(parsed, flight, final, chunk)
+        return await self._respond(parsed, batch, "text_completion", final, chunk)
 
     # -- /v1/chat/completions -----------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
+        self._check_request_id(request)
         parsed = protocol.parse_chat(await self._body(request))
+        self._note_ignored(parsed.ignored_fields)
         self._admit(request, parsed.model)
         tok = self.daemon.aengine.engine.tokenizer
         # "escape": special-token text typed into a message is plain text, not control tokens.
@@ -373,10 +486,8 @@ class InferenceAPI:
             )
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
-        key_name, key_hash = self._admit(request, parsed.model)
-        flight = self._start(request, parsed, prompt_ids, "chat.completions", key_name, key_hash)
-        rec = flight.rec
-        created = protocol.now()
+        keys = self._admit(request, parsed.model)
+        batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys)
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
             if not parsed.chat_logprobs:
@@ -398,46 +509,32 @@ class InferenceAPI:
                         )
             return {"content": content}
 
-        def final(outs: list[RequestOutput], last: RequestOutput | None) -> dict[str, Any]:
-            assert last is not None
-            return envelope(
-                rec,
-                "chat.completion",
-                created,
-                {
-                    "message": {"role": "assistant", "content": last.text},
-                    "logprobs": logprobs(outs),
-                    "finish_reason": last.finish_reason,
-                },
-                usage=self._usage(last),
-            )
+        def final(_: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
+            return {
+                "message": {"role": "assistant", "content": last.text},
+                "logprobs": logprobs(outs),
+                "finish_reason": last.finish_reason,
+            }
 
-        def chunk(out: RequestOutput) -> dict[str, Any] | None:
+        def chunk(_: int, out: RequestOutput) -> dict[str, Any] | None:
             if not out.delta_text and not out.finished and not parsed.chat_logprobs:
                 return None
             delta = {"content": out.delta_text} if out.delta_text else {}
-            return envelope(
-                rec,
-                "chat.completion.chunk",
-                created,
-                {
-                    "delta": delta,
-                    "logprobs": logprobs([out]),
-                    "finish_reason": out.finish_reason if out.finished else None,
-                },
-            )
+            return {
+                "delta": delta,
+                "logprobs": logprobs([out]),
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
 
-        first = envelope(
-            rec,
-            "chat.completion.chunk",
-            created,
-            {
+        def first(_: int) -> dict[str, Any]:
+            return {
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
-            },
-        )
-        return await self._respond(parsed, flight, final, chunk, first_chunk=first)
+            }
+
+        obj = "chat.completion.chunk" if parsed.stream else "chat.completion"
+        return await self._respond(parsed, batch, obj, final, chunk, first_chunk=first)
 
     def models(self) -> dict[str, Any]:
         d = self.daemon
@@ -491,7 +588,28 @@ def create_app(daemon: Daemon) -> Litestar:
         }
         return Response(body, status_code=200 if d.healthy else 503)
 
+    # Probes for orchestrators (deploy/kubernetes.yaml). Liveness fails only when restarting
+    # helps (the step loop died); readiness fails whenever requests would get 503.
+    @get("/health/live", summary="Liveness: 200 while the step loop runs (or the model loads)")
+    async def health_live() -> Response:
+        alive = daemon.alive
+        body = {"status": "alive" if alive else "dead", "state": daemon.state}
+        return Response(body, status_code=200 if alive else 503)
+
+    @get("/health/ready", summary="Readiness: 200 only when loaded and admitting requests")
+    async def health_ready() -> Response:
+        d = daemon
+        body = {"status": d.state if d.state != "ready" or d.healthy else "dead"}
+        return Response(body, status_code=200 if d.healthy else 503)
+
     from controlplane.admin_api.routes import admin_router, metrics_handler
+
+    async def add_request_id(message: Any, scope: Any) -> None:
+        """Every /v1 response carries X-Request-Id (errors and unknown routes included): the
+        client's, or the one generated for the request (see protocol.request_id)."""
+        if message["type"] == "http.response.start" and scope.get("path", "").startswith("/v1/"):
+            value = protocol.request_id(scope).value.encode("ascii")
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", value)]
 
     return Litestar(
         route_handlers=[
@@ -499,6 +617,8 @@ def create_app(daemon: Daemon) -> Litestar:
             chat_completions,
             models,
             health,
+            health_live,
+            health_ready,
             admin_router(daemon, finished=api.recently_finished.get),
             metrics_handler(daemon),
         ],
@@ -509,6 +629,7 @@ def create_app(daemon: Daemon) -> Litestar:
             Exception: handle_unexpected,
         },
         request_max_body_size=max_body,
+        before_send=[add_request_id],
         debug=False,
         logging_config=None,  # the daemon configured logging (text or JSON); keep it
     )

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")
+access_log = logging.getLogger("controlplane.access")
 
 LOADING, READY, DRAINING, STOPPED, DEAD = "loading", "ready", "draining", "stopped", "dead"
 
@@ -67,6 +68,25 @@ def instance_id(cfg: Config) -> str:
     value = f"cp-{uuid.uuid4().hex[:12]}"
     path.write_text(value + "\n")
     return value
+
+
+def log_access(rec: RequestRecord) -> None:
+    """The access log line of a finished request (server.access_log): its fields are `extra`s,
+    so JSON logs carry them as keys."""
+    latency_ms = None if rec.e2e_latency_s is None else round(rec.e2e_latency_s * 1000, 1)
+    fields = {
+        "request_id": rec.id,
+        "api_key_name": rec.api_key_name,
+        "endpoint": rec.endpoint,
+        "model": rec.model,
+        "status": rec.status,
+        "finish_reason": rec.finish_reason,
+        "prompt_tokens": rec.prompt_tokens,
+        "completion_tokens": rec.completion_tokens,
+        "latency_ms": latency_ms,
+    }
+    text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+    access_log.info("%s", text, extra=fields)
 
 
 class Daemon:
@@ -120,7 +140,16 @@ class Daemon:
     # -- requests: checks used by the API ------------------------------------------------------
     @property
     def healthy(self) -> bool:
+        """Readiness: loaded and admitting requests (GET /health, /health/ready)."""
         return self.state == READY and self.aengine is not None and self.aengine.is_running
+
+    @property
+    def alive(self) -> bool:
+        """Liveness (GET /health/live): the step loop has not died. A model still loading has
+        no step loop yet and is alive; restarting it would only start the load over."""
+        if self.state == LOADING:
+            return True
+        return self.aengine is not None and self.aengine.is_running
 
     def authenticate(self, authorization: str | None) -> tuple[ApiKey, str] | None:
         """The matching key and its hash (see match_bearer: constant time, every key compared)."""
@@ -145,6 +174,8 @@ class Daemon:
         """Record a request's end and count it in the metrics."""
         final = self.final_record(rec, out, error)
         self.record(final)
+        if self.cfg.server.access_log:
+            log_access(final)
         if out is not None:
             reason = out.finish_reason if out.finished and out.finish_reason else "abort"
             self.metrics.observe_request(reason, out.metrics, token_times)
@@ -458,10 +489,12 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------------------------
     def _open_store(self) -> None:
         from controlplane.store import Recorder, make_engine, mark_interrupted, sync_prices
+        from controlplane.store.db import check_store
         from controlplane.store.migrate import upgrade
         from controlplane.store.recorder import replay_journal
 
         url = self.cfg.store_url
+        check_store(url)  # one clear line (StoreUnavailableError, cli.main) if it cannot open
         upgrade(url)
         db = make_engine(url)
         sync_prices(db, self.cfg.prices)

@@ -6,22 +6,31 @@ import json
 import logging
 import sys
 from datetime import UTC, datetime
+from typing import Any
+
+# Attributes every LogRecord has; anything else on a record came from `extra={...}`.
+_RECORD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+# uvicorn passes a colored copy of its message as an extra: noise in JSON.
+_DROPPED_EXTRAS = frozenset({"color_message"})
 
 
 class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
         }
-        event = getattr(record, "event", None)
-        if event:
-            entry["event"] = event
+        # Fields passed with `extra={...}` become keys (the lifecycle `event` among them); the
+        # four above keep their meaning if an extra uses one of their names.
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in _DROPPED_EXTRAS:
+                entry.setdefault(key, value)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        # default=str: an extra that JSON cannot encode (a datetime, a Path) is still logged.
+        return json.dumps(entry, default=str)
 
 
 def setup_logging(fmt: str, level: str) -> None:

@@ -10,12 +10,14 @@ import json
 import re
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from controlplane.server.errors import invalid, printable
+from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHARS
 
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
 # (the chat template, config flattening) far from Python's recursion limit.
@@ -42,22 +44,33 @@ _COMMON = {
     "stop_token_ids",
     "logit_bias",
     "skip_special_tokens",
+    "response_format",
 }
+# The fields each endpoint reads (or accepts at their default only, with a 400 naming the field
+# otherwise). Any other field is ignored, as vLLM does (see `ParsedRequest.ignored_fields`):
+# clients such as the openai library's parse() helpers, LangChain and LiteLLM send fields a
+# server may not use.
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {
     "messages",
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "functions",
+    "function_call",
     "metadata",
     "store",
     "service_tier",
     "modalities",
 }
+# OpenAI's `user` (an end-user id) and X-Request-Id (printable ASCII) are stored in the request
+# row (requests.end_user, requests.x_request_id), whose columns hold this many characters.
+MAX_USER_CHARS = MAX_END_USER_CHARS
+MAX_REQUEST_ID_CHARS = MAX_X_REQUEST_ID_CHARS
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 
 
 def load_json(raw: bytes) -> Any:
@@ -134,20 +147,31 @@ _COMMON_SCHEMA: dict[str, Any] = {
     "ignore_eos": {"type": "boolean"},
     "stop_token_ids": {"type": "array", "items": _INT},
     "skip_special_tokens": {"type": "boolean"},
-    "user": {"type": "string"},
+    "user": {
+        "type": "string",
+        "maxLength": MAX_USER_CHARS,
+        "description": "end-user id, stored in the request row (reports group by it)",
+    },
     "logit_bias": {"type": "object", "description": "not supported: must be empty"},
+    # Accepted for compatibility; formats other than text are refused with a 400.
+    "response_format": {"type": "object"},
 }
+_PROMPT_TEXT = {"type": "string", "minLength": 1}
+_PROMPT_IDS = {"type": "array", "items": _INT, "minItems": 1}
+# Fields not listed here are ignored (not refused): additionalProperties stays open.
 COMPLETION_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["model", "prompt"],
-    "additionalProperties": False,
     "properties": {
         **_COMMON_SCHEMA,
         "prompt": {
+            "description": "one prompt (text or token ids), or a list of them: one choice each",
             "oneOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": _INT, "minItems": 1},
-            ]
+                _PROMPT_TEXT,
+                _PROMPT_IDS,
+                {"type": "array", "items": _PROMPT_TEXT, "minItems": 1},
+                {"type": "array", "items": _PROMPT_IDS, "minItems": 1},
+            ],
         },
         "logprobs": _INT,
         # Accepted for compatibility; only their defaults are supported (else a 400).
@@ -159,7 +183,6 @@ COMPLETION_SCHEMA: dict[str, Any] = {
 CHAT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["model", "messages"],
-    "additionalProperties": False,
     "properties": {
         **_COMMON_SCHEMA,
         "messages": {
@@ -191,10 +214,11 @@ CHAT_SCHEMA: dict[str, Any] = {
         "max_completion_tokens": _INT,
         "logprobs": {"type": "boolean"},
         "top_logprobs": _INT,
-        # Accepted for compatibility; tools and non-text formats are refused with a 400.
-        "response_format": {"type": "object"},
+        # Accepted for compatibility; tools and functions are refused with a 400.
         "tools": {"type": "array"},
         "tool_choice": {},
+        "functions": {"type": "array"},
+        "function_call": {},
         "parallel_tool_calls": {"type": "boolean"},
         "metadata": {"type": "object"},
         "store": {"type": "boolean"},
@@ -220,16 +244,22 @@ def openapi_body(schema: dict[str, Any]) -> type:
     return WithBody
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     model: str
     params: SamplingParams
     stream: bool
     include_usage: bool
-    prompt: str | list[int] = ""
+    # Completions: one engine request (and one choice, and one row) per prompt, in order.
+    prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     chat_logprobs: bool = False
     default_max_tokens: bool = False  # chat without max_tokens: fill the context
+    user: str | None = None  # OpenAI's end-user id (None: not sent, or empty)
+    ignored_fields: tuple[str, ...] = ()  # top-level fields this endpoint does not read
 
 
 def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
@@ -280,12 +310,31 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
         raise invalid(exc.field, str(exc).split(": ", 1)[1]) from None
 
 
-def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool]:
+@dataclass(frozen=True, slots=True)
+class _Common:
+    """What both endpoints read the same way."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    user: str | None
+    ignored: tuple[str, ...]
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = _opt(body, "user", (str,), "a string", None)
+    if user is None or user == "":
+        return None
+    if len(user) > MAX_USER_CHARS:
+        raise invalid("user", f"is {len(user)} characters long; the limit is {MAX_USER_CHARS}")
+    if "\x00" in user:  # PostgreSQL text cannot hold NUL: the row would be refused
+        raise invalid("user", "must not contain NUL characters")
+    return user
+
+
+def _common(body: Any, allowed: set[str]) -> _Common:
     if not isinstance(body, dict):
         raise invalid("body", "must be a JSON object")
-    for key in body:
-        if key not in allowed:
-            raise invalid(key, "unknown or unsupported field")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required (a string; see GET /v1/models)")
@@ -296,23 +345,48 @@ def _common(body: Any, allowed: set[str]) -> tuple[str, bool, bool]:
     include_usage = _type(
         "stream_options.include_usage", options.get("include_usage", False), (bool,), "a boolean"
     )
-    return model, stream, include_usage
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise invalid("response_format", "only {'type': 'text'} is supported")
+    ignored = tuple(key for key in body if key not in allowed)
+    return _Common(model, stream, include_usage, _user(body), ignored)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _prompts(prompt: Any) -> list[Prompt]:
+    """`prompt` as a list of prompts: a string, token ids, or a non-empty list of either (all
+    of one kind, as OpenAI's API defines it)."""
+    what = (
+        "must be a non-empty string, an array of token ids, or a non-empty array of either "
+        "(one choice per prompt)"
+    )
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", what)
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("prompt", what)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]  # one prompt of token ids
+    kind = str if isinstance(prompt[0], str) else list
+    for i, p in enumerate(prompt):
+        if kind is str and not (isinstance(p, str) and p):
+            raise invalid(f"prompt[{i}]", "must be a non-empty string, like prompt[0]")
+        if kind is list and not _is_token_ids(p):
+            raise invalid(f"prompt[{i}]", "must be a non-empty array of token ids")
+    return list(prompt)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
-    model, stream, include_usage = _common(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    # A batch of one prompt is accepted in either list form; real batches need n > 1 support.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise invalid(
-                "prompt",
-                "must be a non-empty string, or an array of token ids (one prompt per request)",
-            )
-    elif not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt", "must be a non-empty string, or an array of token ids")
+    common = _common(body, COMPLETION_FIELDS)
+    prompts = _prompts(body.get("prompt"))
     if body.get("echo"):
         raise invalid("echo", "is not supported")
     if body.get("suffix"):
@@ -322,12 +396,18 @@ def parse_completion(body: Any) -> ParsedRequest:
     max_tokens = _opt(body, "max_tokens", (int,), "an integer", None)
     logprobs = _opt(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
     return ParsedRequest(
-        model, _sampling(body, max_tokens, logprobs), stream, include_usage, prompt=prompt
+        common.model,
+        _sampling(body, max_tokens, logprobs),
+        common.stream,
+        common.include_usage,
+        prompts=prompts,
+        user=common.user,
+        ignored_fields=common.ignored,
     )
 
 
 def parse_chat(body: Any) -> ParsedRequest:
-    model, stream, include_usage = _common(body, CHAT_FIELDS)
+    common = _common(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty array")
@@ -354,9 +434,10 @@ def parse_chat(body: Any) -> ParsedRequest:
         parsed.append({**m, "content": content})
     if body.get("tools"):
         raise invalid("tools", "tool calling is not supported")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise invalid("response_format", "only {'type': 'text'} is supported")
+    if body.get("functions"):
+        raise invalid("functions", "function calling is not supported")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise invalid("function_call", "function calling is not supported")
     mt = _opt(body, "max_completion_tokens", (int,), "an integer", None)
     if mt is None:
         mt = _opt(body, "max_tokens", (int,), "an integer", None)
@@ -366,14 +447,69 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise invalid("top_logprobs", "requires logprobs: true")
     params = _sampling(body, mt, (top or 0) if want else None)
     return ParsedRequest(
-        model,
+        common.model,
         params,
-        stream,
-        include_usage,
+        common.stream,
+        common.include_usage,
         messages=parsed,
         chat_logprobs=want,
         default_max_tokens=mt is None,
+        user=common.user,
+        ignored_fields=common.ignored,
     )
+
+
+# -- X-Request-Id -----------------------------------------------------------------------------
+
+_REQUEST_ID_STATE = "controlplane.request_id"  # the resolved id, kept in the ASGI scope's state
+# Generated ids look like the response ids of each endpoint (`cmpl-...`), so a client that sent
+# no X-Request-Id gets back its response's `id`.
+_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestId:
+    """A /v1 request's X-Request-Id: the client's, or one generated for it.
+
+    `error` says why the client's header was refused: the handler then answers 400 naming the
+    header (the response still carries the generated id, for the logs).
+    """
+
+    value: str
+    from_client: bool
+    error: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def request_id(scope: Any) -> RequestId:
+    """The request's X-Request-Id, resolved once per request (the handler and the hook that
+    adds the response header see the same one)."""
+    state = scope.setdefault("state", {})
+    found = state.get(_REQUEST_ID_STATE)
+    if found is None:
+        found = state[_REQUEST_ID_STATE] = _resolve_request_id(scope)
+    return found
+
+
+def _resolve_request_id(scope: Any) -> RequestId:
+    sent = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"]
+    generated = new_id(_ID_PREFIXES.get(scope.get("path", ""), "req"))
+    if not sent or sent == [b""]:  # an empty header (a proxy's template) counts as none
+        return RequestId(generated, from_client=False)
+    if len(sent) > 1:
+        return RequestId(generated, False, "must be sent at most once")
+    raw = sent[0]
+    if len(raw) > MAX_REQUEST_ID_CHARS:
+        return RequestId(
+            generated, False, f"is {len(raw)} characters long; the limit is {MAX_REQUEST_ID_CHARS}"
+        )
+    text = raw.decode("latin-1")  # how HTTP header bytes map to characters
+    if not _PRINTABLE_ASCII.fullmatch(text):
+        return RequestId(generated, False, "must be printable ASCII (characters 0x20 to 0x7e)")
+    return RequestId(text, from_client=True)
 
 
 # -- responses ------------------------------------------------------------------------------

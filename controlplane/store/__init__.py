@@ -1,6 +1,6 @@
 """The SQL request store: schema, migrations, price history, the batched recorder, the
-configuration audit log, the scheduled jobs' samples / cost rollups / pruning, the cost and
-utilization reports, and the admin API's read queries.
+configuration audit log, the scheduled jobs' samples / cost rollups / pruning, the cost, request
+and utilization reports, and the admin API's read queries.
 
 Torch-free: the CLI and the admin API import it without the engine.
 """
@@ -28,7 +28,7 @@ from controlplane.store.prices import PriceBook, PriceRow, cost, sync_prices
 from controlplane.store.queries import list_requests
 from controlplane.store.recorder import Recorder, mark_interrupted
 from controlplane.store.records import RequestRecord, hash_api_key
-from controlplane.store.reports import Report, cost_report, utilization_report
+from controlplane.store.reports import Report, cost_report, requests_report, utilization_report
 from controlplane.store.rollup import (
     GpuReading,
     RollupResult,
@@ -74,6 +74,7 @@ __all__ = [
     "mark_interrupted",
     "normalize_url",
     "prune",
+    "requests_report",
     "run_rollup",
     "sync_prices",
     "time_buckets",

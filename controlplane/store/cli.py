@@ -22,8 +22,10 @@ def _shown(url: str) -> str:
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
     from controlplane.store import migrate
+    from controlplane.store.db import check_store
 
     url = _url(args)
+    check_store(url)  # a missing driver or an unreachable database: one line, no traceback
     before = migrate.current(url)
     migrate.upgrade(url, args.revision)
     after = migrate.current(url)
@@ -36,8 +38,10 @@ def _cmd_upgrade(args: argparse.Namespace) -> int:
 
 def _cmd_current(args: argparse.Namespace) -> int:
     from controlplane.store import migrate
+    from controlplane.store.db import check_store
 
     url = _url(args)
+    check_store(url)  # a missing driver or an unreachable database: one line, no traceback
     rev = migrate.current(url)
     head = migrate.head()
     if rev is None:

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import URL, Engine, create_engine, event, make_url
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.pool import NullPool
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 PG_CONNECT_TIMEOUT_S = 10
@@ -69,6 +71,49 @@ def make_engine(url: str | URL, **kwargs: Any) -> Engine:
         kwargs.setdefault("pool_pre_ping", True)
         return create_engine(u, **kwargs)
     raise ValueError(f"unsupported database {u.drivername!r}: use sqlite:/// or postgresql://")
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store cannot be opened at start: its driver is not installed, or the database is
+    unreachable. The message is one line naming the URL (password hidden) and the fix."""
+
+
+def check_store(url: str | URL) -> None:
+    """Load the driver and connect once, so a start that cannot reach its database fails with
+    one clear line (StoreUnavailableError) instead of a traceback from deep in a migration.
+    Only for start-up: at run time the recorder buffers and retries instead."""
+    u = normalize_url(url)
+    shown = u.render_as_string(hide_password=True)
+    path = sqlite_path(u)
+    if u.get_backend_name() == "sqlite" and (path is None or not path.exists()):
+        return  # the standard library's driver; connecting would create an empty file
+    driver = u.get_driver_name()
+    try:
+        engine = make_engine(u, poolclass=NullPool)
+    except (ImportError, sa_exc.NoSuchModuleError) as exc:  # the dialect imports its driver
+        fix = (
+            "pip install 'controlplane[postgres]'"
+            if driver == "psycopg"
+            else f"install the {driver} driver, or use postgresql+psycopg:// "
+            "with pip install 'controlplane[postgres]'"
+        )
+        raise StoreUnavailableError(
+            f"store {shown}: the database driver {driver!r} is not installed ({exc}); {fix}"
+        ) from None
+    try:
+        with engine.connect():
+            pass
+    except sa_exc.DBAPIError as exc:
+        # The driver's message, on one line (psycopg's has a hint on a second line).
+        detail = " ".join(line.strip() for line in str(exc.orig).splitlines() if line.strip())
+        if u.password:
+            detail = detail.replace(str(u.password), "***")
+        raise StoreUnavailableError(
+            f"cannot connect to the store at {shown}: {detail}; check that the database is "
+            "up and store.url (CONTROLPLANE_STORE__URL) is right"
+        ) from None
+    finally:
+        engine.dispose()
 
 
 def dialect_insert(dialect_name: str) -> Any:

@@ -1,7 +1,8 @@
 """Schema migrations (Alembic), configured in code: no alembic.ini needed at run time.
 
-The scripts live in the repository's `migrations/` directory, next to the `controlplane`
-package (the project is installed in editable mode).
+The scripts live in the repository's `migrations/` directory, which is installed as the
+`controlplane.migrations` package (pyproject.toml maps it), so an editable install and a wheel
+find them the same way: through the package.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import URL
 from sqlalchemy.pool import NullPool
 
-import controlplane
+import controlplane.migrations
 from controlplane.store.db import make_engine, normalize_url, sqlite_path
 
-MIGRATIONS_DIR = Path(controlplane.__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(controlplane.migrations.__file__).resolve().parent
 
 
 def alembic_config(url: str | URL | None = None) -> Config:

@@ -1,7 +1,7 @@
 """The request store's schema: the one place that knows the tables.
 
 `requests` holds one row per inference request, upserted by id when it starts (status
-"running") and again when it ends. `prices` is append-only price history: a price change is a
+"running") and again when it ends (migration 0004 added `end_user` and `x_request_id`). `prices` is append-only price history: a price change is a
 new row with a later `effective_from`, so costs already stored never change. `config_changes`
 is the append-only audit log of configuration changes, one row per field.
 
@@ -36,6 +36,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
+
+from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHARS
 
 # Deterministic constraint names: Alembic needs them to alter or drop constraints later (and in
 # SQLite batch mode, which recreates tables); migrations use the same names.
@@ -122,6 +124,7 @@ class RequestRow(Base):
         Index("ix_requests_status", "status"),
         Index("ix_requests_api_key_name", "api_key_name"),
         Index("ix_requests_hour_bucket", "hour_bucket"),
+        Index("ix_requests_x_request_id", "x_request_id"),
     )
 
     id: Mapped[str] = mapped_column(String(255), primary_key=True)
@@ -150,6 +153,12 @@ class RequestRow(Base):
     # UTC aggregation keys, e.g. "2026-11-21T14" and "2026-11-21" (see time_buckets).
     hour_bucket: Mapped[str] = mapped_column(String(13))
     day_bucket: Mapped[str] = mapped_column(String(10))
+    # The request's OpenAI `user` field (an end-user id chosen by the client). Not named "user":
+    # that is a reserved word in PostgreSQL, where an unquoted `SELECT user` returns the
+    # session's role instead of the column.
+    end_user: Mapped[str | None] = mapped_column(String(MAX_END_USER_CHARS))
+    # X-Request-Id: the client's (not unique) or the generated one; indexed for look-ups.
+    x_request_id: Mapped[str | None] = mapped_column(String(MAX_X_REQUEST_ID_CHARS))
 
     def __repr__(self) -> str:
         return f"RequestRow(id={self.id!r}, status={self.status!r}, model={self.model!r})"

@@ -9,12 +9,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine, and_, or_, select
 
 from controlplane.store.models import STATUSES, RequestRow
+from controlplane.store.records import MAX_X_REQUEST_ID_CHARS
 
 REQUESTS = RequestRow.__table__
 MAX_LIMIT = 1000
@@ -42,8 +44,12 @@ REQUEST_FIELDS = (
     "preemptions",
     "price_id",
     "cost_usd",
+    "end_user",
+    "x_request_id",
 )
 _TIME_FIELDS = frozenset({"arrival_time", "first_token_time", "finish_time"})
+# What the API accepts as an X-Request-Id (anything else cannot be in a row).
+_X_REQUEST_ID = re.compile(rf"[\x20-\x7e]{{1,{MAX_X_REQUEST_ID_CHARS}}}")
 _COLUMNS = [REQUESTS.c[name] for name in REQUEST_FIELDS]
 
 
@@ -103,17 +109,25 @@ def list_requests(
     limit: int = 100,
     cursor: str | None = None,
     instance_id: str | None = None,
+    x_request_id: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """One page of request rows, newest first by (arrival_time, id), and the next page's cursor
     (None after the last page).
 
-    `since` is inclusive and `until` exclusive, both on arrival_time. A cursor continues the
-    listing it came from; pass the same filters with it.
+    `since` is inclusive and `until` exclusive, both on arrival_time. `x_request_id` finds
+    the rows of the requests that carried that X-Request-Id (several: clients may reuse one,
+    and a request with several prompts has a row per prompt). A cursor continues the listing
+    it came from; pass the same filters with it.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
         raise ValueError(f"limit: must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
     if status is not None and status not in STATUSES:
         raise ValueError(f"status: must be one of {', '.join(STATUSES)}, got {status!r}")
+    if x_request_id is not None and not _X_REQUEST_ID.fullmatch(x_request_id):
+        raise ValueError(
+            f"x_request_id: must be 1 to {MAX_X_REQUEST_ID_CHARS} printable ASCII characters "
+            "(an X-Request-Id)"
+        )
     since, until = _aware("since", since), _aware("until", until)
     if since is not None and until is not None and not since < until:
         raise ValueError("since: must be before until")
@@ -127,6 +141,8 @@ def list_requests(
         stmt = stmt.where(c.api_key_name == api_key_name)
     if instance_id is not None:
         stmt = stmt.where(c.instance_id == instance_id)
+    if x_request_id is not None:
+        stmt = stmt.where(c.x_request_id == x_request_id)
     if since is not None:
         stmt = stmt.where(c.arrival_time >= since)
     if until is not None:

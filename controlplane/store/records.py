@@ -6,6 +6,11 @@ import hashlib
 from dataclasses import dataclass
 from datetime import datetime
 
+# Longest values of the client-chosen text fields: the API refuses longer ones with a 400 naming
+# the field (controlplane.server.protocol), the schema sizes its columns by them.
+MAX_END_USER_CHARS = 256
+MAX_X_REQUEST_ID_CHARS = 128
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -35,6 +40,10 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     preemptions: int = 0
+    end_user: str | None = None  # the request's OpenAI `user` field
+    # The HTTP request's X-Request-Id: the client's (not unique: clients may reuse one) or the
+    # generated one. Several rows share it when one request carried several prompts.
+    x_request_id: str | None = None
 
     @property
     def is_final(self) -> bool:
