@@ -22,11 +22,18 @@ actually sent). ``--requests N`` sends N requests; ``--duration S`` sends the ar
 in the first S seconds (with ``--rate inf`` it needs ``--concurrency-limit``, which makes it a
 closed loop of M clients). Either way the run then waits for the requests in flight.
 
+Client mix (for drills): ``--stream-fraction F`` streams a random share F of the requests
+(overriding ``--stream``); ``--disconnect-fraction F`` makes a random share F of the clients hang
+up after a delay uniform in ``[0, --disconnect-within]`` seconds (default 2): the request is
+cancelled and its connection closed, as a client that goes away would. Both are drawn from a
+stream of their own (``seed:clients``), so they never change the prompts.
+
 Figures
 -------
 * requests ok / failed; failures by kind: the HTTP status (``"429"``) for an error response, the
   transport exception's class (``"ConnectError"``, ``"ReadTimeout"``) for a connection problem,
-  else the exception's class. ``cancelled`` counts requests cut off by Ctrl-C.
+  else the exception's class. ``cancelled`` counts requests cut off by Ctrl-C, ``disconnected``
+  the clients that hung up on purpose before their response ended (not failures).
 * wall time: from the first send to the last completion.
 * request throughput: ok requests / wall time; output throughput: completion tokens of the ok
   requests (from ``usage``) / wall time.
@@ -43,7 +50,8 @@ Figures
 JSON (``--json PATH``, also :meth:`LoadSummary.to_dict`)
 --------------------------------------------------------
 ``url``, ``model``, ``stream`` (bool), ``rate`` (req/s, or the string ``"inf"``),
-``requests_sent``, ``requests_ok``, ``requests_failed``, ``requests_cancelled``, ``errors``
+``requests_sent``, ``requests_ok``, ``requests_failed``, ``requests_cancelled``,
+``requests_disconnected``, ``errors``
 ({kind: count}), ``error_samples`` ({kind: first message}), ``wall_s``, ``request_throughput``
 (req/s), ``output_throughput`` (tokens/s), ``total_prompt_tokens``, ``total_completion_tokens``,
 ``short_outputs``, ``missing_usage`` (ok requests that returned no usage; their token counts fall
@@ -124,6 +132,11 @@ class LoadConfig:
     concurrency_limit: int | None = None
     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE  # prompt ids in [lo, hi)
     timeout_s: float = 600.0  # per request
+    # Client mix (drills): the share of requests that stream (None: all if `stream`, else none)
+    # and the share whose client hangs up after a delay uniform in [0, disconnect_within_s].
+    stream_fraction: float | None = None
+    disconnect_fraction: float = 0.0
+    disconnect_within_s: float = 2.0
 
     def validate(self) -> LoadConfig:
         """Raise ValueError naming the command-line flag of the first bad field."""
@@ -151,6 +164,16 @@ class LoadConfig:
             raise ValueError(f"--concurrency-limit: expected M >= 1, got {self.concurrency_limit}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout: expected seconds > 0, got {self.timeout_s!r}")
+        for flag, frac in (
+            ("--stream-fraction", self.stream_fraction),
+            ("--disconnect-fraction", self.disconnect_fraction),
+        ):
+            if frac is not None and not 0.0 <= frac <= 1.0:
+                raise ValueError(f"{flag}: expected a fraction in [0, 1], got {frac!r}")
+        if not (self.disconnect_within_s > 0 and math.isfinite(self.disconnect_within_s)):
+            raise ValueError(
+                f"--disconnect-within: expected seconds > 0, got {self.disconnect_within_s!r}"
+            )
         return self
 
 
@@ -165,6 +188,8 @@ class RequestSpec:
     index: int
     prompt: list[int]
     max_tokens: int
+    stream: bool = False
+    disconnect_after_s: float | None = None  # the client hangs up after this many seconds
 
 
 @dataclass
@@ -182,6 +207,7 @@ class RequestResult:
     e2e_s: float | None = None
     ttft_s: float | None = None  # stream only
     itl_s: list[float] = field(default_factory=list)  # stream only: gaps between content chunks
+    disconnected: bool = False  # hung up on purpose (--disconnect-fraction), before the end
 
 
 @dataclass(frozen=True)
@@ -232,6 +258,7 @@ class LoadSummary:
     tpot_ms: LatencyStats | None
     itl_ms: LatencyStats | None
     e2e_ms: LatencyStats | None
+    requests_disconnected: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -248,6 +275,11 @@ class LoadSummary:
             + (" (interrupted)" if self.interrupted else ""),
             f"requests         ok {self.requests_ok} / failed {self.requests_failed}"
             + (f" / cancelled {self.requests_cancelled}" if self.requests_cancelled else "")
+            + (
+                f" / disconnected {self.requests_disconnected}"
+                if self.requests_disconnected
+                else ""
+            )
             + f" of {self.requests_sent} sent",
             f"errors           {errors}",
         ]
@@ -327,14 +359,29 @@ def arrival_offsets(
 
 
 def request_specs(config: LoadConfig) -> Iterable[RequestSpec]:
-    """The (endless) seeded workload: prompt ids and max_tokens of request 0, 1, 2, ..."""
+    """The (endless) seeded workload: prompt ids and max_tokens of request 0, 1, 2, ..., and
+    how each client behaves (from a stream of its own, so the client mix never changes the
+    prompts)."""
     rng = random.Random(f"{config.seed}:workload")
+    clients = random.Random(f"{config.seed}:clients")
+    stream_fraction = config.stream_fraction
+    if stream_fraction is None:
+        stream_fraction = 1.0 if config.stream else 0.0
     lo, hi = config.token_id_range
     i = 0
     while True:
         n = rng.randint(*config.prompt_len)
         prompt = [rng.randrange(lo, hi) for _ in range(n)]
-        yield RequestSpec(index=i, prompt=prompt, max_tokens=rng.randint(*config.output_len))
+        stream = clients.random() < stream_fraction
+        hang_up = clients.random() < config.disconnect_fraction
+        delay = clients.uniform(0.0, config.disconnect_within_s)
+        yield RequestSpec(
+            index=i,
+            prompt=prompt,
+            max_tokens=rng.randint(*config.output_len),
+            stream=stream,
+            disconnect_after_s=delay if hang_up else None,
+        )
         i += 1
 
 
@@ -364,7 +411,7 @@ def summarize(
     """Aggregate finished requests. `requests_sent` defaults to len(results); the difference
     counts as cancelled."""
     ok = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and not r.disconnected]
     errors = Counter(r.error or "unknown" for r in failed)
     samples: dict[str, str] = {}
     for r in failed:
@@ -399,12 +446,27 @@ def summarize(
         tpot_ms=LatencyStats.of_seconds(tpot),
         itl_ms=LatencyStats.of_seconds([g for r in ok for g in r.itl_s]),
         e2e_ms=LatencyStats.of_seconds([r.e2e_s for r in ok if r.e2e_s is not None]),
+        requests_disconnected=sum(1 for r in results if r.disconnected),
     )
 
 
 # --------------------------------------------------------------------------------------------- #
 # The run
 # --------------------------------------------------------------------------------------------- #
+
+
+async def _client(client: Any, model: str, spec: RequestSpec) -> RequestResult:
+    """One request as its client behaves: one that hangs up is cancelled after its delay, which
+    closes its connection (the daemon sees a disconnect), unless the response came first."""
+    if spec.disconnect_after_s is None:
+        return await _one_request(client, model, spec, spec.stream)
+    task = asyncio.ensure_future(_one_request(client, model, spec, spec.stream))
+    done, _ = await asyncio.wait({task}, timeout=spec.disconnect_after_s)
+    if done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return RequestResult(index=spec.index, ok=False, max_tokens=spec.max_tokens, disconnected=True)
 
 
 async def _one_request(client: Any, model: str, spec: RequestSpec, stream: bool) -> RequestResult:
@@ -542,10 +604,10 @@ async def _drive(
     async def send(spec: RequestSpec) -> None:
         nonlocal failed
         try:
-            res = await _one_request(client, model, spec, config.stream)
+            res = await _client(client, model, spec)
             results.append(res)
             if bar is not None:
-                failed += not res.ok
+                failed += not (res.ok or res.disconnected)
                 if failed:
                     bar.set_postfix(failed=failed, refresh=False)
                 bar.update(1)
@@ -678,6 +740,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         concurrency_limit=args.concurrency_limit,
         token_id_range=(id_lo, id_hi),
         timeout_s=args.timeout,
+        stream_fraction=args.stream_fraction,
+        disconnect_fraction=args.disconnect_fraction,
+        disconnect_within_s=args.disconnect_within,
     ).validate()
 
 
@@ -784,6 +849,26 @@ def add_loadgen_parser(subparsers: Any) -> None:
         default=600.0,
         metavar="S",
         help="per-request timeout in seconds (default: 600)",
+    )
+    p.add_argument(
+        "--stream-fraction",
+        type=float,
+        metavar="F",
+        help="stream a random share F of the requests (overrides --stream)",
+    )
+    p.add_argument(
+        "--disconnect-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="a random share F of the clients hang up before the end (default: 0)",
+    )
+    p.add_argument(
+        "--disconnect-within",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="a hanging-up client waits uniform [0, S] seconds first (default: 2)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     p.set_defaults(func=_cmd_loadgen)

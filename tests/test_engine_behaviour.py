@@ -505,6 +505,35 @@ def test_packed_cpu_linears_match_plain_linears(tiny_model_dir, dtype):
     assert (packed - plain).abs().max() <= 1e-5 * plain.abs().max()
 
 
+def test_packed_linears_pad_rows_to_few_buckets_with_the_same_results():
+    from controlplane.engine.model.linear import PackedLinear, cpu_packing_supported, padded_rows
+
+    # Bounded shapes: oneDNN keeps one kernel per row count, and ragged batches would
+    # otherwise make hundreds of them (RSS grew ~265 MB over 4000 requests, see README).
+    assert [padded_rows(t) for t in (1, 2, 3, 5, 16, 17, 250, 257, 2048)] == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        256,
+        320,
+        2048,
+    ]
+    assert all(t <= padded_rows(t) <= max(2 * t - 1, 1.25 * t) for t in range(1, 5000))
+    assert len({padded_rows(t) for t in range(1, 2049)}) <= 64
+    if not cpu_packing_supported(torch.float32):
+        pytest.skip("oneDNN cannot pack float32 here: plain linears, nothing padded")
+    lin = torch.nn.Linear(64, 96)
+    packed = PackedLinear(lin)
+    for t in (1, 3, 17, 33, 300):
+        x = torch.randn(t, 64)
+        y = packed(x)
+        assert y.shape == (t, 96)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+
+
 def test_packing_test_holds_on_an_avx2_only_cpu(tiny_model_dir):
     # oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA) is what an AVX2-only CPU looks like to the
     # engine: bfloat16 does not pack there, float32 still does, and the test above must hold.

@@ -296,11 +296,14 @@ def test_body_over_max_body_bytes_is_413_naming_the_limit(served):
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(tiny_model_dir, tmp_path):
     # The daemon runs in its own process: a client in the daemon's process would share its
     # GIL, and could not measure the event loop.
-    path = write_config(tmp_path / "cp.toml", tmp_path / "data", tiny_model_dir)
+    # An 8 MB body limit and a prompt just under it: seconds of tokenizing on any of these
+    # machines (about 1 s per 2 MB on the fastest), then a 400 (far beyond max_model_len).
+    limit = 8 * 1024 * 1024
+    path = write_config(
+        tmp_path / "cp.toml", tmp_path / "data", tiny_model_dir, server={"max_body_bytes": limit}
+    )
     d = DaemonProcess.start(path)
-    # Just under the default body limit: seconds of tokenizing, then a 400 (the prompt is far
-    # beyond max_model_len).
-    body = json.dumps({"model": MODEL, "prompt": "word " * ((DEFAULT_MAX_BODY - 200) // 5)})
+    body = json.dumps({"model": MODEL, "prompt": "word " * ((limit - 200) // 5)})
     result: dict[str, Any] = {}
 
     def post() -> None:

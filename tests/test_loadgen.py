@@ -548,3 +548,44 @@ def test_stop_during_model_discovery_and_discovery_failure() -> None:
         asyncio.run(run_load(LoadConfig(url=f"http://127.0.0.1:{port}", num_requests=1)))
     args = _parse(["--url", f"http://127.0.0.1:{port}", "--requests", "1"])
     assert args.func(args) == 1
+
+
+def test_client_mix_is_seeded_and_leaves_the_prompts_alone() -> None:
+    base = LoadConfig(url="http://x", num_requests=400, seed=7)
+    mixed = LoadConfig(
+        url="http://x", num_requests=400, seed=7, stream_fraction=0.5, disconnect_fraction=0.3
+    )
+    plain = list(itertools.islice(request_specs(base), 400))
+    specs = list(itertools.islice(request_specs(mixed), 400))
+    assert [s.prompt for s in specs] == [s.prompt for s in plain]
+    assert [s.max_tokens for s in specs] == [s.max_tokens for s in plain]
+    assert not any(s.stream or s.disconnect_after_s is not None for s in plain)
+    streams = sum(s.stream for s in specs)
+    hang_ups = [s.disconnect_after_s for s in specs if s.disconnect_after_s is not None]
+    assert 160 <= streams <= 240 and 80 <= len(hang_ups) <= 160
+    assert all(0.0 <= d <= mixed.disconnect_within_s for d in hang_ups)
+    assert specs == list(itertools.islice(request_specs(mixed), 400))  # same seed, same mix
+    with pytest.raises(ValueError, match="--disconnect-fraction"):
+        LoadConfig(url="http://x", disconnect_fraction=1.5).validate()
+    with pytest.raises(ValueError, match="--stream-fraction"):
+        LoadConfig(url="http://x", stream_fraction=-0.1).validate()
+
+
+def test_clients_that_hang_up_are_counted_apart_from_failures(
+    fake_server: ThreadingHTTPServer,
+) -> None:
+    # Every client hangs up within 1 ms, long before the fake server's 30 ms first token.
+    cfg = LoadConfig(
+        url=_url(fake_server),
+        num_requests=12,
+        prompt_len=(4, 12),
+        output_len=(3, 6),
+        seed=3,
+        stream_fraction=0.5,
+        disconnect_fraction=1.0,
+        disconnect_within_s=0.001,
+    )
+    s = asyncio.run(run_load(cfg))
+    assert s.requests_disconnected == 12
+    assert (s.requests_ok, s.requests_failed, s.errors) == (0, 0, {})
+    assert "disconnected 12" in s.format()

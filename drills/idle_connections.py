@@ -1,0 +1,115 @@
+"""Drill: hundreds of idle event-stream connections held open while the daemon serves load.
+
+The same loadgen run (`--requests` streaming completions, `--concurrency` in flight) twice,
+interleaved `--repeats` times: alone, and with `--connections` (500) `/admin/events` streams
+held open by clients that only read what arrives (what a wall of dashboards does). Figure: the
+output tokens/s of each, and their ratio; the target is within 10%.
+
+    python drills/idle_connections.py                   # ~3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import ADMIN_TOKEN, Checks, Daemon, log
+
+from controlplane.loadgen import LoadConfig, run_load
+
+
+async def with_watchers(d: Daemon, n: int, config: LoadConfig) -> tuple[float, int]:
+    """Throughput of `config` while `n` /admin/events streams are open; and how many were."""
+    opened = 0
+    ready = asyncio.Event()
+
+    async def watcher(http: httpx.AsyncClient) -> None:
+        nonlocal opened
+        async with http.stream("GET", "/admin/events") as r:
+            r.raise_for_status()
+            opened += 1
+            if opened == n:
+                ready.set()
+            async for _ in r.aiter_lines():
+                pass
+
+    limits = httpx.Limits(max_connections=n + 8)
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(
+        base_url=d.url, headers=headers, limits=limits, timeout=None
+    ) as http:
+        tasks = [asyncio.create_task(watcher(http)) for _ in range(n)]
+        await asyncio.wait_for(ready.wait(), 60)
+        summary = await run_load(config)
+        alive = sum(1 for t in tasks if not t.done())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return summary.output_throughput, alive
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--connections", type=int, default=500)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tolerance", type=float, default=0.10)
+    args = p.parse_args(argv)
+
+    checks = Checks()
+    with tempfile.TemporaryDirectory(prefix="cp-drill-") as tmp:
+        d = Daemon(Path(tmp), server={"max_queue_len": 1024})
+        d.start()
+        try:
+            config = LoadConfig(
+                url=d.url,
+                num_requests=args.requests,
+                concurrency_limit=args.concurrency,
+                prompt_len=(8, 64),
+                output_len=(16, 64),
+                stream=True,
+                token_id_range=(10, 1000),
+            )
+            asyncio.run(run_load(LoadConfig(**{**config.__dict__, "num_requests": 64})))
+            alone: list[float] = []
+            watched: list[float] = []
+            alive_min = args.connections
+            for rep in range(args.repeats):
+                for kind in ("alone", "watched") if rep % 2 == 0 else ("watched", "alone"):
+                    if kind == "alone":
+                        tps = asyncio.run(run_load(config)).output_throughput
+                        alone.append(tps)
+                    else:
+                        tps, alive = asyncio.run(with_watchers(d, args.connections, config))
+                        watched.append(tps)
+                        alive_min = min(alive_min, alive)
+                    log(f"repeat {rep + 1} {kind:<8} {tps:8.1f} output tok/s")
+        finally:
+            code = d.stop()
+    a, w = statistics.median(alone), statistics.median(watched)
+    log(f"median: alone {a:.1f} tok/s, with {args.connections} event streams {w:.1f} ({w / a:.1%})")
+    checks.check(
+        f"throughput within {args.tolerance:.0%} with {args.connections} open event streams",
+        w >= (1 - args.tolerance) * a,
+        f"{w:.1f} vs {a:.1f} tok/s, {w / a - 1:+.1%}",
+    )
+    checks.check(
+        "every event stream stayed open through the run",
+        alive_min == args.connections,
+        f"at least {alive_min} of {args.connections}",
+    )
+    checks.check("graceful stop with the streams gone", code == 0, f"exit status {code}")
+    return checks.report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
