@@ -57,8 +57,9 @@ from decode_latency import (
 from controlplane.engine.model.linear import cpu_has_native_bf16
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "float32": {"dtype": "float32"},
-    "bfloat16": {"dtype": "bfloat16"},
+    # quantization "none": the default "auto" would keep a GGUF file's blocks as int4.
+    "float32": {"dtype": "float32", "quantization": "none"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
     "int8+head": {"quantization": "int8", "quantize_lm_head": True},

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from controlplane.common import parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.settings import EngineSettings, check
 
@@ -195,7 +196,7 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
         f = fields[key]
         default = f.default if f.default is not dataclasses.MISSING else None
         if key == "effective_from":
-            values[key] = _parse_time(f"{section}.{key}", value)
+            values[key] = parse_time(f"{section}.{key}", value, relative=False)
         elif default is None and key in ("num_kv_blocks", "max_model_len"):
             values[key] = _coerce(f"{section}.{key}", value, 0)
         else:
@@ -204,23 +205,6 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
         return cls(**values)
     except TypeError as exc:  # a required key is missing
         raise InvalidSettingError(section, str(exc)) from None
-
-
-def _parse_time(where: str, value: Any) -> datetime:
-    if isinstance(value, datetime):
-        dt = value
-    elif isinstance(value, str):
-        try:
-            dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            raise InvalidSettingError(
-                where, f"must be an ISO 8601 date or time, got {value!r}"
-            ) from None
-    elif hasattr(value, "year"):  # a TOML date
-        dt = datetime(value.year, value.month, value.day)
-    else:
-        raise InvalidSettingError(where, f"must be a date or time, got {value!r}")
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
 
 
 def _in_range(where: str, value: float, lo: float, hi: float) -> None:
@@ -315,7 +299,7 @@ def check_engine(settings: EngineSettings) -> EngineSettings:
     try:
         return check(settings)
     except InvalidSettingError as exc:
-        raise InvalidSettingError(f"engine.{exc.field}", str(exc).split(": ", 1)[1]) from None
+        raise InvalidSettingError(f"engine.{exc.field}", exc.message) from None
 
 
 # CONTROLPLANE_* variables that are not config keys, read where they are used.

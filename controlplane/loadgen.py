@@ -81,6 +81,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controlplane.common import percentile
+
 DEFAULT_TOKEN_ID_RANGE = (100, 30000)
 
 __all__ = [
@@ -225,10 +227,11 @@ class LatencyStats:
         if not values:
             return None
         ms = [v * 1000.0 for v in values]
+        p50, p90, p99 = (percentile(ms, q) or 0.0 for q in (50, 90, 99))  # ms is not empty
         return cls(
-            p50=percentile(ms, 50),
-            p90=percentile(ms, 90),
-            p99=percentile(ms, 99),
+            p50=p50,
+            p90=p90,
+            p99=p99,
             mean=sum(ms) / len(ms),
             count=len(ms),
         )
@@ -321,21 +324,6 @@ def _sorted_errors(d: dict[str, Any]) -> list[tuple[str, Any]]:
 # --------------------------------------------------------------------------------------------- #
 # Pure helpers: percentiles, schedule, workload, aggregation
 # --------------------------------------------------------------------------------------------- #
-
-
-def percentile(values: Iterable[float], p: float) -> float:
-    """The p-th percentile (0 <= p <= 100) by linear interpolation between closest ranks:
-    sorted values x[0..n-1], rank r = p/100 * (n-1), result x[floor r] + (r - floor r) *
-    (x[ceil r] - x[floor r]). Same as numpy's default (method="linear")."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("percentile of an empty sequence")
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile: p must be in [0, 100], got {p}")
-    rank = p / 100 * (len(xs) - 1)
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (rank - lo) * (xs[hi] - xs[lo])
 
 
 def arrival_offsets(

@@ -58,12 +58,13 @@ _NEEDED_COLUMNS = {"requests": ("requests", "end_user")}  # migration 0004
 
 def _time_arg(flag: str) -> Callable[[str], datetime]:
     def parse(value: str) -> datetime:
-        from controlplane.store.reports import parse_time
+        from controlplane.common import parse_time
+        from controlplane.engine.errors import InvalidSettingError
 
         try:
             return parse_time(flag, value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+        except InvalidSettingError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
 
     return parse
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -26,10 +27,10 @@ from _harness import ADMIN_TOKEN, Checks, Daemon, log
 from controlplane.loadgen import LoadConfig, run_load
 
 
-async def with_watchers(d: Daemon, n: int, config: LoadConfig) -> tuple[float, int]:
-    """Throughput of `config` while `n` /admin/events streams are open; and how many were."""
+async def _watch(url: str, n: int, ready, stop) -> int:
+    """`n` /admin/events readers; `ready` is set once all are open; they end when `stop` is.
+    Returns how many were still open then."""
     opened = 0
-    ready = asyncio.Event()
 
     async def watcher(http: httpx.AsyncClient) -> None:
         nonlocal opened
@@ -43,17 +44,37 @@ async def with_watchers(d: Daemon, n: int, config: LoadConfig) -> tuple[float, i
 
     limits = httpx.Limits(max_connections=n + 8)
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    async with httpx.AsyncClient(
-        base_url=d.url, headers=headers, limits=limits, timeout=None
-    ) as http:
-        tasks = [asyncio.create_task(watcher(http)) for _ in range(n)]
-        await asyncio.wait_for(ready.wait(), 60)
-        summary = await run_load(config)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None) as h:
+        tasks = [asyncio.create_task(watcher(h)) for _ in range(n)]
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
         alive = sum(1 for t in tasks if not t.done())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return summary.output_throughput, alive
+    return alive
+
+
+def _watchers(url: str, n: int, ready, stop, alive) -> None:
+    alive.value = asyncio.run(_watch(url, n, ready, stop))
+
+
+def with_watchers(d: Daemon, n: int, config: LoadConfig) -> tuple[float, int]:
+    """Throughput of `config` while `n` /admin/events streams are open, read by another
+    process (reading 500 streams must not slow the load generator itself); and how many
+    streams were still open at the end."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop, alive = ctx.Event(), ctx.Event(), ctx.Value("i", -1)
+    proc = ctx.Process(target=_watchers, args=(d.url, n, ready, stop, alive))
+    proc.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError(f"the {n} event streams did not all open")
+        summary = asyncio.run(run_load(config))
+    finally:
+        stop.set()
+        proc.join(60)
+    return summary.output_throughput, alive.value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                         tps = asyncio.run(run_load(config)).output_throughput
                         alone.append(tps)
                     else:
-                        tps, alive = asyncio.run(with_watchers(d, args.connections, config))
+                        tps, alive = with_watchers(d, args.connections, config)
                         watched.append(tps)
                         alive_min = min(alive_min, alive)
                     log(f"repeat {rep + 1} {kind:<8} {tps:8.1f} output tok/s")

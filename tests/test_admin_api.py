@@ -434,7 +434,7 @@ def test_metrics_parse_and_move_under_load(admin, tmp_path):
         str(summary),
     )
     assert gen.wait(120) == 0
-    d.daemon.pump_metrics()
+    d.daemon.runtime.pump_metrics()
     after = _metrics(d.url)
     load = json.loads(summary.read_text())
     key = "controlplane:generation_tokens_total"

@@ -14,7 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import percentile, summarize
+from controlplane.admin_api.stats import summarize
+from controlplane.common import percentile
 
 # -- stand-ins ------------------------------------------------------------------------------
 
@@ -484,9 +485,8 @@ def test_metrics_content_type_has_one_charset() -> None:
 
 
 def test_engine_classes_fit() -> None:
-    # The real classes (this imports torch) work where the stand-ins do.
-    from controlplane.engine.engine import StepStats
-    from controlplane.engine.sequence import RequestMetrics
+    # The real classes (torch-free, controlplane.engine.types) work where the stand-ins do.
+    from controlplane.engine.types import RequestMetrics, StepStats
 
     common = dict(num_running=2, num_waiting=1, num_swapped=0, kv_blocks_total=40)
     steps = [

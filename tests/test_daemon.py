@@ -357,8 +357,8 @@ def test_queue_full_gives_429_with_retry_after(tiny_model_dir, tmp_path):
         r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert "max_queue_len 1" in r.json()["error"]["message"]
-        for rid in list(d.daemon.request_meta):
-            d.daemon.abort_request(rid, "test")
+        for rid in list(d.daemon.runtime.request_meta):
+            d.daemon.runtime.abort_request(rid, "test")
         for t in threads:
             t.join(60)
         assert [x["choices"][0]["finish_reason"] for x in results] == ["abort", "abort"]

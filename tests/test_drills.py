@@ -36,7 +36,7 @@ def test_sigkill_five_times_loses_and_doubles_no_row():
 
 
 def test_idle_event_streams_cost_under_ten_percent():
-    assert _drill("idle_connections").main(["--requests", "300", "--repeats", "3"]) == 0
+    assert _drill("idle_connections").main(["--requests", "300", "--repeats", "5"]) == 0
 
 
 @pytest.mark.skipif(

@@ -318,10 +318,10 @@ def test_async_engine_survives_a_failing_request(tiny_model_dir, monkeypatch):
             # A request whose admission raises something unexpected fails alone, too.
             real_add = aeng.engine.add_request
 
-            def add(prompt, params=None, request_id=None):
+            def add(prompt, params=None, request_id=None, **kw):  # kw: validated=True
                 if prompt == [9, 9]:
                     raise RuntimeError("injected admission fault")
-                return real_add(prompt, params, request_id)
+                return real_add(prompt, params, request_id, **kw)
 
             monkeypatch.setattr(aeng.engine, "add_request", add)
             with pytest.raises(RuntimeError, match="injected admission fault"):

@@ -110,7 +110,7 @@ def test_jobs_write_samples_and_rollups_and_admin_matches_cli(jobs_daemon):
 def test_job_intervals_are_live(jobs_daemon):
     d, cfg = jobs_daemon
     c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-    from controlplane.server.jobs import ROLLUP_JOB, SAMPLE_JOB
+    from controlplane.jobs.scheduler import ROLLUP_JOB, SAMPLE_JOB
 
     assert d.daemon.jobs.intervals() == {SAMPLE_JOB: 0.5, ROLLUP_JOB: 1.0}
     r = c.patch(

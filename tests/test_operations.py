@@ -284,8 +284,14 @@ def test_access_log_one_json_line_per_finished_request(tiny_model_dir, tmp_path)
     try:
         r = httpx.post(
             d.url + "/v1/completions",
-            headers={"Authorization": "Bearer sk-team-a-secret"},
-            json={"model": MODEL, "prompt": "hello", "max_tokens": 5, "ignore_eos": True},
+            headers={"Authorization": "Bearer sk-team-a-secret", "X-Request-Id": "trace-42"},
+            json={
+                "model": MODEL,
+                "prompt": "hello",
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "user": "alice",
+            },
             timeout=60,
         )
         assert r.status_code == 200
@@ -297,6 +303,7 @@ def test_access_log_one_json_line_per_finished_request(tiny_model_dir, tmp_path)
     assert len(access) == 1, d.lines
     (line,) = access
     assert line["request_id"] == body["id"] and line["api_key_name"] == "team-a"
+    assert line["x_request_id"] == "trace-42" and line["user"] == "alice"
     assert line["status"] == "success" and line["finish_reason"] == "length"
     assert line["prompt_tokens"] == body["usage"]["prompt_tokens"]
     assert line["completion_tokens"] == body["usage"]["completion_tokens"] == 5

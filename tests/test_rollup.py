@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, insert, inspect, select, text, update
 
+from controlplane.common import parse_group_by, parse_time
 from controlplane.config import Price
 from controlplane.store import (
     IDLE_KEY,
@@ -34,7 +35,6 @@ from controlplane.store import (
     utilization_report,
     write_sample,
 )
-from controlplane.store.reports import parse_group_by, parse_time
 from controlplane.store.rollup import ROLLUP_JOB, get_watermark
 
 REQUESTS = RequestRow.__table__

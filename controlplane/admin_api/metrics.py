@@ -48,7 +48,6 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -60,9 +59,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from controlplane.admin_api.stats import StepStatsLike
+from controlplane.engine.types import RequestMetrics, StepStats
 
-__all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetricsLike"]
+__all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetrics"]
 
 log = logging.getLogger(__name__)
 
@@ -111,23 +110,6 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
                 return out
             out.append(v)
         exponent += 1
-
-
-class RequestMetricsLike(Protocol):
-    """The fields of `controlplane.engine.sequence.RequestMetrics` that Metrics reads."""
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def num_output_tokens(self) -> int: ...
-    @property
-    def queue_time(self) -> float | None: ...
-    @property
-    def ttft(self) -> float | None: ...
-    @property
-    def mean_itl(self) -> float | None: ...
-    @property
-    def e2e_latency(self) -> float | None: ...
 
 
 _LABEL_BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -307,7 +289,7 @@ class Metrics:
         reg.register(_ScrapeTimeCollector(self))
 
     # -- engine steps ---------------------------------------------------------------------
-    def observe_steps(self, steps: Iterable[StepStatsLike]) -> None:
+    def observe_steps(self, steps: Iterable[StepStats]) -> None:
         """Count the steps not counted before and set the gauges from the latest step.
 
         Steps are recognized by their ``step`` number: only steps numbered above the highest
@@ -354,7 +336,7 @@ class Metrics:
     def observe_request(
         self,
         finish_reason: str,
-        metrics: RequestMetricsLike,
+        metrics: RequestMetrics,
         token_times: Sequence[float] | None = None,
     ) -> None:
         """Record one finished request.

@@ -12,11 +12,13 @@ from litestar import Request, Response, Router, get, patch, post
 from litestar.params import FromPath, FromQuery
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
+from controlplane.common import parse_group_by, parse_time
+from controlplane.engine.errors import InvalidSettingError
 from controlplane.server.errors import APIError
 from controlplane.server.protocol import load_json, openapi_body
 
 if TYPE_CHECKING:
-    from controlplane.server.daemon import Daemon
+    from controlplane.server.runtime import Runtime
 
 KEEPALIVE_S = 15.0
 # Row ids and other integers bound into SQL: both databases store them as signed 64-bit.
@@ -40,21 +42,19 @@ def _time_param(name: str, value: str | None) -> datetime | None:
     if value is None:
         return None
     try:
-        from controlplane.config import _parse_time
-
-        return _parse_time(name, value)
-    except ValueError as exc:
-        raise _unprocessable(name, str(exc).split(": ", 1)[-1]) from None
+        return parse_time(name, value, relative=False)
+    except InvalidSettingError as exc:
+        raise _unprocessable(exc.field, exc.message) from None
 
 
-def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = None) -> Router:
+def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None = None) -> Router:
     """`finished(request_id)`: how a recently finished request ended (None: unknown), so that
     aborting it answers 409 rather than 404."""
     from controlplane.server.live_config import ConfigChangeError
 
     @get("/config", summary="Effective settings: value, source and live-tunability of every field")
     async def get_config() -> dict[str, Any]:
-        return {"fields": daemon.live.describe()}
+        return {"fields": runtime.live.describe()}
 
     @patch(
         "/config",
@@ -73,12 +73,12 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
         from controlplane.server.live_config import flatten_raw
 
         try:
-            changes = await daemon.change_config(flatten_raw(body), source, request.state.actor)
+            changes = await runtime.change_config(flatten_raw(body), source, request.state.actor)
         except ConfigChangeError as exc:
             raise _unprocessable(exc.field, exc.message, exc.status) from None
         return {
             "changed": [{"field": c.field, "old": c.old, "new": c.new} for c in changes],
-            "fields": daemon.live.describe(),
+            "fields": runtime.live.describe(),
         }
 
     @get("/config/history", summary="Audit log of config changes, newest first")
@@ -95,31 +95,29 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
 
         entries = await asyncio.to_thread(
             history,
-            daemon.db,
+            runtime.db,
             limit=limit,
             before_id=before_id,
             field=field,
-            instance_id=daemon.instance_id,
+            instance_id=runtime.instance_id,
         )
         return {"changes": entries}
 
     @get("/stats", summary="Engine and queue statistics (10 s window)")
     async def stats(block_map: FromQuery[int | None] = None) -> dict[str, Any]:
-        body = daemon.stats_payload()
+        body = runtime.stats_payload()
         if block_map is not None:
             if not 8 <= block_map <= 1024:
                 raise _unprocessable("block_map", f"must be in [8, 1024] buckets, got {block_map}")
-            pool = daemon.aengine.engine.block_pool if daemon.aengine else None
-            # Fraction in use per range of block ids: a compact map of the KV cache.
-            body["kv_block_map"] = pool.occupancy(block_map) if pool else []
+            body["kv_block_map"] = runtime.kv_block_map(block_map)
         return body
 
     @get("/events", summary="Server-Sent Events: stats snapshots and config changes")
     async def events(interval: FromQuery[float | None] = None) -> ServerSentEvent:
-        period = daemon.cfg.server.events_interval_s if interval is None else interval
+        period = runtime.cfg.server.events_interval_s if interval is None else interval
         if not 0.1 <= period <= 60:
             raise _unprocessable("interval", f"must be in [0.1, 60] seconds, got {period}")
-        return ServerSentEvent(_event_stream(daemon, period))
+        return ServerSentEvent(_event_stream(runtime, period))
 
     @get("/requests", summary="Running and waiting requests (live) and finished ones (SQL)")
     async def requests(
@@ -136,22 +134,21 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
         try:
             finished, next_cursor = await asyncio.to_thread(
                 list_requests,
-                daemon.db,
+                runtime.db,
                 status=status,
                 api_key_name=api_key_name,
                 since=_time_param("since", since),
                 until=_time_param("until", until),
                 limit=limit,
                 cursor=cursor,
-                instance_id=daemon.instance_id,
+                instance_id=runtime.instance_id,
                 x_request_id=x_request_id,
             )
-        except ValueError as exc:
-            param, _, message = str(exc).partition(": ")
-            raise _unprocessable(param, message or str(exc)) from None
-        live = await daemon.live_requests()
+        except InvalidSettingError as exc:
+            raise _unprocessable(exc.field, exc.message) from None
+        live = await runtime.live_requests()
         for row in live:  # what the request row will say, from the record kept in flight
-            meta = daemon.request_meta.get(row["id"])
+            meta = runtime.request_meta.get(row["id"])
             row["end_user"] = meta.end_user if meta else None
             row["x_request_id"] = meta.x_request_id if meta else None
         if api_key_name is not None:
@@ -166,7 +163,7 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
         summary="Abort a running or waiting request",
     )
     async def abort(request_id: FromPath[str], request: Request) -> dict[str, Any]:
-        if daemon.abort_request(request_id, request.state.actor):
+        if runtime.abort_request(request_id, request.state.actor):
             return {"aborted": request_id}
         ended = finished(request_id) if finished is not None else None
         if ended is not None:
@@ -186,26 +183,23 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
 
     @post("/drain", status_code=200, summary="Stop admitting new requests; running ones finish")
     async def drain(request: Request) -> dict[str, Any]:
-        daemon.drain(request.state.actor)
-        return {"state": daemon.state}
+        runtime.drain(request.state.actor)
+        return {"state": runtime.state}
 
     @post("/resume", status_code=200, summary="Admit new requests again after a drain")
     async def resume(request: Request) -> dict[str, Any]:
-        daemon.resume(request.state.actor)
-        return {"state": daemon.state}
+        runtime.resume(request.state.actor)
+        return {"state": runtime.state}
 
     def _window(
         since: str | None, until: str | None, group_by: str, allowed: tuple[str, ...]
     ) -> tuple:
-        from controlplane.store.reports import parse_group_by
-
         try:
             start = _report_time("since", since or "24h")
             end = _report_time("until", until) if until else datetime.now(UTC)
             keys = parse_group_by(group_by, allowed)
-        except ValueError as exc:
-            param, _, message = str(exc).partition(": ")
-            raise _unprocessable(param, message or str(exc)) from None
+        except InvalidSettingError as exc:
+            raise _unprocessable(exc.field, exc.message) from None
         if start >= end:
             raise _unprocessable(
                 "since", f"must be before until ({start.isoformat()} >= {end.isoformat()})"
@@ -213,16 +207,14 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
         return start, end, keys
 
     def _report_time(name: str, value: str) -> datetime:
-        from controlplane.store.reports import parse_time
-
         try:
             at = parse_time(name, value)
         except OverflowError:  # "99999999d": before year 1
             at = None
         if at is None or not MIN_REPORT_TIME <= at <= MAX_REPORT_TIME:
-            raise ValueError(
-                f"{name}: {value!r} is out of range ({MIN_REPORT_TIME.date()} to "
-                f"{MAX_REPORT_TIME.date()})"
+            raise InvalidSettingError(
+                name,
+                f"{value!r} is out of range ({MIN_REPORT_TIME.date()} to {MAX_REPORT_TIME.date()})",
             )
         return at
 
@@ -239,7 +231,7 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
 
         start, end, keys = _window(since, until, group_by, ("day", "hour", "model", "api_key"))
         report = await asyncio.to_thread(
-            cost_report, daemon.db, since=start, until=end, group_by=keys
+            cost_report, runtime.db, since=start, until=end, group_by=keys
         )
         return report.to_dict()
 
@@ -256,7 +248,7 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
 
         start, end, keys = _window(since, until, group_by, ("day", "hour", "instance"))
         report = await asyncio.to_thread(
-            utilization_report, daemon.db, since=start, until=end, group_by=keys
+            utilization_report, runtime.db, since=start, until=end, group_by=keys
         )
         return report.to_dict()
 
@@ -275,24 +267,50 @@ def admin_router(daemon: Daemon, finished: Callable[[str], str | None] | None = 
             costs,
             utilization,
         ],
-        guards=[daemon.admin_auth.guard],
+        guards=[runtime.admin_auth.guard],
         tags=["admin"],
     )
 
 
-async def _event_stream(daemon: Daemon, period: float) -> AsyncIterator[ServerSentEventMessage]:
-    """Snapshots are computed when sent, so a slow client gets fewer, never a backlog; config
-    events wait in a small per-client queue that drops the oldest when full."""
-    queue = daemon.subscribe_events()
+class _EncodedMessage(ServerSentEventMessage):
+    """A message encoded once: the same stats snapshot goes to every subscriber."""
+
+    def __init__(self, data: str, event: str) -> None:
+        super().__init__(data=data, event=event)
+        self._encoded = super().encode()
+
+    def encode(self) -> bytes:
+        return self._encoded
+
+
+_last_stats: tuple[str, _EncodedMessage] | None = None
+
+
+def _stats_message(runtime: Runtime) -> _EncodedMessage:
+    """The current snapshot (runtime.stats_json: computed at most every 0.1 s), framed once
+    for all subscribers: 500 open streams must not cost serving more than a few percent."""
+    global _last_stats
+    data = runtime.stats_json()
+    if _last_stats is None or _last_stats[0] is not data:
+        _last_stats = (data, _EncodedMessage(data, "stats"))
+    return _last_stats[1]
+
+
+async def _event_stream(runtime: Runtime, period: float) -> AsyncIterator[ServerSentEventMessage]:
+    """Snapshots are taken when sent (shared by all subscribers, at most 0.1 s old), so a slow
+    client gets fewer, never a backlog; config events wait in a small per-client queue that
+    drops the oldest when full."""
+    queue = runtime.subscribe_events()
     loop = asyncio.get_running_loop()
     last_ping = loop.time()
     try:
         while True:
-            yield ServerSentEventMessage(data=json.dumps(daemon.stats_payload()), event="stats")
+            yield _stats_message(runtime)
             deadline = loop.time() + period
             while (left := deadline - loop.time()) > 0:
-                try:
-                    event = await asyncio.wait_for(queue.get(), left)
+                try:  # asyncio.timeout, not wait_for: no task per wait, for 500 subscribers
+                    async with asyncio.timeout(left):
+                        event = await queue.get()
                 except TimeoutError:
                     break
                 yield ServerSentEventMessage(data=json.dumps(event), event="config")
@@ -302,11 +320,11 @@ async def _event_stream(daemon: Daemon, period: float) -> AsyncIterator[ServerSe
                 last_ping = loop.time()
                 yield ServerSentEventMessage(comment="keep-alive")
     finally:
-        daemon.unsubscribe_events(queue)
+        runtime.unsubscribe_events(queue)
 
 
-def metrics_handler(daemon: Daemon):
-    guards = [daemon.admin_auth.guard] if daemon.cfg.server.metrics_require_token else []
+def metrics_handler(runtime: Runtime):
+    guards = [runtime.admin_auth.guard] if runtime.cfg.server.metrics_require_token else []
 
     @get(
         "/metrics",
@@ -314,8 +332,8 @@ def metrics_handler(daemon: Daemon):
         summary="Prometheus exposition (vLLM names, controlplane: prefix)",
     )
     async def metrics() -> Response:
-        daemon.pump_metrics()
-        payload, content_type = daemon.metrics.render()
+        runtime.pump_metrics()
+        payload, content_type = runtime.metrics.render()
         return Response(payload, media_type=content_type)
 
     return metrics

@@ -1,77 +1,22 @@
 """Numbers for ``GET /admin/stats``, computed from the engine's recent StepStats.
 
-Pure functions: plain objects in, a JSON-ready dict out. Nothing here imports torch or needs an
-engine; anything with the fields of `controlplane.engine.engine.StepStats` will do.
+Pure functions: the engine's StepStats (torch-free, `controlplane.engine.types`) in, a
+JSON-ready dict out. Nothing here imports torch or needs an engine.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-__all__ = ["StepStatsLike", "percentile", "summarize"]
+from controlplane.common import percentile
+from controlplane.engine.types import StepStats
 
-
-class StepStatsLike(Protocol):
-    """The fields of `controlplane.engine.engine.StepStats` that the admin API reads."""
-
-    @property
-    def step(self) -> int: ...  # 1 for the first real step; 0 is the engine's initial snapshot
-    @property
-    def time(self) -> float: ...  # time.time() when the step ended
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def num_swapped(self) -> int: ...
-    @property
-    def num_sampled_tokens(self) -> int: ...
-    # Cumulative since the engine started (see StepStats).
-    @property
-    def busy_s_total(self) -> float: ...
-    @property
-    def prefill_tokens_total(self) -> int: ...
-    @property
-    def decode_tokens_total(self) -> int: ...
-    @property
-    def running_total(self) -> int: ...
-    @property
-    def batched_tokens_total(self) -> int: ...
-    @property
-    def kv_blocks_used(self) -> int: ...
-    @property
-    def kv_blocks_total(self) -> int: ...
-    @property
-    def num_prefill_tokens(self) -> int: ...
-    @property
-    def num_decode_tokens(self) -> int: ...
-    @property
-    def step_duration(self) -> float: ...  # seconds
-    @property
-    def num_preemptions(self) -> int: ...  # cumulative
-    @property
-    def num_finished(self) -> int: ...  # cumulative
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks.
-
-    Same definition as numpy's default (``method="linear"``): rank ``q/100 * (n-1)``.
-    None for no values.
-    """
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+__all__ = ["summarize"]
 
 
 def summarize(
-    steps: Sequence[StepStatsLike],
+    steps: Sequence[StepStats],
     *,
     now: float,
     window_s: float = 10.0,

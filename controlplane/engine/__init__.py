@@ -12,9 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AsyncEngine": "controlplane.engine.async_engine",
+    "RequestStream": "controlplane.engine.async_engine",
     "Engine": "controlplane.engine.engine",
-    "RequestOutput": "controlplane.engine.engine",
-    "StepStats": "controlplane.engine.engine",
+    "MemoryUse": "controlplane.engine.types",
+    "RequestMetrics": "controlplane.engine.types",
+    "RequestOutput": "controlplane.engine.types",
+    "StepStats": "controlplane.engine.types",
+    "TokenLogprobs": "controlplane.engine.types",
     "InvalidSettingError": "controlplane.engine.errors",
     "ModelLoadError": "controlplane.engine.errors",
     "LLM": "controlplane.engine.llm",
@@ -25,9 +29,13 @@ _EXPORTS = {
 
 __all__ = [  # noqa: RUF022 - grouped as in _EXPORTS
     "AsyncEngine",
+    "RequestStream",
     "Engine",
+    "MemoryUse",
+    "RequestMetrics",
     "RequestOutput",
     "StepStats",
+    "TokenLogprobs",
     "InvalidSettingError",
     "ModelLoadError",
     "LLM",
@@ -37,12 +45,19 @@ __all__ = [  # noqa: RUF022 - grouped as in _EXPORTS
 ]
 
 if TYPE_CHECKING:
-    from controlplane.engine.async_engine import AsyncEngine
-    from controlplane.engine.engine import Engine, RequestOutput, StepStats
+    from controlplane.engine.async_engine import AsyncEngine, RequestStream
+    from controlplane.engine.engine import Engine
     from controlplane.engine.errors import InvalidSettingError, ModelLoadError
     from controlplane.engine.llm import LLM
     from controlplane.engine.sampling_params import SamplingParams
     from controlplane.engine.settings import EngineSettings, RestartRequiredError
+    from controlplane.engine.types import (
+        MemoryUse,
+        RequestMetrics,
+        RequestOutput,
+        StepStats,
+        TokenLogprobs,
+    )
 
 
 def __getattr__(name: str) -> Any:

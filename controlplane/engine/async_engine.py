@@ -117,15 +117,22 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        validated: bool = False,
     ) -> RequestStream:
-        """Validate here (raising ValueError naming the field), then queue for the step thread."""
+        """Validate here (raising ValueError naming the field), then queue for the step thread.
+
+        The step thread never validates again. `validated=True`: the caller has run
+        `engine.validate_request` on these ids and params (the HTTP front, see
+        controlplane.server.runtime), so this check is skipped too: one check per request."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         params = params or SamplingParams()
         prompt_ids = (
             self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         )
-        self.engine.validate_request(prompt_ids, params)
+        if not validated:
+            self.engine.validate_request(prompt_ids, params)
         request_id = request_id or f"areq-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -174,6 +181,25 @@ class AsyncEngine:
             return steps
         return [s for s in steps if s.step > since_step] or steps[-1:]
 
+    async def live_requests(self) -> list[dict[str, Any]]:
+        """The requests in the engine (waiting, running, swapped), read at a step boundary:
+        id, state, token counts, preemptions and arrival time (time.time())."""
+
+        def snapshot(engine: Engine) -> list[dict[str, Any]]:
+            return [
+                {
+                    "id": rid,
+                    "state": seq.status.value,
+                    "prompt_tokens": len(seq.prompt_token_ids),
+                    "output_tokens": len(seq.output_token_ids),
+                    "preemptions": seq.metrics.num_preemptions,
+                    "arrival_time": seq.metrics.arrival_time,
+                }
+                for rid, seq in engine.requests.items()
+            ]
+
+        return await self.call(snapshot)
+
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) in the step thread at the next step boundary and return its result.
 
@@ -211,7 +237,8 @@ class AsyncEngine:
                 if cmd == "add":
                     prompt_ids, params, request_id = arg
                     try:
-                        self.engine.add_request(prompt_ids, params, request_id)
+                        # Checked in add_request above, on the event loop, already.
+                        self.engine.add_request(prompt_ids, params, request_id, validated=True)
                     except Exception as exc:  # that request fails; the engine goes on
                         if not isinstance(exc, ValueError):
                             log.exception("request %s failed at admission", request_id)

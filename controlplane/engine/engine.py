@@ -12,7 +12,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,13 +24,14 @@ from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from controlplane.engine.loader import load_model, load_tokenizer
 from controlplane.engine.model.config import load_model_config
 from controlplane.engine.model.linear import auto_dtype
-from controlplane.engine.model.quant import MemoryUse, QuantConfig
+from controlplane.engine.model.quant import QuantConfig, memory_use
 from controlplane.engine.runner import ModelRunner
-from controlplane.engine.sampler import Sampler, TokenLogprobs
+from controlplane.engine.sampler import Sampler
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.scheduler import Scheduler, SchedulerOutput
-from controlplane.engine.sequence import RequestMetrics, Sequence
+from controlplane.engine.sequence import Sequence
 from controlplane.engine.settings import EngineSettings, check, validate_changes
+from controlplane.engine.types import RequestMetrics, RequestOutput, StepStats, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -40,54 +40,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # failed forwards in a row mean the device (not a request) is broken: step() raises, and
 # AsyncEngine declares the engine dead.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """Immutable snapshot published after every step; readers never lock the engine."""
-
-    step: int
-    time: float
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_sampled_tokens: int  # new tokens produced (decodes plus prefills that completed)
-    step_duration: float  # seconds inside step(), forward included
-    num_preemptions: int  # cumulative
-    num_finished: int  # cumulative
-    # Cumulative since start: a sampler differences two snapshots, exactly, whatever happened
-    # in between (no need to see every step).
-    busy_s_total: float = 0.0  # time inside step()
-    prefill_tokens_total: int = 0
-    decode_tokens_total: int = 0
-    running_total: int = 0  # sum over steps of num_running (mean batch fill = delta / steps)
-    batched_tokens_total: int = 0  # sum over steps of prefill + decode tokens
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far (the live list: do not mutate)
-    new_token_ids: list[int]  # produced by this step
-    text: str  # all output text released so far
-    delta_text: (
-        str  # released by this step (never a broken UTF-8 char, never part of a stop string)
-    )
-    finished: bool
-    finish_reason: str | None  # stop | length | abort | error
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
-    time: float = 0.0  # when this output was produced (time.time()): per-token latencies
-    error: str | None = None  # why, when finish_reason is "error" (the engine kept serving)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,7 +110,7 @@ class Engine:
         num_swap = s.swap_space_bytes // spec.bytes_per_block
         log.info("KV cache: %s; swap space: %d blocks", why, num_swap)
         self.kv_cache = KVCache(spec, num_blocks, num_swap, self.device)
-        self.memory = MemoryUse.of(self.model, spec, num_blocks, kind, self.dtype)
+        self.memory = memory_use(self.model, spec, num_blocks, kind, self.dtype)
         log.info("memory: %s", self.memory.describe())
         self.block_pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap)
@@ -200,9 +152,15 @@ class Engine:
             self.scheduler.settings = new
 
     # -- requests -------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidSettingError naming the field and the limit; touches no engine state."""
-        params.validate()
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, *, check_params: bool = True
+    ) -> None:
+        """Raise InvalidSettingError naming the field and the limit; touches no engine state.
+
+        `check_params=False`: `params` was checked when it was built (SamplingParams validates
+        in __post_init__) and not mutated since; only the model-dependent checks run."""
+        if check_params:  # a Python API user may have changed fields after construction
+            params.validate()
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidSettingError("prompt", "must not be empty")
@@ -238,7 +196,14 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        *,
+        validated: bool = False,
     ) -> str:
+        """Queue a request; InvalidSettingError (naming the field) if it cannot run.
+
+        `validated=True`: the caller ran `validate_request` on exactly these ids and params
+        already (the HTTP front does, once, before queueing) and the check is skipped here.
+        Python API users (`LLM`, `Engine`, `AsyncEngine`) leave it False and are checked."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -246,7 +211,8 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
-        self.validate_request(prompt_ids, params)
+        if not validated:
+            self.validate_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidSettingError("request_id", f"{request_id!r} is already in flight")

@@ -10,4 +10,6 @@ class InvalidSettingError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        # Both halves kept: callers re-home the field (a prompt index, "engine." prefix) or
+        # answer with the message alone, without parsing str(exc) back apart.
+        self.field, self.message = field, message

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from controlplane.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
+from controlplane.engine.types import TokenLogprobs
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controlplane.engine.sampling_params import SamplingParams
+from controlplane.engine.types import RequestMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -19,42 +20,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Wall-clock timestamps (time.time()) and counts for one request."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def queue_time(self) -> float | None:
-        return (
-            None
-            if self.first_scheduled_time is None
-            else self.first_scheduled_time - self.arrival_time
-        )
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def mean_itl(self) -> float | None:
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
 @dataclass(eq=False, slots=True)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from controlplane.admin_api.stats import StepStatsLike
+from controlplane.engine.types import StepStats
 from controlplane.store.rollup import UtilizationSample  # the store owns the record shapes
 
 __all__ = ["UtilizationSample", "make_sample"]
 
 
 def make_sample(
-    prev: StepStatsLike,
-    cur: StepStatsLike,
+    prev: StepStats,
+    cur: StepStats,
     *,
     start: float,
     end: float,

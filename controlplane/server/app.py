@@ -32,9 +32,8 @@ from controlplane.server.errors import (
 from controlplane.store.records import RequestRecord
 
 if TYPE_CHECKING:
-    from controlplane.engine import RequestOutput, SamplingParams
-    from controlplane.engine.async_engine import RequestStream
-    from controlplane.server.daemon import Daemon
+    from controlplane.engine import RequestOutput, RequestStream, SamplingParams
+    from controlplane.server.runtime import Runtime
 
 
 log = logging.getLogger("controlplane.api")
@@ -93,7 +92,7 @@ class Flight:
     any other last output.
     """
 
-    daemon: Daemon
+    runtime: Runtime
     stream: RequestStream
     rec: RequestRecord
     on_end: Callable[[Flight], None]  # called once, right after the final record
@@ -120,15 +119,15 @@ class Flight:
             self.outputs.put_nowait((self.index, failure))
         finally:
             self.done = True
-            self.daemon.finish(self.rec, self.last, self.token_times, error=error)
+            self.runtime.finish(self.rec, self.last, self.token_times, error=error)
             self.on_end(self)
             self.outputs.put_nowait((self.index, _END))
 
     def abort(self) -> None:
         """Stop the engine request (idempotent; nothing to do once it has ended)."""
-        if not self.done and not self._abort_sent and self.daemon.aengine is not None:
+        if not self.done and not self._abort_sent:
             self._abort_sent = True
-            self.daemon.aengine.abort(self.rec.id)
+            self.runtime.abort(self.rec.id)
 
 
 @dataclass(eq=False)
@@ -189,8 +188,8 @@ class Batch:
 
 
 class InferenceAPI:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps weak ones
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
@@ -201,7 +200,7 @@ class InferenceAPI:
     ) -> tuple[str | None, str | None]:
         """Admission for `incoming` engine requests (one per prompt): the API key, the server
         state, the model and the waiting queue. Returns the key's name and hash."""
-        d = self.daemon
+        d = self.runtime
         key_name = key_hash = None
         if d.cfg.api_keys:
             found = d.authenticate(request.headers.get("authorization"))
@@ -213,9 +212,9 @@ class InferenceAPI:
                     code="invalid_api_key",
                 )
             key_name, key_hash = found[0].name, found[1]
-        if d.state != "ready" or d.aengine is None:
+        if d.state != "ready" or not d.engine_loaded:
             raise unavailable(f"server is {d.state}; retry later")
-        if not d.aengine.is_running:
+        if not d.engine_running:
             raise unavailable("engine is not running", retry_after=30)
         if model != d.model_name:
             raise APIError(
@@ -264,11 +263,10 @@ class InferenceAPI:
     def _validate(self, prompt_ids: list[int], params: SamplingParams, where: str | None) -> None:
         """The engine's checks of one prompt (400 naming the field); `where`: which prompt of
         several ("prompt[2]"), said in the error."""
-        assert self.daemon.aengine is not None
         try:
-            self.daemon.aengine.engine.validate_request(prompt_ids, params)
+            self.runtime.validate(prompt_ids, params)
         except InvalidSettingError as exc:
-            name, message = exc.field, str(exc).split(": ", 1)[1]
+            name, message = exc.field, exc.message
             if where is not None:
                 name, message = (
                     (where, message) if name == "prompt" else (name, f"{message} ({where})")
@@ -285,16 +283,16 @@ class InferenceAPI:
     ) -> Batch:
         """Validate every prompt, then queue one engine request (and write one running row)
         per prompt: a request with one bad prompt queues nothing."""
-        d = self.daemon
-        assert d.aengine is not None
-        eng = d.aengine.engine
+        d = self.runtime
+        max_model_len = d.max_model_len
+        assert max_model_len is not None  # admitted: the engine is loaded
         n = len(prompts_ids)
         params = []
         for i, ids in enumerate(prompts_ids):
             p = parsed.params
             if parsed.default_max_tokens:
                 # OpenAI chat: no max_tokens means "as much as fits".
-                p = dataclasses.replace(p, max_tokens=max(1, eng.max_model_len - len(ids)))
+                p = dataclasses.replace(p, max_tokens=max(1, max_model_len - len(ids)))
             self._validate(ids, p, f"prompt[{i}]" if n > 1 else None)
             params.append(p)
         rid = protocol.request_id(request.scope)
@@ -306,7 +304,8 @@ class InferenceAPI:
         try:
             for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
                 row_id = response_id if n == 1 else f"{response_id}-{i}"
-                stream = d.aengine.add_request(ids, p, row_id)
+                # Validated above (once, here at the front): the engine does not check again.
+                stream = d.add_validated(ids, p, row_id)
                 rec = RequestRecord(
                     id=row_id,
                     instance_id=d.instance_id,
@@ -335,7 +334,7 @@ class InferenceAPI:
         line: clients send them by design, it is no error)."""
         if not fields:
             return
-        for label in self.daemon.metrics.ignored_request_fields(fields):
+        for label in self.runtime.metrics.ignored_request_fields(fields):
             log.debug(
                 "ignoring request field %r: this server does not use it (counted in "
                 "controlplane:ignored_request_fields_total)",
@@ -397,8 +396,7 @@ class InferenceAPI:
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
 
     def _token_str(self, token_id: int) -> str:
-        assert self.daemon.aengine is not None
-        return self.daemon.aengine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.runtime.token_text(token_id)
 
     # -- /v1/completions -----------------------------------------------------------------------
     def _check_request_id(self, request: Request) -> None:
@@ -409,7 +407,7 @@ class InferenceAPI:
     def _max_prompts(self) -> int:
         """Most prompts one request may carry: as many as could ever be admitted together (a
         full batch plus a full waiting queue)."""
-        cfg = self.daemon.cfg
+        cfg = self.runtime.cfg
         return cfg.engine.max_num_seqs + cfg.server.max_queue_len
 
     async def completions(self, request: Request) -> Response:
@@ -424,10 +422,10 @@ class InferenceAPI:
                 "(engine.max_num_seqs + server.max_queue_len)",
             )
         self._admit(request, parsed.model, incoming=n)
-        tok = self.daemon.aengine.engine.tokenizer
+        rt = self.runtime
 
         def tokenize() -> list[list[int]]:
-            return [tok.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
+            return [rt.tokenize(p) if isinstance(p, str) else p for p in parsed.prompts]
 
         size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
         prompts_ids = await self._off_loop(size, tokenize)
@@ -476,13 +474,12 @@ class InferenceAPI:
         parsed = protocol.parse_chat(await self._body(request))
         self._note_ignored(parsed.ignored_fields)
         self._admit(request, parsed.model)
-        tok = self.daemon.aengine.engine.tokenizer
         # "escape": special-token text typed into a message is plain text, not control tokens.
-        escape = self.daemon.cfg.server.chat_special_tokens == "escape"
+        escape = self.runtime.cfg.server.chat_special_tokens == "escape"
         size = len(await request.body())  # read once, kept by Litestar
         try:
             prompt_ids = await self._off_loop(
-                size, tok.encode_chat, parsed.messages, True, escape=escape
+                size, self.runtime.tokenize_chat, parsed.messages, True, escape
             )
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
@@ -537,7 +534,7 @@ class InferenceAPI:
         return await self._respond(parsed, batch, obj, final, chunk, first_chunk=first)
 
     def models(self) -> dict[str, Any]:
-        d = self.daemon
+        d = self.runtime
         data = []
         if d.model_name:
             data.append(
@@ -546,15 +543,16 @@ class InferenceAPI:
                     "object": "model",
                     "created": int(d.started_at),
                     "owned_by": "controlplane",
-                    "max_model_len": d.aengine.engine.max_model_len if d.aengine else None,
+                    "max_model_len": d.max_model_len,
                 }
             )
         return {"object": "list", "data": data}
 
 
-def create_app(daemon: Daemon) -> Litestar:
-    api = InferenceAPI(daemon)
-    max_body = daemon.cfg.server.max_body_bytes
+def create_app(runtime: Runtime) -> Litestar:
+    """The HTTP app over `runtime` (its only view of the daemon and the engine)."""
+    api = InferenceAPI(runtime)
+    max_body = runtime.cfg.server.max_body_bytes
 
     @post(
         "/v1/completions",
@@ -580,7 +578,7 @@ def create_app(daemon: Daemon) -> Litestar:
 
     @get("/health", summary="Readiness: 200 only while the engine is loaded and stepping")
     async def health() -> Response:
-        d = daemon
+        d = runtime
         body = {
             "status": d.state if d.state != "ready" or d.healthy else "dead",
             "model": d.model_name or None,
@@ -592,13 +590,13 @@ def create_app(daemon: Daemon) -> Litestar:
     # helps (the step loop died); readiness fails whenever requests would get 503.
     @get("/health/live", summary="Liveness: 200 while the step loop runs (or the model loads)")
     async def health_live() -> Response:
-        alive = daemon.alive
-        body = {"status": "alive" if alive else "dead", "state": daemon.state}
+        alive = runtime.alive
+        body = {"status": "alive" if alive else "dead", "state": runtime.state}
         return Response(body, status_code=200 if alive else 503)
 
     @get("/health/ready", summary="Readiness: 200 only when loaded and admitting requests")
     async def health_ready() -> Response:
-        d = daemon
+        d = runtime
         body = {"status": d.state if d.state != "ready" or d.healthy else "dead"}
         return Response(body, status_code=200 if d.healthy else 503)
 
@@ -619,8 +617,8 @@ def create_app(daemon: Daemon) -> Litestar:
             health,
             health_live,
             health_ready,
-            admin_router(daemon, finished=api.recently_finished.get),
-            metrics_handler(daemon),
+            admin_router(runtime, finished=api.recently_finished.get),
+            metrics_handler(runtime),
         ],
         exception_handlers={
             APIError: handle_api_error,

@@ -1,5 +1,9 @@
 """`controlplane serve`: the engine, the HTTP API and the request recorder in one process.
 
+This module wires and runs (start, load, drain, stop, config fan-out); what the HTTP app, the
+admin API and the jobs use at run time is the Runtime (controlplane.server.runtime) it hands
+them. Only the CLI imports this module (tests/test_architecture.py).
+
 Threads: the engine steps in its own thread (AsyncEngine); the recorder writes SQL in its own
 thread; the asyncio loop serves HTTP and never waits on either.
 """
@@ -9,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import signal
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,27 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from controlplane.admin_api.auth import AdminAuth, match_bearer, resolve_tokens
+from controlplane.admin_api.auth import AdminAuth, resolve_tokens
 from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import percentile, summarize
-from controlplane.config import ApiKey, Config, default_model, read_toml
+from controlplane.config import Config, default_model, read_toml
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.server.live_config import (
-    ConfigAuditError,
-    ConfigChangeError,
-    FieldChange,
-    LiveConfig,
-)
-from controlplane.store.records import RequestRecord, hash_api_key
+from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig
+from controlplane.server.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
 
 if TYPE_CHECKING:
-    from controlplane.engine import AsyncEngine, RequestOutput
+    from controlplane.engine import AsyncEngine
+    from controlplane.jobs.scheduler import Jobs
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")
-access_log = logging.getLogger("controlplane.access")
-
-LOADING, READY, DRAINING, STOPPED, DEAD = "loading", "ready", "draining", "stopped", "dead"
 
 
 class _Server(uvicorn.Server):
@@ -52,10 +46,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def instance_id(cfg: Config) -> str:
@@ -70,26 +60,12 @@ def instance_id(cfg: Config) -> str:
     return value
 
 
-def log_access(rec: RequestRecord) -> None:
-    """The access log line of a finished request (server.access_log): its fields are `extra`s,
-    so JSON logs carry them as keys."""
-    latency_ms = None if rec.e2e_latency_s is None else round(rec.e2e_latency_s * 1000, 1)
-    fields = {
-        "request_id": rec.id,
-        "api_key_name": rec.api_key_name,
-        "endpoint": rec.endpoint,
-        "model": rec.model,
-        "status": rec.status,
-        "finish_reason": rec.finish_reason,
-        "prompt_tokens": rec.prompt_tokens,
-        "completion_tokens": rec.completion_tokens,
-        "latency_ms": latency_ms,
-    }
-    text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
-    access_log.info("%s", text, extra=fields)
-
-
 class Daemon:
+    """Wires and runs the process: store, model, HTTP server, jobs, signals and config reloads.
+
+    What the app, the admin API and the jobs use lives in `self.runtime` (Runtime); they get
+    that, never the daemon, so nothing below imports this module."""
+
     def __init__(
         self,
         cfg: Config,
@@ -99,254 +75,44 @@ class Daemon:
         env: Mapping[str, str] | None = None,
     ) -> None:
         env = dict(os.environ if env is None else env)
-        self.live = LiveConfig(cfg, file_raw or {}, env)
+        live = LiveConfig(cfg, file_raw or {}, env)
+        tokens, token_file = resolve_tokens(cfg, env)
+        self.runtime = Runtime(live, instance_id(cfg), AdminAuth(tokens), cfg.server.model_name)
         self.config_path = Path(config_path) if config_path else None
         self.install_signals = install_signals
-        self.state = LOADING
-        self.started_at = time.time()
-        self.aengine: AsyncEngine | None = None
-        self.recorder: Recorder | None = None
-        self.model_name = cfg.server.model_name
-        self.instance_id = instance_id(cfg)
+        self.admin_token_file = token_file
         self.url = ""
         self.ready = asyncio.Event()
         self._shutdown = asyncio.Event()
-        self.shutdown_aborted: set[str] = set()
-        self.admin_aborted: dict[str, str] = {}  # request id -> admin token name
-        self._keys = [(k, hash_api_key(k.key)) for k in cfg.api_keys]
-        tokens, token_file = resolve_tokens(cfg, env)
-        self.admin_auth = AdminAuth(tokens)
-        self.admin_token_file = token_file
-        self.metrics = Metrics(cfg.server.model_name or "loading")
-        self.db = None  # sqlalchemy Engine, once the store is open
-        self.jobs = None  # controlplane.server.jobs.Jobs, once the engine is ready
-        self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
-        self._event_queues: set[asyncio.Queue] = set()
-        self._metrics_step = -1
-        # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
-        # percentiles over the last minute for /admin/stats.
-        self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
-        # One config change at a time: each is planned, audited, then applied (see
-        # change_config), and a second one planned meanwhile would revert the first.
-        self._config_lock = asyncio.Lock()
+        self.jobs: Jobs | None = None  # once the engine is ready
         self._tasks: set[asyncio.Task] = set()  # reloads started by SIGHUP (kept referenced)
-        self.live.subscribe(self._on_config_change)
+        live.subscribe(self._on_config_change)
 
+    # Read-only views of the runtime, for the CLI and tests.
     @property
     def cfg(self) -> Config:
         """The effective configuration (live changes included)."""
-        return self.live.effective
-
-    # -- requests: checks used by the API ------------------------------------------------------
-    @property
-    def healthy(self) -> bool:
-        """Readiness: loaded and admitting requests (GET /health, /health/ready)."""
-        return self.state == READY and self.aengine is not None and self.aengine.is_running
+        return self.runtime.cfg
 
     @property
-    def alive(self) -> bool:
-        """Liveness (GET /health/live): the step loop has not died. A model still loading has
-        no step loop yet and is alive; restarting it would only start the load over."""
-        if self.state == LOADING:
-            return True
-        return self.aengine is not None and self.aengine.is_running
+    def live(self) -> LiveConfig:
+        return self.runtime.live
 
-    def authenticate(self, authorization: str | None) -> tuple[ApiKey, str] | None:
-        """The matching key and its hash (see match_bearer: constant time, every key compared)."""
-        i = match_bearer(authorization, [key.key.encode() for key, _ in self._keys])
-        return None if i is None else self._keys[i]
+    @property
+    def aengine(self) -> AsyncEngine | None:
+        return self.runtime.aengine
 
-    def record(self, rec: RequestRecord) -> None:
-        if rec.status == "running":
-            self.request_meta[rec.id] = rec
-        else:
-            self.request_meta.pop(rec.id, None)
-        if self.recorder is not None:
-            self.recorder.submit(rec)
+    @property
+    def recorder(self) -> Recorder | None:
+        return self.runtime.recorder
 
-    def finish(
-        self,
-        rec: RequestRecord,
-        out: RequestOutput | None,
-        token_times: list[float],
-        error: str | None = None,
-    ) -> None:
-        """Record a request's end and count it in the metrics."""
-        final = self.final_record(rec, out, error)
-        self.record(final)
-        if self.cfg.server.access_log:
-            log_access(final)
-        if out is not None:
-            reason = out.finish_reason if out.finished and out.finish_reason else "abort"
-            self.metrics.observe_request(reason, out.metrics, token_times)
-            gaps = [b - a for a, b in itertools.pairwise(token_times)]
-            self._latencies.append((time.time(), out.metrics.ttft, gaps))
+    @property
+    def instance_id(self) -> str:
+        return self.runtime.instance_id
 
-    def final_record(
-        self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
-    ) -> RequestRecord:
-        """Fill a started record from the request's last output (None: it never produced one)."""
-        now = datetime.now(UTC)
-        rec = dataclasses.replace(
-            rec, finish_time=now, e2e_latency_s=(now - rec.arrival_time).total_seconds()
-        )
-        if out is not None:
-            m = out.metrics
-
-            def ts(value: float | None) -> datetime | None:
-                return None if value is None else datetime.fromtimestamp(value, UTC)
-
-            rec.first_token_time = ts(m.first_token_time)
-            rec.finish_time = ts(m.finish_time) or now
-            rec.queue_time_s, rec.ttft_s, rec.mean_itl_s = m.queue_time, m.ttft, m.mean_itl
-            rec.e2e_latency_s = m.e2e_latency if m.finish_time is not None else rec.e2e_latency_s
-            rec.prompt_tokens = m.num_prompt_tokens
-            rec.cached_prompt_tokens = m.num_cached_tokens
-            rec.completion_tokens = m.num_output_tokens
-            rec.preemptions = m.num_preemptions
-        if error is None and out is not None and out.finish_reason == "error":
-            error = out.error or "request failed in the engine"  # the engine kept serving
-        if error is not None:
-            rec.status, rec.finish_reason, rec.error = "error", "error", error
-        elif out is not None and out.finished and out.finish_reason in ("stop", "length"):
-            rec.status, rec.finish_reason = "success", out.finish_reason
-        else:
-            rec.status = "aborted"
-            rec.finish_reason = "shutdown" if rec.id in self.shutdown_aborted else "abort"
-            actor = self.admin_aborted.pop(rec.id, None)
-            if actor is not None:
-                rec.error = f"aborted by admin ({actor})"
-        return rec
-
-    # -- admin: control -------------------------------------------------------------------------
-    def abort_request(self, request_id: str, actor: str) -> bool:
-        """Abort a request in flight; False if it is not (unknown, or already finished)."""
-        if (
-            request_id not in self.request_meta
-            or self.aengine is None
-            or request_id not in self.aengine.unfinished_ids()  # ended, record not yet written
-        ):
-            return False
-        self.admin_aborted[request_id] = actor
-        self.aengine.abort(request_id)
-        log.info("request %s aborted by admin (%s)", request_id, actor)
-        return True
-
-    def drain(self, actor: str) -> None:
-        if self.state == READY:
-            self.state = DRAINING
-            log.info(
-                "draining: admitting no new requests (admin %s)", actor, extra={"event": "draining"}
-            )
-            self._broadcast({"type": "state", "state": self.state, "actor": actor})
-
-    def resume(self, actor: str) -> None:
-        if self.state == DRAINING and not self._shutdown.is_set():
-            self.state = READY
-            log.info("resumed: admitting requests (admin %s)", actor, extra={"event": "ready"})
-            self._broadcast({"type": "state", "state": self.state, "actor": actor})
-
-    # -- admin: visibility ----------------------------------------------------------------------
-    def queue_length(self, incoming: int = 0) -> int:
-        """Requests accepted but not running, `incoming` more included: those waiting at the
-        engine's last step, plus those accepted since then (the step's statistics do not show
-        them yet) that the free max_num_seqs slots cannot take."""
-        if self.aengine is None:
-            return 0
-        s = self.aengine.stats()
-        waiting = s.num_waiting + s.num_swapped
-        new = max(0, self.aengine.num_unfinished - s.num_running - waiting) + incoming
-        if waiting:  # something besides free slots holds requests back (KV blocks, budget)
-            return waiting + new
-        return max(0, new - max(0, self.cfg.engine.max_num_seqs - s.num_running))
-
-    def stats_payload(self) -> dict[str, Any]:
-        s = self.cfg.engine
-        now = time.time()
-        steps = self.aengine.recent_steps() if self.aengine else []
-        body = summarize(
-            steps,
-            now=now,
-            window_s=10.0,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-        )
-        recent = [item for item in self._latencies if item[0] > now - 60.0]
-        ttfts = [t for _, t, _ in recent if t is not None]
-        gaps = [g for _, _, gs in recent for g in gs]
-
-        def ms(values: list[float], q: float) -> float | None:
-            return None if not values else round(1000 * percentile(values, q), 3)
-
-        body.update(
-            ttft_p50_ms=ms(ttfts, 50),
-            ttft_p99_ms=ms(ttfts, 99),
-            itl_p50_ms=ms(gaps, 50),
-            itl_p99_ms=ms(gaps, 99),
-            latency_window_s=60.0,
-            requests_finished_in_window=len(recent),
-        )
-        body.update(
-            state=self.state if self.state != READY or self.healthy else DEAD,
-            model=self.model_name or None,
-            uptime_s=round(now - self.started_at, 3),
-            time=now,
-            requests_in_flight=self.aengine.num_unfinished if self.aengine else 0,
-            queue_length=self.queue_length(),
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_queue_len=self.cfg.server.max_queue_len,
-            memory=dataclasses.asdict(self.aengine.engine.memory) if self.aengine else None,
-        )
-        return body
-
-    async def live_requests(self) -> list[dict[str, Any]]:
-        if self.aengine is None:
-            return []
-
-        def snapshot(engine: Any) -> list[dict[str, Any]]:
-            return [
-                {
-                    "id": rid,
-                    "state": seq.status.value,
-                    "prompt_tokens": len(seq.prompt_token_ids),
-                    "output_tokens": len(seq.output_token_ids),
-                    "preemptions": seq.metrics.num_preemptions,
-                    "arrival_time": seq.metrics.arrival_time,
-                }
-                for rid, seq in engine.requests.items()
-            ]
-
-        now = time.time()
-        rows = await self.aengine.call(snapshot)
-        for row in rows:
-            meta = self.request_meta.get(row["id"])
-            row["api_key_name"] = meta.api_key_name if meta else None
-            row["endpoint"] = meta.endpoint if meta else None
-            row["age_s"] = round(now - row.pop("arrival_time"), 3)
-        return rows
-
-    def subscribe_events(self) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
-        self._event_queues.add(queue)
-        return queue
-
-    def unsubscribe_events(self, queue: asyncio.Queue) -> None:
-        self._event_queues.discard(queue)
-
-    def _broadcast(self, event: dict[str, Any]) -> None:
-        for queue in self._event_queues:
-            if queue.full():  # a slow client loses its oldest event, never slows anyone
-                queue.get_nowait()
-            queue.put_nowait(event)
-
-    def pump_metrics(self) -> None:
-        if self.aengine is None:
-            return
-        steps = self.aengine.recent_steps(self._metrics_step)
-        if steps:
-            self._metrics_step = steps[-1].step
-            self.metrics.observe_steps(steps)
+    @property
+    def state(self) -> str:
+        return self.runtime.state
 
     # -- config changes -------------------------------------------------------------------------
     def _on_config_change(
@@ -355,10 +121,10 @@ class Daemon:
         engine_changes = {
             c.field.split(".", 1)[1]: c.new for c in changes if c.field.startswith("engine.")
         }
-        if engine_changes and self.aengine is not None:
-            self.aengine.update_settings(**engine_changes)
+        if engine_changes:
+            self.runtime.update_settings(**engine_changes)
         if self.jobs is not None:
-            from controlplane.server.jobs import ROLLUP_JOB, SAMPLE_JOB
+            from controlplane.jobs.scheduler import ROLLUP_JOB, SAMPLE_JOB
 
             intervals = {
                 "jobs.utilization_interval_s": SAMPLE_JOB,
@@ -369,9 +135,9 @@ class Daemon:
                     self.jobs.reschedule(intervals[c.field], c.new)
         if self.recorder is not None and any(c.field == "prices" for c in changes):
             self.recorder.reload_prices()  # the new rows are in the table already (audit)
-        self.metrics.config_changed(source, len(changes))
-        self.metrics.set_config(self.live.live_values())
-        self._broadcast(
+        self.runtime.metrics.config_changed(source, len(changes))
+        self.runtime.metrics.set_config(self.live.live_values())
+        self.runtime.broadcast(
             {
                 "type": "config",
                 "time": datetime.now(UTC).isoformat(),
@@ -384,44 +150,7 @@ class Daemon:
     async def change_config(
         self, changes: Mapping[str, Any], source: str, actor: str | None = None
     ) -> list[FieldChange]:
-        """The one way a running daemon changes its config: validate, write the audit rows
-        (and new price rows) in a worker thread, then apply. If the audit write fails, the
-        change is not applied and ConfigAuditError says why."""
-        async with self._config_lock:
-            plan = self.live.plan(changes, source)
-            if plan.changes:
-                try:
-                    await asyncio.to_thread(
-                        self._write_audit, plan.new, list(plan.changes), source, actor
-                    )
-                except ConfigAuditError as exc:
-                    if source != "file":  # a reload logs its own rejection
-                        log.error("config change from %s (%s) rejected: %s", source, actor, exc)
-                    raise
-            return self.live.commit(plan, source, actor)
-
-    def _write_audit(
-        self, new: Config, changes: list[FieldChange], source: str, actor: str | None
-    ) -> None:
-        """Audit rows and price rows in one transaction: both are written or neither."""
-        from controlplane.store import sync_prices
-        from controlplane.store.audit import ConfigChange, write_changes
-
-        when = datetime.now(UTC)
-        entries = [ConfigChange(when, source, actor, c.field, c.old, c.new) for c in changes]
-        try:
-            if self.db is None:
-                raise RuntimeError("the store is not open")
-            with self.db.begin() as conn:
-                if any(c.field == "prices" for c in changes):
-                    sync_prices(conn, new.prices)
-                write_changes(conn, self.instance_id, entries)
-        except Exception as exc:
-            fields = ", ".join(c.field for c in changes)
-            raise ConfigAuditError(
-                f"could not write the audit log ({type(exc).__name__}: {_first_line(exc)}); "
-                f"nothing changed ({fields})"
-            ) from exc
+        return await self.runtime.change_config(changes, source, actor)
 
     async def reload_config(self, reason: str) -> None:
         if self.config_path is None:
@@ -441,7 +170,7 @@ class Daemon:
             log.warning(
                 "config file changes that need a restart (not applied): %s", ", ".join(restart)
             )
-            self._broadcast({"type": "restart_required", "fields": restart})
+            self.runtime.broadcast({"type": "restart_required", "fields": restart})
         if not changes and not restart:
             log.info("config reload (%s): nothing changed", reason)
 
@@ -483,7 +212,7 @@ class Daemon:
         # Counters must see every step even if nobody scrapes for a while: the step ring is
         # finite, so drain it into the metrics twice a second.
         while True:
-            self.pump_metrics()
+            self.runtime.pump_metrics()
             await asyncio.sleep(0.5)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -503,10 +232,10 @@ class Daemon:
         journal_dir = self.cfg.data_path / "journal" / self.instance_id
         replay_journal(db, journal_dir)
         mark_interrupted(db, self.instance_id)  # it logs the count (once)
-        self.db = db
+        self.runtime.db = db
         where = db.url.render_as_string(hide_password=True)
         if self.cfg.store.record_requests:
-            self.recorder = Recorder(
+            self.runtime.recorder = Recorder(
                 db, self.cfg.store, journal_dir=journal_dir if self.cfg.store.journal else None
             )
             log.info("recording requests to %s", where)
@@ -522,7 +251,7 @@ class Daemon:
         settings = self.cfg.engine
         if not settings.model:  # SmolLM2 if installed, else the generated demo model
             settings = dataclasses.replace(settings, model=default_model(self.cfg))
-        self.model_name = self.model_name or served_model_name(settings.model)
+        self.runtime.model_name = self.runtime.model_name or served_model_name(settings.model)
         return AsyncEngine(Engine(settings))
 
     async def serve(self) -> int:
@@ -540,7 +269,7 @@ class Daemon:
             background.append(asyncio.create_task(self._watch_config()))
         from controlplane.server.app import create_app
 
-        self.app = create_app(self)
+        self.app = create_app(self.runtime)
         server = _Server(
             uvicorn.Config(
                 self.app,
@@ -562,23 +291,22 @@ class Daemon:
         self.url = f"http://{host}:{port}"
         print(f"controlplane: listening on {self.url} (loading the model)", flush=True)
         try:
-            self.aengine = await asyncio.to_thread(self._load_engine)
+            self.runtime.aengine = await asyncio.to_thread(self._load_engine)
         except Exception as exc:
             log.error("model failed to load: %s", exc)
-            self.state = DEAD
+            self.runtime.state = DEAD
             await self._stop(server, server_task)
             return 1
         self.aengine.start()
-        eng = self.aengine.engine
-        self.metrics = Metrics(self.model_name)  # now that the model's name is known
-        self.metrics.set_config(self.live.live_values())
+        # Now that the model's name is known.
+        self.runtime.metrics = Metrics(self.runtime.model_name)
+        self.runtime.metrics.set_config(self.live.live_values())
         if self.recorder is not None:
             rec = self.recorder
-            self.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
-        kv = eng.block_pool.num_blocks
-        from controlplane.server.jobs import Jobs
+            self.runtime.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
+        from controlplane.jobs.scheduler import Jobs
 
-        self.jobs = Jobs(self)
+        self.jobs = Jobs(self.runtime)
         self.jobs.start()
         from controlplane.server.memory import configured_idle_s, trim_when_idle
 
@@ -587,14 +315,9 @@ class Daemon:
         background.append(
             asyncio.create_task(trim_when_idle(lambda: aeng.stats().step, configured_idle_s()))
         )
-        self.state = READY
+        self.runtime.state = READY
         self.ready.set()
-        print(
-            f"controlplane: ready on {self.url}: model {self.model_name} ({eng.model_config.architecture}, "
-            f"{eng.dtype}, {eng.device}), KV cache {kv} blocks x {eng.settings.block_size} tokens "
-            f"= {kv * eng.settings.block_size} tokens",
-            flush=True,
-        )
+        print(f"controlplane: ready on {self.url}: {self.runtime.describe_model()}", flush=True)
         log.info("ready", extra={"event": "ready"})
         await self._shutdown.wait()
         await self._drain()
@@ -606,10 +329,11 @@ class Daemon:
     def request_shutdown(self, reason: str = "request") -> None:
         if not self._shutdown.is_set():
             log.info("shutdown requested (%s)", reason)
+            self.runtime.shutting_down = True  # an admin resume cannot undo this drain
             self._shutdown.set()
 
     async def _drain(self) -> None:
-        self.state = DRAINING
+        self.runtime.state = DRAINING
         aeng = self.aengine
         timeout = self.cfg.server.drain_timeout_s
         n = aeng.num_unfinished if aeng else 0
@@ -622,7 +346,7 @@ class Daemon:
         if aeng is not None and aeng.num_unfinished:
             left = aeng.unfinished_ids()
             log.warning("drain timeout: aborting %d requests", len(left))
-            self.shutdown_aborted.update(left)
+            self.runtime.shutdown_aborted.update(left)
             for rid in left:
                 aeng.abort(rid)
             # Their handlers record them; give the streams a moment to deliver the abort.
@@ -633,7 +357,7 @@ class Daemon:
 
     async def _stop(self, server: _Server, server_task: asyncio.Task) -> None:
         # Event streams end on this event instead of being cut off by the server's shutdown.
-        self._broadcast({"type": "state", "state": "stopping"})
+        self.runtime.broadcast({"type": "state", "state": "stopping"})
         await asyncio.sleep(0.05)  # let handlers that just finished submit their records
         server.should_exit = True
         with contextlib.suppress(Exception):
@@ -649,6 +373,6 @@ class Daemon:
         if self.jobs is not None:
             # After the recorder's last flush, so the last requests are in the rollup.
             await self.jobs.close()
-        self.state = STOPPED
+        self.runtime.state = STOPPED
         log.info("stopped", extra={"event": "stopped"})
         print("controlplane: stopped", flush=True)

@@ -184,7 +184,7 @@ class LiveConfig:
         try:
             new = build_config(raw, env={})
         except InvalidSettingError as exc:
-            raise ConfigChangeError(exc.field, str(exc).split(": ", 1)[1]) from None
+            raise ConfigChangeError(exc.field, exc.message) from None
         return dataclasses.replace(
             new, api_keys=self.effective.api_keys, admin_tokens=self.effective.admin_tokens
         )
@@ -247,7 +247,7 @@ class LiveConfig:
         try:
             build_config(raw, env=self._env)
         except InvalidSettingError as exc:
-            raise ConfigChangeError(exc.field, str(exc).split(": ", 1)[1]) from None
+            raise ConfigChangeError(exc.field, exc.message) from None
         touched = {k: new.get(k) for k in set(old) | set(new) if old.get(k) != new.get(k)}
         defaults = flatten(Config())
         restart = sorted(k for k in touched if k not in LIVE_FIELDS)

@@ -307,7 +307,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
             skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
         )
     except InvalidSettingError as exc:
-        raise invalid(exc.field, str(exc).split(": ", 1)[1]) from None
+        raise invalid(exc.field, exc.message) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine, and_, or_, select
 
+from controlplane.engine.errors import InvalidSettingError
 from controlplane.store.models import STATUSES, RequestRow
 from controlplane.store.records import MAX_X_REQUEST_ID_CHARS
 
@@ -64,7 +65,7 @@ def encode_cursor(arrival_time: datetime, request_id: str) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """(arrival_time, id) from a cursor; ValueError("cursor: malformed") if it is not one."""
+    """(arrival_time, id) from a cursor; InvalidSettingError("cursor", "malformed") if it is not one."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         at, request_id = json.loads(raw)
@@ -75,7 +76,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
             raise ValueError
     except (TypeError, ValueError, OverflowError, binascii.Error, UnicodeError):
         # json.JSONDecodeError is a ValueError; unpacking a non-pair raises one too.
-        raise ValueError("cursor: malformed") from None
+        raise InvalidSettingError("cursor", "malformed") from None
     return arrival.astimezone(UTC), request_id
 
 
@@ -83,7 +84,7 @@ def _aware(name: str, value: datetime | None) -> datetime | None:
     if value is None:
         return None
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{name}: must be a timezone-aware datetime, got {value!r}")
+        raise InvalidSettingError(name, f"must be a timezone-aware datetime, got {value!r}")
     return value.astimezone(UTC)
 
 
@@ -120,17 +121,19 @@ def list_requests(
     it came from; pass the same filters with it.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ValueError(f"limit: must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
+        raise InvalidSettingError(
+            "limit", f"must be an integer from 1 to {MAX_LIMIT}, got {limit!r}"
+        )
     if status is not None and status not in STATUSES:
-        raise ValueError(f"status: must be one of {', '.join(STATUSES)}, got {status!r}")
+        raise InvalidSettingError("status", f"must be one of {', '.join(STATUSES)}, got {status!r}")
     if x_request_id is not None and not _X_REQUEST_ID.fullmatch(x_request_id):
-        raise ValueError(
-            f"x_request_id: must be 1 to {MAX_X_REQUEST_ID_CHARS} printable ASCII characters "
-            "(an X-Request-Id)"
+        raise InvalidSettingError(
+            "x_request_id",
+            f"must be 1 to {MAX_X_REQUEST_ID_CHARS} printable ASCII characters (an X-Request-Id)",
         )
     since, until = _aware("since", since), _aware("until", until)
     if since is not None and until is not None and not since < until:
-        raise ValueError("since: must be before until")
+        raise InvalidSettingError("since", "must be before until")
     after = decode_cursor(cursor) if cursor is not None else None
 
     c = REQUESTS.c

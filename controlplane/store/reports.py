@@ -35,22 +35,23 @@ the samples' interval_s) over the samples that carry the reading; GPU means are 
 `max_gpu_temperature_c` the hottest reading.
 
 Totals are computed from the same underlying sums as the rows (never by averaging rows).
-Parameters are validated here; a bad one raises ValueError whose message starts with the
-parameter's name ("group_by: ..."), for the CLI and the API (422).
+Parameters are validated here; a bad one raises InvalidSettingError (a ValueError) with the
+parameter's name in `field` and the reason in `message`, for the CLI and the API (422).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, case, func, select
 
+from controlplane.common import parse_group_by
+from controlplane.engine.errors import InvalidSettingError
 from controlplane.store.models import (
     FINAL_STATUSES,
     CostRollupRow,
@@ -149,48 +150,16 @@ class Report:
 
 # -- parameters ---------------------------------------------------------------------------------
 
-_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*$", re.IGNORECASE)
-_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
-
-
-def parse_time(name: str, value: str, *, now: datetime | None = None) -> datetime:
-    """A report bound: "24h" / "7d" / "30m" / "2w" (that long before `now`), an ISO date
-    ("2026-03-01", midnight UTC) or an ISO date-time (UTC unless it has an offset)."""
-    now = datetime.now(UTC) if now is None else now.astimezone(UTC)
-    m = _RELATIVE.match(value)
-    if m:
-        return now - timedelta(**{_UNITS[m.group(2).lower()]: float(m.group(1))})
-    try:
-        at = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(
-            f"{name}: expected a duration like 24h / 7d / 30m / 2w, or an ISO date or time, "
-            f"got {value!r}"
-        ) from None
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
-
-
-def parse_group_by(value: str | Sequence[str], allowed: Sequence[str]) -> list[str]:
-    """Validated group columns in canonical (`allowed`) order; a string is comma-separated."""
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = [n.strip() for n in names if n.strip()]
-    for n in names:
-        if n not in allowed:
-            raise ValueError(f"group_by: unknown column {n!r}; use any of {', '.join(allowed)}")
-    if "day" in names and "hour" in names:
-        raise ValueError("group_by: day and hour exclude each other")
-    return [n for n in allowed if n in names]
-
 
 def window(since: datetime, until: datetime) -> tuple[datetime, datetime, str, str]:
     """(effective since, effective until, first hour bucket, last hour bucket)."""
     for name, value in (("since", since), ("until", until)):
         if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
-            raise ValueError(f"{name}: must be a timezone-aware datetime, got {value!r}")
+            raise InvalidSettingError(name, f"must be a timezone-aware datetime, got {value!r}")
     since, until = since.astimezone(UTC), until.astimezone(UTC)
     if not since < until:
-        raise ValueError(
-            f"since: must be before until ({since.isoformat()} >= {until.isoformat()})"
+        raise InvalidSettingError(
+            "since", f"must be before until ({since.isoformat()} >= {until.isoformat()})"
         )
     start = floor_hour(since)
     end = floor_hour(until)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from controlplane.engine.settings import QUANTIZATIONS
+from controlplane.engine.types import MemoryUse
 
 log = logging.getLogger(__name__)
 
@@ -336,31 +337,14 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryUse:
-    """What the model takes, for the start-up log and /admin/stats: what quantization bought."""
-
-    weights_bytes: int  # as loaded: packed / quantized layouts, tied tensors once
-    kv_cache_bytes: int  # the device KV cache (swap space excluded)
-    kv_cache_blocks: int
-    quantization: str
-    dtype: str  # of activations, KV cache and the float weights
-
-    @classmethod
-    def of(
-        cls, model: nn.Module, spec: Any, num_blocks: int, quantization: str, dtype: torch.dtype
-    ) -> MemoryUse:
-        return cls(
-            weight_bytes(model),
-            num_blocks * spec.bytes_per_block,
-            num_blocks,
-            quantization,
-            str(dtype).removeprefix("torch."),
-        )
-
-    def describe(self) -> str:
-        quant = "" if self.quantization == "none" else f", {self.quantization} linears"
-        return (
-            f"weights {self.weights_bytes / 2**20:.1f} MiB ({self.dtype}{quant}), "
-            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_blocks} blocks)"
-        )
+def memory_use(
+    model: nn.Module, spec: Any, num_blocks: int, quantization: str, dtype: torch.dtype
+) -> MemoryUse:
+    """The model's MemoryUse (a torch-free record, controlplane.engine.types) once loaded."""
+    return MemoryUse(
+        weight_bytes(model),
+        num_blocks * spec.bytes_per_block,
+        num_blocks,
+        quantization,
+        str(dtype).removeprefix("torch."),
+    )

@@ -23,7 +23,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 if TYPE_CHECKING:
-    from controlplane.server.daemon import Daemon
+    from controlplane.server.runtime import Runtime
 
 log = logging.getLogger("controlplane.jobs")
 
@@ -31,10 +31,10 @@ SAMPLE_JOB, ROLLUP_JOB = "utilization_sampler", "cost_rollup"
 
 
 class Jobs:
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         from controlplane.jobs import GpuTelemetry
 
-        self.daemon = daemon
+        self.runtime = runtime
         self.gpus = GpuTelemetry()
         self.scheduler = AsyncIOScheduler(timezone=UTC)
         # One worker: samples and rollups are written in order, never concurrently.
@@ -44,9 +44,9 @@ class Jobs:
         self.runs: dict[str, int] = {SAMPLE_JOB: 0, ROLLUP_JOB: 0}
 
     def start(self) -> None:
-        j = self.daemon.cfg.jobs
+        j = self.runtime.cfg.jobs
         common: dict[str, Any] = {"coalesce": True, "max_instances": 1, "misfire_grace_time": None}
-        self._last_snapshot = self.daemon.aengine.stats() if self.daemon.aengine else None
+        self._last_snapshot = self.runtime.stats()
         self._last_sample_end = time.time()
         self.scheduler.add_job(
             self.sample, IntervalTrigger(seconds=j.utilization_interval_s), id=SAMPLE_JOB, **common
@@ -82,7 +82,7 @@ class Jobs:
         self.gpus.close()
 
     def num_gpus(self) -> int:
-        configured = self.daemon.cfg.jobs.num_gpus
+        configured = self.runtime.cfg.jobs.num_gpus
         return configured or self.gpus.num_gpus or 1
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
@@ -92,15 +92,14 @@ class Jobs:
         from controlplane.jobs import make_sample
         from controlplane.store.rollup import write_sample
 
-        d = self.daemon
-        if d.aengine is None or d.db is None:
+        d = self.runtime
+        cur, end = d.stats(), time.time()
+        if cur is None or d.db is None:
             return
-        cur, end = d.aengine.stats(), time.time()
         prev, start = self._last_snapshot or cur, self._last_sample_end
         self._last_snapshot, self._last_sample_end = cur, end
         if end <= start:  # the clock stepped back: skip rather than divide by a bad interval
             return
-        eng = d.aengine.engine
         s = d.cfg.engine
         sample = make_sample(
             prev,
@@ -111,7 +110,7 @@ class Jobs:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             queue_length=d.queue_length(),
-            flops_per_token=eng.model_config.flops_per_token(),
+            flops_per_token=d.flops_per_token(),
         )
         try:
             gpus = await self._in_worker(self.gpus.read)
@@ -125,7 +124,7 @@ class Jobs:
         """One rollup and pruning run; False if it failed (logged) or there is no store."""
         from controlplane.store.rollup import prune, run_rollup
 
-        d = self.daemon
+        d = self.runtime
         if d.db is None:
             return False
         j = d.cfg.jobs

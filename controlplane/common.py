@@ -1,0 +1,83 @@
+"""Small parsers and statistics shared by the config, the store, the admin API, the report CLI
+and the load generator: one definition of each, so a "7d" or a p99 means the same everywhere.
+
+Torch-free and cheap to import (stdlib only, plus the engine's error type, itself torch-free):
+`controlplane.loadgen` and the CLI import it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from controlplane.engine.errors import InvalidSettingError
+
+__all__ = ["parse_group_by", "parse_time", "percentile"]
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0 <= q <= 100) by linear interpolation between closest ranks:
+    sorted values x[0..n-1], rank r = q/100 * (n-1), result x[floor r] + (r - floor r) *
+    (x[ceil r] - x[floor r]). Same as numpy's default (method="linear"). None for no values
+    (a window with no requests has no p99); a q outside [0, 100] is a ValueError."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile: q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    if not xs:
+        return None
+    rank = q / 100 * (len(xs) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (rank - lo) * (xs[hi] - xs[lo])
+
+
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*$", re.IGNORECASE)
+_UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_time(
+    name: str, value: Any, *, relative: bool = True, now: datetime | None = None
+) -> datetime:
+    """A point in time, always timezone-aware UTC; InvalidSettingError(name, ...) otherwise.
+
+    Accepts a datetime, a TOML date, an ISO date ("2026-03-01", midnight UTC) or date-time
+    (UTC unless it has an offset; "Z" allowed) and, when `relative` (report bounds, not config
+    values), a duration before `now`: "24h" / "7d" / "30m" / "2w"."""
+    if isinstance(value, datetime):
+        at = value
+    elif isinstance(value, str):
+        m = _RELATIVE.match(value) if relative else None
+        if m:
+            now = datetime.now(UTC) if now is None else now.astimezone(UTC)
+            return now - timedelta(**{_UNITS[m.group(2).lower()]: float(m.group(1))})
+        try:
+            at = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+        except ValueError:
+            expected = (
+                "expected a duration like 24h / 7d / 30m / 2w, or an ISO date or time"
+                if relative
+                else "must be an ISO 8601 date or time"
+            )
+            raise InvalidSettingError(name, f"{expected}, got {value!r}") from None
+    elif hasattr(value, "year"):  # a TOML date
+        at = datetime(value.year, value.month, value.day)
+    else:
+        raise InvalidSettingError(name, f"must be a date or time, got {value!r}")
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+def parse_group_by(value: str | Sequence[str], allowed: Sequence[str]) -> list[str]:
+    """Validated group columns in canonical (`allowed`) order; a string is comma-separated."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    names = [n.strip() for n in names if n.strip()]
+    for n in names:
+        if n not in allowed:
+            raise InvalidSettingError(
+                "group_by", f"unknown column {n!r}; use any of {', '.join(allowed)}"
+            )
+    if "day" in names and "hour" in names:
+        raise InvalidSettingError("group_by", "day and hour exclude each other")
+    return [n for n in allowed if n in names]

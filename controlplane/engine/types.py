@@ -1,0 +1,122 @@
+"""The engine's output and statistics records, torch-free.
+
+The engine produces these; the HTTP app, the admin API (stats, Prometheus metrics), the jobs
+and the tests read them. Importing this module (or `controlplane.engine`, whose __init__ is
+lazy) does not import torch, so the layers above the engine use the real types rather than
+protocols that copy their fields. tests/test_architecture.py checks that it stays so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MemoryUse", "RequestMetrics", "RequestOutput", "StepStats", "TokenLogprobs"]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) and counts for one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return (
+            None
+            if self.first_scheduled_time is None
+            else self.first_scheduled_time - self.arrival_time
+        )
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def mean_itl(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Immutable snapshot published after every step; readers never lock the engine."""
+
+    step: int
+    time: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_sampled_tokens: int  # new tokens produced (decodes plus prefills that completed)
+    step_duration: float  # seconds inside step(), forward included
+    num_preemptions: int  # cumulative
+    num_finished: int  # cumulative
+    # Cumulative since start: a sampler differences two snapshots, exactly, whatever happened
+    # in between (no need to see every step).
+    busy_s_total: float = 0.0  # time inside step()
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    running_total: int = 0  # sum over steps of num_running (mean batch fill = delta / steps)
+    batched_tokens_total: int = 0  # sum over steps of prefill + decode tokens
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far (the live list: do not mutate)
+    new_token_ids: list[int]  # produced by this step
+    text: str  # all output text released so far
+    delta_text: (
+        str  # released by this step (never a broken UTF-8 char, never part of a stop string)
+    )
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | error
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
+    time: float = 0.0  # when this output was produced (time.time()): per-token latencies
+    error: str | None = None  # why, when finish_reason is "error" (the engine kept serving)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """What the model takes, for the start-up log and /admin/stats: what quantization bought."""
+
+    weights_bytes: int  # as loaded: packed / quantized layouts, tied tensors once
+    kv_cache_bytes: int  # the device KV cache (swap space excluded)
+    kv_cache_blocks: int
+    quantization: str
+    dtype: str  # of activations, KV cache and the float weights
+
+    def describe(self) -> str:
+        quant = "" if self.quantization == "none" else f", {self.quantization} linears"
+        return (
+            f"weights {self.weights_bytes / 2**20:.1f} MiB ({self.dtype}{quant}), "
+            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_blocks} blocks)"
+        )

@@ -1,0 +1,435 @@
+"""The runtime: what the HTTP app, the admin API and the scheduled jobs receive.
+
+The daemon (controlplane.server.daemon) wires and runs the process: it opens the store, loads
+the model, starts and stops everything and fans config changes out. Every layer below it gets
+this one object instead, and it is their only handle on the engine: they ask it to tokenize,
+validate and queue a request, for statistics, the live request list, the KV block map, the
+model's size; nothing above the engine touches `Engine` or its tokenizer, block pool or model
+config directly (tests/test_architecture.py checks it).
+
+The runtime also holds the request-side state shared by those layers: the server state
+(loading/ready/draining), the in-flight records, the Prometheus metrics, the event streams
+and the one path a config change takes (`change_config`: validate, audit, apply).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from controlplane.admin_api.auth import AdminAuth, match_bearer
+from controlplane.admin_api.metrics import Metrics
+from controlplane.admin_api.stats import summarize
+from controlplane.common import percentile
+from controlplane.config import ApiKey, Config
+from controlplane.server.live_config import ConfigAuditError, FieldChange, LiveConfig
+from controlplane.store.records import RequestRecord, hash_api_key
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine as SQLEngine
+
+    from controlplane.engine import AsyncEngine, RequestOutput, RequestStream, SamplingParams
+    from controlplane.store.recorder import Recorder
+
+log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
+access_log = logging.getLogger("controlplane.access")
+
+LOADING, READY, DRAINING, STOPPED, DEAD = "loading", "ready", "draining", "stopped", "dead"
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def log_access(rec: RequestRecord) -> None:
+    """The access log line of a finished request (server.access_log): its fields are `extra`s,
+    so JSON logs carry them as keys."""
+    latency_ms = None if rec.e2e_latency_s is None else round(rec.e2e_latency_s * 1000, 1)
+    fields = {
+        "request_id": rec.id,
+        "x_request_id": rec.x_request_id,
+        "api_key_name": rec.api_key_name,
+        "user": rec.end_user,
+        "endpoint": rec.endpoint,
+        "model": rec.model,
+        "status": rec.status,
+        "finish_reason": rec.finish_reason,
+        "prompt_tokens": rec.prompt_tokens,
+        "completion_tokens": rec.completion_tokens,
+        "latency_ms": latency_ms,
+    }
+    text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+    access_log.info("%s", text, extra=fields)
+
+
+class Runtime:
+    """One per daemon. `aengine` is None until the model has loaded (state "loading")."""
+
+    def __init__(
+        self, live: LiveConfig, instance_id: str, admin_auth: AdminAuth, model_name: str = ""
+    ) -> None:
+        self.live = live
+        self.instance_id = instance_id
+        self.admin_auth = admin_auth
+        self.model_name = model_name
+        self.state = LOADING
+        self.started_at = time.time()
+        self.aengine: AsyncEngine | None = None  # set by the daemon once loaded
+        self.recorder: Recorder | None = None
+        self.db: SQLEngine | None = None  # the store, once open
+        self.shutting_down = False  # set by the daemon: a drain can no longer be resumed
+        self.shutdown_aborted: set[str] = set()
+        self.admin_aborted: dict[str, str] = {}  # request id -> admin token name
+        self._keys = [(k, hash_api_key(k.key)) for k in live.effective.api_keys]
+        self.metrics = Metrics(model_name or "loading")
+        self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
+        self._event_queues: set[asyncio.Queue] = set()
+        self._metrics_step = -1
+        # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
+        # percentiles over the last minute for /admin/stats.
+        self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
+        # One config change at a time: each is planned, audited, then applied (see
+        # change_config), and a second one planned meanwhile would revert the first.
+        self._config_lock = asyncio.Lock()
+        self._stats_json: tuple[float, str] = (-1.0, "")  # (monotonic time, serialized)
+
+    @property
+    def cfg(self) -> Config:
+        """The effective configuration (live changes included)."""
+        return self.live.effective
+
+    # -- requests: checks used by the API ------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """Readiness: loaded and admitting requests (GET /health, /health/ready)."""
+        return self.state == READY and self.aengine is not None and self.aengine.is_running
+
+    @property
+    def alive(self) -> bool:
+        """Liveness (GET /health/live): the step loop has not died. A model still loading has
+        no step loop yet and is alive; restarting it would only start the load over."""
+        if self.state == LOADING:
+            return True
+        return self.aengine is not None and self.aengine.is_running
+
+    def authenticate(self, authorization: str | None) -> tuple[ApiKey, str] | None:
+        """The matching key and its hash (see match_bearer: constant time, every key compared)."""
+        i = match_bearer(authorization, [key.key.encode() for key, _ in self._keys])
+        return None if i is None else self._keys[i]
+
+    def record(self, rec: RequestRecord) -> None:
+        if rec.status == "running":
+            self.request_meta[rec.id] = rec
+        else:
+            self.request_meta.pop(rec.id, None)
+        if self.recorder is not None:
+            self.recorder.submit(rec)
+
+    def finish(
+        self,
+        rec: RequestRecord,
+        out: RequestOutput | None,
+        token_times: list[float],
+        error: str | None = None,
+    ) -> None:
+        """Record a request's end and count it in the metrics."""
+        final = self.final_record(rec, out, error)
+        self.record(final)
+        if self.cfg.server.access_log:
+            log_access(final)
+        if out is not None:
+            reason = out.finish_reason if out.finished and out.finish_reason else "abort"
+            self.metrics.observe_request(reason, out.metrics, token_times)
+            gaps = [b - a for a, b in itertools.pairwise(token_times)]
+            self._latencies.append((time.time(), out.metrics.ttft, gaps))
+
+    def final_record(
+        self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
+    ) -> RequestRecord:
+        """Fill a started record from the request's last output (None: it never produced one)."""
+        now = datetime.now(UTC)
+        rec = dataclasses.replace(
+            rec, finish_time=now, e2e_latency_s=(now - rec.arrival_time).total_seconds()
+        )
+        if out is not None:
+            m = out.metrics
+
+            def ts(value: float | None) -> datetime | None:
+                return None if value is None else datetime.fromtimestamp(value, UTC)
+
+            rec.first_token_time = ts(m.first_token_time)
+            rec.finish_time = ts(m.finish_time) or now
+            rec.queue_time_s, rec.ttft_s, rec.mean_itl_s = m.queue_time, m.ttft, m.mean_itl
+            rec.e2e_latency_s = m.e2e_latency if m.finish_time is not None else rec.e2e_latency_s
+            rec.prompt_tokens = m.num_prompt_tokens
+            rec.cached_prompt_tokens = m.num_cached_tokens
+            rec.completion_tokens = m.num_output_tokens
+            rec.preemptions = m.num_preemptions
+        if error is None and out is not None and out.finish_reason == "error":
+            error = out.error or "request failed in the engine"  # the engine kept serving
+        if error is not None:
+            rec.status, rec.finish_reason, rec.error = "error", "error", error
+        elif out is not None and out.finished and out.finish_reason in ("stop", "length"):
+            rec.status, rec.finish_reason = "success", out.finish_reason
+        else:
+            rec.status = "aborted"
+            rec.finish_reason = "shutdown" if rec.id in self.shutdown_aborted else "abort"
+            actor = self.admin_aborted.pop(rec.id, None)
+            if actor is not None:
+                rec.error = f"aborted by admin ({actor})"
+        return rec
+
+    # -- admin: control -------------------------------------------------------------------------
+    def abort_request(self, request_id: str, actor: str) -> bool:
+        """Abort a request in flight; False if it is not (unknown, or already finished)."""
+        if (
+            request_id not in self.request_meta
+            or self.aengine is None
+            or request_id not in self.aengine.unfinished_ids()  # ended, record not yet written
+        ):
+            return False
+        self.admin_aborted[request_id] = actor
+        self.aengine.abort(request_id)
+        log.info("request %s aborted by admin (%s)", request_id, actor)
+        return True
+
+    def drain(self, actor: str) -> None:
+        if self.state == READY:
+            self.state = DRAINING
+            log.info(
+                "draining: admitting no new requests (admin %s)", actor, extra={"event": "draining"}
+            )
+            self.broadcast({"type": "state", "state": self.state, "actor": actor})
+
+    def resume(self, actor: str) -> None:
+        if self.state == DRAINING and not self.shutting_down:
+            self.state = READY
+            log.info("resumed: admitting requests (admin %s)", actor, extra={"event": "ready"})
+            self.broadcast({"type": "state", "state": self.state, "actor": actor})
+
+    # -- admin: visibility ----------------------------------------------------------------------
+    def queue_length(self, incoming: int = 0) -> int:
+        """Requests accepted but not running, `incoming` more included: those waiting at the
+        engine's last step, plus those accepted since then (the step's statistics do not show
+        them yet) that the free max_num_seqs slots cannot take."""
+        if self.aengine is None:
+            return 0
+        s = self.aengine.stats()
+        waiting = s.num_waiting + s.num_swapped
+        new = max(0, self.aengine.num_unfinished - s.num_running - waiting) + incoming
+        if waiting:  # something besides free slots holds requests back (KV blocks, budget)
+            return waiting + new
+        return max(0, new - max(0, self.cfg.engine.max_num_seqs - s.num_running))
+
+    def stats_payload(self) -> dict[str, Any]:
+        s = self.cfg.engine
+        now = time.time()
+        steps = self.aengine.recent_steps() if self.aengine else []
+        body = summarize(
+            steps,
+            now=now,
+            window_s=10.0,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+        )
+        recent = [item for item in self._latencies if item[0] > now - 60.0]
+        ttfts = [t for _, t, _ in recent if t is not None]
+        gaps = [g for _, _, gs in recent for g in gs]
+
+        def ms(values: list[float], q: float) -> float | None:
+            return None if not values else round(1000 * percentile(values, q), 3)
+
+        body.update(
+            ttft_p50_ms=ms(ttfts, 50),
+            ttft_p99_ms=ms(ttfts, 99),
+            itl_p50_ms=ms(gaps, 50),
+            itl_p99_ms=ms(gaps, 99),
+            latency_window_s=60.0,
+            requests_finished_in_window=len(recent),
+        )
+        body.update(
+            state=self.state if self.state != READY or self.healthy else DEAD,
+            model=self.model_name or None,
+            uptime_s=round(now - self.started_at, 3),
+            time=now,
+            requests_in_flight=self.aengine.num_unfinished if self.aengine else 0,
+            queue_length=self.queue_length(),
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_queue_len=self.cfg.server.max_queue_len,
+            memory=self.memory(),
+        )
+        return body
+
+    def stats_json(self, max_age_s: float = 0.1) -> str:
+        """stats_payload as JSON, shared by every /admin/events subscriber: computed at most
+        once per `max_age_s`. Computed per subscriber, 500 open streams at 2 snapshots/s took
+        the event loop from serving (output throughput fell 98%, drills/idle_connections.py)."""
+        now = time.monotonic()
+        at, body = self._stats_json
+        if now - at > max_age_s:
+            body = json.dumps(self.stats_payload())
+            self._stats_json = (now, body)
+        return body
+
+    async def live_requests(self) -> list[dict[str, Any]]:
+        if self.aengine is None:
+            return []
+
+        now = time.time()
+        rows = await self.aengine.live_requests()
+        for row in rows:
+            meta = self.request_meta.get(row["id"])
+            row["api_key_name"] = meta.api_key_name if meta else None
+            row["endpoint"] = meta.endpoint if meta else None
+            row["age_s"] = round(now - row.pop("arrival_time"), 3)
+        return rows
+
+    def subscribe_events(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self._event_queues.add(queue)
+        return queue
+
+    def unsubscribe_events(self, queue: asyncio.Queue) -> None:
+        self._event_queues.discard(queue)
+
+    def broadcast(self, event: dict[str, Any]) -> None:
+        for queue in self._event_queues:
+            if queue.full():  # a slow client loses its oldest event, never slows anyone
+                queue.get_nowait()
+            queue.put_nowait(event)
+
+    def pump_metrics(self) -> None:
+        if self.aengine is None:
+            return
+        steps = self.aengine.recent_steps(self._metrics_step)
+        if steps:
+            self._metrics_step = steps[-1].step
+            self.metrics.observe_steps(steps)
+
+    async def change_config(
+        self, changes: Mapping[str, Any], source: str, actor: str | None = None
+    ) -> list[FieldChange]:
+        """The one way a running daemon changes its config: validate, write the audit rows
+        (and new price rows) in a worker thread, then apply. If the audit write fails, the
+        change is not applied and ConfigAuditError says why."""
+        async with self._config_lock:
+            plan = self.live.plan(changes, source)
+            if plan.changes:
+                try:
+                    await asyncio.to_thread(
+                        self._write_audit, plan.new, list(plan.changes), source, actor
+                    )
+                except ConfigAuditError as exc:
+                    if source != "file":  # a reload logs its own rejection
+                        log.error("config change from %s (%s) rejected: %s", source, actor, exc)
+                    raise
+            return self.live.commit(plan, source, actor)
+
+    def _write_audit(
+        self, new: Config, changes: list[FieldChange], source: str, actor: str | None
+    ) -> None:
+        """Audit rows and price rows in one transaction: both are written or neither."""
+        from controlplane.store import sync_prices
+        from controlplane.store.audit import ConfigChange, write_changes
+
+        when = datetime.now(UTC)
+        entries = [ConfigChange(when, source, actor, c.field, c.old, c.new) for c in changes]
+        try:
+            if self.db is None:
+                raise RuntimeError("the store is not open")
+            with self.db.begin() as conn:
+                if any(c.field == "prices" for c in changes):
+                    sync_prices(conn, new.prices)
+                write_changes(conn, self.instance_id, entries)
+        except Exception as exc:
+            fields = ", ".join(c.field for c in changes)
+            raise ConfigAuditError(
+                f"could not write the audit log ({type(exc).__name__}: {_first_line(exc)}); "
+                f"nothing changed ({fields})"
+            ) from exc
+
+    # -- the engine: the one handle the layers above it have --------------------------------------
+    @property
+    def _engine(self) -> AsyncEngine:
+        if self.aengine is None:
+            raise RuntimeError("the engine is not loaded")
+        return self.aengine
+
+    @property
+    def engine_loaded(self) -> bool:
+        return self.aengine is not None
+
+    @property
+    def engine_running(self) -> bool:
+        """The step loop runs (False once it has died)."""
+        return self.aengine is not None and self.aengine.is_running
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.aengine.engine.max_model_len if self.aengine else None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._engine.engine.tokenizer.encode(text)
+
+    def tokenize_chat(self, messages: Any, add_generation_prompt: bool, escape: bool) -> list[int]:
+        """A chat's prompt tokens (its template); ValueError for messages it cannot render."""
+        return self._engine.engine.tokenizer.encode_chat(
+            messages, add_generation_prompt, escape=escape
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs)."""
+        return self._engine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks of one request (InvalidSettingError naming the field): run once,
+        at the front, before anything is queued."""
+        # The /v1 parser built `params` (SamplingParams checks itself as it is built), so only
+        # the model-dependent checks run here: each check once per request.
+        self._engine.engine.validate_request(prompt_ids, params, check_params=False)
+
+    def add_validated(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Queue a request `validate` has accepted: the engine does not check it again."""
+        return self._engine.add_request(prompt_ids, params, request_id, validated=True)
+
+    def abort(self, request_id: str) -> None:
+        if self.aengine is not None:
+            self.aengine.abort(request_id)
+
+    def stats(self) -> Any:
+        """The engine's latest StepStats (controlplane.engine.types); None before it loads."""
+        return self.aengine.stats() if self.aengine else None
+
+    def kv_block_map(self, buckets: int) -> list[float]:
+        """Fraction of KV blocks in use per range of block ids: a compact map of the cache."""
+        return self.aengine.engine.block_pool.occupancy(buckets) if self.aengine else []
+
+    def flops_per_token(self) -> float:
+        return self._engine.engine.model_config.flops_per_token()
+
+    def memory(self) -> dict[str, Any] | None:
+        return dataclasses.asdict(self.aengine.engine.memory) if self.aengine else None
+
+    def describe_model(self) -> str:
+        """The start-up line's model part: architecture, dtype, device and KV cache size."""
+        eng = self._engine.engine
+        kv, bs = eng.block_pool.num_blocks, eng.settings.block_size
+        return (
+            f"model {self.model_name} ({eng.model_config.architecture}, {eng.dtype}, "
+            f"{eng.device}), KV cache {kv} blocks x {bs} tokens = {kv * bs} tokens"
+        )
+
+    def update_settings(self, **changes: Any) -> None:
+        if self.aengine is not None:
+            self.aengine.update_settings(**changes)
