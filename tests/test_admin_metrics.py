@@ -1,7 +1,8 @@
 """Unit tests for controlplane.admin_api.stats.summarize and controlplane.admin_api.metrics.Metrics.
 
-Stand-in dataclasses replace the engine's StepStats / RequestMetrics; one test feeds the real
-classes to prove the fields match. Expected numbers are computed by hand in the comments.
+A stand-in dataclass with defaults replaces the engine's StepStats (whose cumulative fields
+are beside the point here); one test feeds the real class to prove the fields match. Request
+metrics are the engine's own, torch-free RequestMetrics. Expected numbers are computed by hand in the comments.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.admin_api.metrics import Metrics
 from controlplane.admin_api.stats import summarize
 from controlplane.common import percentile
+from controlplane.engine.types import RequestMetrics
 
 # -- stand-ins ------------------------------------------------------------------------------
 
@@ -35,38 +37,6 @@ class Step:
     step_duration: float = 0.0
     num_preemptions: int = 0
     num_finished: int = 0
-
-
-@dataclass
-class ReqMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def mean_itl(self) -> float | None:
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
 # -- summarize ------------------------------------------------------------------------------
@@ -325,16 +295,16 @@ def test_request_success_and_latency_histograms() -> None:
     m = Metrics(MODEL)
     # stop: queue 0.5, ttft 1.0, e2e 3.0; tokens at 101.0, 101.25, 101.5, 102.5 -> gaps
     # 0.25, 0.25, 1.0
-    r1 = ReqMetrics(100.0, 100.5, 101.0, 103.0, num_prompt_tokens=10, num_output_tokens=4)
+    r1 = RequestMetrics(100.0, 100.5, 101.0, 103.0, num_prompt_tokens=10, num_output_tokens=4)
     m.observe_request("stop", r1, token_times=[101.0, 101.25, 101.5, 102.5])
     # length: queue 0.2, ttft 0.4, e2e 2.4; no token times: mean ITL (2.4-0.4)/4 = 0.5, 4 times
-    r2 = ReqMetrics(200.0, 200.2, 200.4, 202.4, num_prompt_tokens=20, num_output_tokens=5)
+    r2 = RequestMetrics(200.0, 200.2, 200.4, 202.4, num_prompt_tokens=20, num_output_tokens=5)
     m.observe_request("length", r2)
     # stop with one token: no ITL observation either way
-    r3 = ReqMetrics(300.0, 300.0, 300.1, 300.1, num_prompt_tokens=5, num_output_tokens=1)
+    r3 = RequestMetrics(300.0, 300.0, 300.1, 300.1, num_prompt_tokens=5, num_output_tokens=1)
     m.observe_request("stop", r3, token_times=[300.1])
     # abort while waiting: never scheduled, no token; only e2e (1.5) and token counts
-    r4 = ReqMetrics(400.0, None, None, 401.5, num_prompt_tokens=7, num_output_tokens=0)
+    r4 = RequestMetrics(400.0, None, None, 401.5, num_prompt_tokens=7, num_output_tokens=0)
     m.observe_request("abort", r4)
     s = scrape(m)
 
@@ -486,7 +456,7 @@ def test_metrics_content_type_has_one_charset() -> None:
 
 def test_engine_classes_fit() -> None:
     # The real classes (torch-free, controlplane.engine.types) work where the stand-ins do.
-    from controlplane.engine.types import RequestMetrics, StepStats
+    from controlplane.engine.types import StepStats
 
     common = dict(num_running=2, num_waiting=1, num_swapped=0, kv_blocks_total=40)
     steps = [
