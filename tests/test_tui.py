@@ -173,14 +173,19 @@ def test_tune_form_reaches_engine_and_invalid_value_shows_api_error(daemon):
 def test_abort_selected_request_after_confirmation(daemon):
     result: dict = {}
 
-    def long_request() -> None:
-        result["r"] = httpx.post(
+    def long_request(key: str) -> None:
+        result[key] = httpx.post(
             daemon.url + "/v1/completions",
             timeout=60,
-            json={"model": MODEL, "prompt": "long", "max_tokens": 900, "ignore_eos": True},
+            json={"model": MODEL, "prompt": "long", "max_tokens": 1000, "ignore_eos": True},
         ).json()
 
-    t = threading.Thread(target=long_request)
+    # The tiny model decodes about 1,000 tokens/s alone, and max_model_len is 1024 here: the
+    # target must outlast the UI's round trips (table refresh, key presses, confirmation) by a
+    # wide margin on a loaded CI machine, so seven more long requests share the steps (the
+    # batch is full at max_num_seqs 8) once it is on screen.
+    t = threading.Thread(target=long_request, args=("r",))
+    hogs = [threading.Thread(target=long_request, args=(f"hog{i}",)) for i in range(7)]
 
     async def main() -> None:
         app = make_app(daemon.url)
@@ -190,6 +195,8 @@ def test_abort_selected_request_after_confirmation(daemon):
             table = app.query_one(RequestsTable)
             await wait_until(pilot, lambda: table.row_count == 1, 15, "the request in the table")
             rid = table.selected_id()
+            for h in hogs:
+                h.start()
             table.focus()
             await pilot.press("a")
             await wait_until(pilot, lambda: "Abort request" in screen_text(app), 5)
@@ -212,7 +219,9 @@ def test_abort_selected_request_after_confirmation(daemon):
     try:
         asyncio.run(main())
     finally:
-        t.join(60)
+        for thread in (t, *hogs):
+            if thread.ident is not None:  # started
+                thread.join(60)
 
 
 def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
