@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import ADMIN_TOKEN, Checks, Daemon, log
@@ -29,29 +27,39 @@ from controlplane.loadgen import LoadConfig, run_load
 
 async def _watch(url: str, n: int, ready, stop) -> int:
     """`n` /admin/events readers; `ready` is set once all are open; they end when `stop` is.
-    Returns how many were still open then."""
+    Returns how many were still open then. Raw sockets that discard what arrives: the readers
+    share the daemon's 2 cores, and a heavier client (httpx parsing every event) would show
+    its own cost as the daemon's."""
+    host, port = url.removeprefix("http://").split(":")
+    request = (
+        f"GET /admin/events HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {ADMIN_TOKEN}\r\nAccept: text/event-stream\r\n\r\n"
+    ).encode()
     opened = 0
 
-    async def watcher(http: httpx.AsyncClient) -> None:
+    async def watcher() -> None:
         nonlocal opened
-        async with http.stream("GET", "/admin/events") as r:
-            r.raise_for_status()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
             opened += 1
             if opened == n:
                 ready.set()
-            async for _ in r.aiter_lines():
+            while await reader.read(65536):
                 pass
+        finally:
+            writer.close()
 
-    limits = httpx.Limits(max_connections=n + 8)
-    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None) as h:
-        tasks = [asyncio.create_task(watcher(h)) for _ in range(n)]
-        while not stop.is_set():
-            await asyncio.sleep(0.2)
-        alive = sum(1 for t in tasks if not t.done())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    tasks = [asyncio.create_task(watcher()) for _ in range(n)]
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+    alive = sum(1 for t in tasks if not t.done())
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     return alive
 
 
