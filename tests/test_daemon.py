@@ -86,6 +86,32 @@ def test_completion_usage_matches_sql_row_and_cost(served, client):
     assert row["ttft_s"] > 0 and row["e2e_latency_s"] >= row["ttft_s"] and row["mean_itl_s"] > 0
 
 
+def test_cached_prompt_tokens_are_billed_at_the_cached_price(served, client):
+    _d, cfg = served
+    prompt = list(range(200, 240))  # 40 tokens: two full 16-token blocks can be reused
+    ids = []
+    for _ in range(2):
+        resp = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+        ids.append(resp.id)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 32
+    where = f"id IN ('{ids[0]}', '{ids[1]}')"
+    rows_ = wait_rows(
+        cfg.store_url,
+        lambda r: len(r) == 2 and all(x["status"] == "success" for x in r),
+        where=where,
+    )
+    by_id = {r["id"]: r for r in rows_}
+    first, second = by_id[ids[0]], by_id[ids[1]]
+    assert (first["cached_prompt_tokens"], second["cached_prompt_tokens"]) == (0, 32)
+    # prompt $1/M, cached prompt $0.5/M, completion $3/M
+    assert float(first["cost_usd"]) == pytest.approx((40 * 1.0 + 5 * 3.0) / 1e6, rel=1e-9)
+    assert float(second["cost_usd"]) == pytest.approx(
+        (8 * 1.0 + 32 * 0.5 + 5 * 3.0) / 1e6, rel=1e-9
+    )
+
+
 def test_token_id_prompt(client):
     resp = client.completions.create(
         model=MODEL,

@@ -28,16 +28,20 @@ RECENT_STEPS = 16384
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; ends after the finished output.
+    """Async iterator over one request's outputs; ends after the last choice's finished output
+    (one finished output per choice: `SamplingParams.n` of them).
 
     A consumer that stops early (client disconnect, cancellation) must call `cancel()` (or use
     `AsyncEngine.generate` under `contextlib.aclosing`): the request is aborted and its KV
     blocks are freed at the next step boundary.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine, num_choices: int = 1) -> None:
         self.request_id = request_id
         self._engine = engine
+        self.num_choices = num_choices
+        self._unfinished_choices = num_choices  # as the consumer has read them
+        self._dispatched_finished = 0  # finished outputs queued by the engine thread
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
 
@@ -54,7 +58,8 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        self.finished = item.finished
+        self._unfinished_choices -= item.finished
+        self.finished = self._unfinished_choices == 0
         return item
 
     def cancel(self) -> None:
@@ -136,7 +141,7 @@ class AsyncEngine:
         request_id = request_id or f"areq-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, params.n)
         self._streams[request_id] = stream
         self._commands.put(("add", (prompt_ids, params, request_id)))
         return stream
@@ -222,7 +227,9 @@ class AsyncEngine:
             if stream is not None:
                 stream._put(out)
                 if out.finished:
-                    del self._streams[out.request_id]
+                    stream._dispatched_finished += 1
+                    if stream._dispatched_finished == stream.num_choices:
+                        del self._streams[out.request_id]
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
@@ -248,9 +255,9 @@ class AsyncEngine:
                         if stream is not None:
                             loop.call_soon_threadsafe(stream._put, exc)
                 elif cmd == "abort":
-                    out = self.engine.abort(arg)
-                    if out is not None:
-                        outputs.append(out)
+                    aborted = self.engine.abort(arg)
+                    if aborted:
+                        outputs += aborted
                         self._publish_stats()  # its freed blocks show now, not a step later
                 elif cmd == "call":
                     fn, future = arg

@@ -18,6 +18,7 @@ import torch
 
 from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
+from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.gguf.known import resolve_model_path
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
@@ -29,8 +30,14 @@ from controlplane.engine.runner import ModelRunner
 from controlplane.engine.sampler import Sampler
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.scheduler import Scheduler, SchedulerOutput
-from controlplane.engine.sequence import Sequence
-from controlplane.engine.settings import EngineSettings, check, validate_changes
+from controlplane.engine.sequence import Sequence, SequenceStatus
+from controlplane.engine.settings import (
+    MAX_SPECULATIVE_TOKENS,
+    EngineSettings,
+    check,
+    validate_changes,
+)
+from controlplane.engine.spec_decode import ngram_propose, verify
 from controlplane.engine.types import RequestMetrics, RequestOutput, StepStats, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -98,11 +105,25 @@ class Engine:
             time.perf_counter() - t0,
         )
         spec = KVCacheSpec.for_model(cfg, s.block_size, self.dtype)
+        draft_cfg = draft_spec = None
+        share = 1.0  # of the KV budget, for the target's cache
+        if s.speculative_draft_model:
+            draft_dir = resolve_model_path(s.speculative_draft_model)
+            draft_cfg = load_model_config(draft_dir)
+            if draft_cfg.vocab_size != cfg.vocab_size:
+                raise InvalidSettingError(
+                    "speculative_draft_model",
+                    f"vocabulary of {draft_cfg.vocab_size} tokens; the target's has "
+                    f"{cfg.vocab_size} (the draft must share the target's tokenizer)",
+                )
+            draft_spec = KVCacheSpec.for_model(draft_cfg, s.block_size, self.dtype)
+            # One budget, split so that both caches hold the same number of tokens.
+            share = spec.bytes_per_block / (spec.bytes_per_block + draft_spec.bytes_per_block)
         num_blocks, why = plan_num_blocks(
             spec,
             self.device,
-            cpu_bytes=s.kv_cache_memory_bytes,
-            gpu_fraction=s.gpu_memory_utilization,
+            cpu_bytes=int(s.kv_cache_memory_bytes * share),
+            gpu_fraction=s.gpu_memory_utilization * share,
             explicit=s.num_kv_blocks,
         )
         if num_blocks < 1:
@@ -113,8 +134,36 @@ class Engine:
         self.memory = memory_use(self.model, spec, num_blocks, kind, self.dtype)
         log.info("memory: %s", self.memory.describe())
         self.block_pool = BlockPool(num_blocks)
+        self.block_pool.enable_caching = s.enable_prefix_caching
         self.swap_pool = BlockPool(num_swap)
         self.scheduler = Scheduler(s, self.block_pool, self.swap_pool, s.block_size)
+        self.draft: DraftModel | None = None
+        if draft_cfg is not None and draft_spec is not None:
+            t0 = time.perf_counter()
+            draft_quant = s.speculative_draft_quantization
+            if draft_quant == "auto":
+                draft_quant = draft_cfg.stored_quantization
+            draft_model = load_model(
+                draft_dir,
+                draft_cfg,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                s.cpu_weight_packing,
+                QuantConfig(draft_quant, s.quantization_group_size, s.quantize_lm_head),
+            )
+            self.draft = DraftModel(
+                draft_model, KVCache(draft_spec, num_blocks, 0, self.device), self.device
+            )
+            self.scheduler.draft = self.draft
+            log.info(
+                "draft model %s (%s linears, %.1fM params) in %.2fs; its KV cache: %d blocks",
+                draft_dir,
+                draft_quant,
+                draft_cfg.num_params / 1e6,
+                time.perf_counter() - t0,
+                num_blocks,
+            )
         self.runner = ModelRunner(
             self.model, self.kv_cache, TorchPagedAttention(self.kv_cache), self.device
         )
@@ -126,6 +175,11 @@ class Engine:
         self._step = 0
         self._num_finished = 0
         self._failed_steps = 0  # consecutive steps whose forward pass raised
+        # Speculative decoding counters (see StepStats) and state: off | active | paused.
+        self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+        self._spec_per_pos = [0] * MAX_SPECULATIVE_TOKENS
+        self._speculation = "off"
+        self._drafted: list[Sequence] = []  # sequences the draft model proposed for this step
         # Before the first step: all zeros (step 0 is this snapshot, not a step).
         self._stats = StepStats(0, time.time(), 0, 0, 0, 0, num_blocks, 0, 0, 0, 0.0, 0, 0)
 
@@ -150,6 +204,7 @@ class Engine:
         if new is not None:
             self._settings = new
             self.scheduler.settings = new
+            self.block_pool.enable_caching = new.enable_prefix_caching
 
     # -- requests -------------------------------------------------------------------------
     def validate_request(
@@ -182,6 +237,12 @@ class Engine:
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
                 f"({self.max_model_len}); at most {self.max_model_len - n} for this prompt",
+            )
+        if params.n > self._settings.max_num_seqs:
+            raise InvalidSettingError(
+                "n",
+                f"{params.n} choices need {params.n} batch slots; max_num_seqs is "
+                f"{self._settings.max_num_seqs}",
             )
         blocks = -(-(n + params.max_tokens) // self._settings.block_size)
         if blocks > self.block_pool.num_blocks:
@@ -216,27 +277,39 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidSettingError("request_id", f"{request_id!r} is already in flight")
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(params.torch_seed)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            metrics=RequestMetrics(arrival_time or time.time(), num_prompt_tokens=len(prompt_ids)),
-            detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
-            generator=generator,
-        )
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        metrics = RequestMetrics(arrival_time or time.time(), num_prompt_tokens=len(prompt_ids))
+        group: list[Sequence] = []  # the request's choices; one unless params.n > 1
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.choice_seed(index))
+            group.append(
+                Sequence(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_ids,
+                    params=params,
+                    metrics=metrics,  # shared: output tokens are summed over the choices
+                    detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
+                    generator=generator,
+                    index=index,
+                    status=SequenceStatus.PENDING,
+                )
+            )
+        for seq in group:
+            seq.group = group
+        self.requests[request_id] = group[0]
+        self.scheduler.add(group[0])
         return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request now with reason `abort`; its blocks are free when this returns."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish a request now with reason `abort` (one output per unfinished choice); its
+        blocks are free when this returns. [] for an unknown or finished request."""
         seq = self.requests.get(request_id)
         if seq is None:
-            return None
-        out = self._finish(seq, "abort", time.time(), [], [])
+            return []
+        now = time.time()
+        out = [self._finish(c, "abort", now, [], []) for c in self._unfinished(seq)]
         # Publish the freed blocks and the removed request now: the next step may be long away
         # (an idle engine takes none). Same step number and per-step figures, new gauges only,
         # so nothing cumulative counts twice (see AsyncEngine._publish_stats).
@@ -246,10 +319,24 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block nobody holds; returns how many. Step thread only."""
+        dropped = self.block_pool.reset()
+        for seq in self.scheduler.running:
+            seq.num_registered_blocks = 0  # their blocks forgot their hashes
+        log.info("prefix cache reset: %d cached blocks dropped", dropped)
+        self._stats = dataclasses.replace(self._stats, **self._gauges())
+        return dropped
+
+    @staticmethod
+    def _unfinished(seq: Sequence) -> list[Sequence]:
+        return [c for c in seq.group if c.status is not SequenceStatus.FINISHED]
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._apply_pending()
+        self._propose()
         now = time.time()
         sched = self.scheduler.schedule(now)
         outputs: list[RequestOutput] = []
@@ -265,18 +352,138 @@ class Engine:
                 self._failed_steps = 0
                 for item in sched.scheduled:
                     item.seq.num_computed_tokens += item.num_new_tokens
+                    if not item.seq.draft_token_ids:  # else once verified (see _verify)
+                        self.scheduler.cache_blocks(item.seq)
+                logits, seqs = self._fork(logits, seqs)
             if seqs:
-                tokens, logprobs, errors = self._sample(logits, seqs)
-                sampled = len(seqs) - len(errors)
+                offsets = self._row_offsets(seqs)
+                plain = [i for i, seq in enumerate(seqs) if not seq.draft_token_ids]
+                plain_logits = (
+                    logits if len(plain) == len(logits) else logits[[offsets[i] for i in plain]]
+                )
+                tokens, logprobs, errors = self._sample(plain_logits, [seqs[i] for i in plain])
+                sampled = len(plain) - len(errors)
                 now = time.time()
-                for i, (seq, token, lp) in enumerate(zip(seqs, tokens, logprobs, strict=True)):
-                    if i in errors:
-                        outputs.append(self._fail(seq, errors[i], now))
+                for j, i in enumerate(plain):
+                    seq = seqs[i]
+                    if seq.status is SequenceStatus.FINISHED:
+                        continue  # a sibling's failure ended the whole request
+                    if j in errors:
+                        outputs += self._fail(seq, errors[j], now)
                     else:
-                        outputs.append(self._append_or_fail(seq, token, lp, now))
+                        outputs += self._append_or_fail(seq, tokens[j], logprobs[j], now)
+                for i, seq in enumerate(seqs):
+                    if seq.draft_token_ids and seq.status is not SequenceStatus.FINISHED:
+                        k = len(seq.draft_token_ids)
+                        new = self._verify(seq, logits[offsets[i] : offsets[i] + k + 1], now)
+                        sampled += len(new[-1].new_token_ids) if new else 0
+                        outputs += new
+        if self.draft is not None:
+            for seq in self._drafted:
+                # Verified or not (the scheduler may drop drafts), the draft's KV is valid
+                # only up to the tokens that were kept.
+                if seq.status is not SequenceStatus.FINISHED:
+                    self.draft.rollback(seq)
+        self._drafted = []
         self._step += 1
         self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
         return outputs
+
+    def _fork(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Parallel sampling: a choice 0 about to sample its first token forks its pending
+        choices, which sample from the same logits row (each with its own generator)."""
+        if all(seq.forked or len(seq.group) == 1 for seq in seqs):
+            return logits, seqs
+        rows: list[int] = []
+        out: list[Sequence] = []
+        for seq, at in zip(seqs, self._row_offsets(seqs), strict=True):
+            if not seq.forked and len(seq.group) > 1:
+                group = [seq, *self.scheduler.fork(seq)]
+                rows += [at] * len(group)
+                out += group
+            else:
+                rows += range(at, at + 1 + len(seq.draft_token_ids))
+                out.append(seq)
+        return logits[rows], out
+
+    @staticmethod
+    def _row_offsets(seqs: list[Sequence]) -> list[int]:
+        """Each sequence's first logits row (a speculating one has 1 + k rows)."""
+        offsets, at = [], 0
+        for seq in seqs:
+            offsets.append(at)
+            at += 1 + len(seq.draft_token_ids)
+        return offsets
+
+    # -- speculative decoding -----------------------------------------------------------------
+    def _propose(self) -> None:
+        """Draft tokens for the running decodes, when speculation is on and the batch is
+        small enough for it to pay."""
+        s = self._settings
+        running = self.scheduler.running
+        if s.speculative_method == "off":
+            self._speculation = "off"
+            return
+        if len(running) > s.speculative_max_batch_size:
+            self._speculation = "paused"
+            return
+        self._speculation = "active"
+        seqs, ks = [], []
+        for seq in running:
+            if seq.num_uncomputed != 1 or not seq.output_token_ids:
+                continue  # not decoding
+            k = min(
+                s.speculative_num_tokens,
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            if k <= 0:
+                continue
+            if s.speculative_method == "ngram":
+                seq.draft_token_ids = ngram_propose(
+                    seq.token_ids, k, s.speculative_ngram_min, s.speculative_ngram_max
+                )
+            else:
+                seqs.append(seq)
+                ks.append(k)
+        if seqs and self.draft is not None:
+            self.draft.propose(seqs, ks, self.sampler.generator)
+            self._drafted = seqs
+
+    def _verify(self, seq: Sequence, rows: torch.Tensor, now: float) -> list[RequestOutput]:
+        """Accept or reject seq's draft tokens against the target's rows, emit the accepted
+        ones and the target's next token, and roll the KV back past the rejected ones."""
+        drafts = seq.draft_token_ids
+        k = len(drafts)
+        seq.num_computed_tokens -= k  # the drafts' K/V counts only once accepted
+        try:
+            tokens, lps = verify(rows, seq, drafts, seq.draft_probs, self.sampler.generator)
+        except Exception as exc:
+            log.exception("request %s failed in speculative verification", seq.request_id)
+            return self._fail(seq, f"verification failed: {exc!r}", now)
+        finally:
+            seq.draft_token_ids, seq.draft_probs = [], None
+        accepted = len(tokens) - 1  # the drafts accepted, then the target's own token
+        self._spec_drafts += 1
+        self._spec_draft_tokens += k
+        self._spec_accepted += accepted
+        for pos in range(accepted):
+            self._spec_per_pos[pos] += 1
+        seq.metrics.num_draft_tokens += k
+        seq.metrics.num_accepted_tokens += accepted
+        outs: list[RequestOutput] = []
+        for token, lp in zip(tokens, lps, strict=True):
+            outs += self._append_or_fail(seq, token, lp, now)
+            if seq.status is SequenceStatus.FINISHED:
+                break  # a stop inside the accepted run ends the sequence there
+        if seq.status is not SequenceStatus.FINISHED:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.scheduler.trim(seq)
+            self.scheduler.cache_blocks(seq)
+        mine = [o for o in outs if o.index == seq.index]  # a failure also ends the siblings
+        return [o for o in outs if o.index != seq.index] + ([_merge(mine)] if mine else [])
 
     # -- failures: one request's fault ends that request, not the engine --------------------
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -298,7 +505,11 @@ class Engine:
             ", ".join(seq.request_id for seq in failed),
         )
         now = time.time()
-        return [self._fail(seq, f"forward pass failed: {exc!r}", now) for seq in failed]
+        outputs: list[RequestOutput] = []
+        for seq in failed:
+            if seq.status is not SequenceStatus.FINISHED:
+                outputs += self._fail(seq, f"forward pass failed: {exc!r}", now)
+        return outputs
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -326,26 +537,35 @@ class Engine:
 
     def _append_or_fail(
         self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
-    ) -> RequestOutput:
+    ) -> list[RequestOutput]:
         try:
-            return self._append(seq, token, lp, now)
+            return [self._append(seq, token, lp, now)]
         except Exception as exc:
             log.exception(
                 "request %s failed after sampling (stop checks, detokenizer)", seq.request_id
             )
             return self._fail(seq, f"post-processing failed: {exc!r}", now)
 
-    def _fail(self, seq: Sequence, message: str, now: float) -> RequestOutput:
-        """Finish one request with reason `error`, whatever state its failure left it in."""
-        seq.finish_reason = "error"
-        seq.metrics.finish_time = now
-        if self.requests.get(seq.request_id) is seq:  # else it finished before it failed
-            self.scheduler.remove(seq)
+    def _fail(self, seq: Sequence, message: str, now: float) -> list[RequestOutput]:
+        """Finish seq's request (every unfinished choice) with reason `error`, whatever state
+        its failure left it in."""
+        outputs = []
+        for c in self._unfinished(seq) or [seq]:  # [seq]: it finished before it failed
+            c.finish_reason = "error"
+            c.metrics.finish_time = now
+            if c.status is not SequenceStatus.FINISHED:
+                self._end(c)
+            out = self._output(c, [], [], now, finished=True)
+            out.error = message
+            outputs.append(out)
+        return outputs
+
+    def _end(self, seq: Sequence) -> None:
+        """Take one choice out of the scheduler; the request ends with its last choice."""
+        self.scheduler.remove(seq)
+        if not self._unfinished(seq):
             del self.requests[seq.request_id]
             self._num_finished += 1
-        out = self._output(seq, [], [], now, finished=True)
-        out.error = message
-        return out
 
     def _append(
         self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
@@ -356,6 +576,8 @@ class Engine:
             m.first_token_time = now
         seq.append_token(token)
         m.num_output_tokens += 1
+        if lp is not None:
+            seq.cumulative_logprob += lp.logprob
         reason = None
         stop_string = False
         if token in p.stop_token_ids or (
@@ -398,9 +620,7 @@ class Engine:
             seq.output_text += seq.detokenizer.flush()  # bytes held back for an unfinished char
         seq.finish_reason = reason
         seq.metrics.finish_time = now
-        self.scheduler.remove(seq)
-        del self.requests[seq.request_id]
-        self._num_finished += 1
+        self._end(seq)
         return self._output(seq, new, lps, now, finished=True)
 
     def _output(
@@ -429,10 +649,12 @@ class Engine:
             metrics=seq.metrics,
             logprobs=lps if seq.params.logprobs is not None else [],
             time=now,
+            index=seq.index,
+            cumulative_logprob=seq.cumulative_logprob if len(seq.group) > 1 else None,
         )
 
     # -- stats ----------------------------------------------------------------------------
-    def _gauges(self) -> dict[str, int]:
+    def _gauges(self) -> dict[str, Any]:
         """The point-in-time fields of StepStats (and the cumulative counts read, not summed)."""
         sch = self.scheduler
         return {
@@ -443,6 +665,18 @@ class Engine:
             "kv_blocks_total": self.block_pool.num_blocks,
             "num_preemptions": sch.num_preemptions,
             "num_finished": self._num_finished,
+            "prefix_cache_queries_total": sch.num_cache_queries,
+            "prefix_cache_hits_total": sch.num_cache_hits,
+            "prefix_cache_evictions_total": self.block_pool.num_evictions,
+            "kv_blocks_cached": self.block_pool.num_cached,
+            "kv_blocks_evictable": self.block_pool.num_evictable,
+            "spec_decode_num_drafts_total": self._spec_drafts,
+            "spec_decode_num_draft_tokens_total": self._spec_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self._spec_accepted,
+            "spec_decode_accepted_per_pos": tuple(
+                self._spec_per_pos[: self._settings.speculative_num_tokens]
+            ),
+            "speculation": self._speculation,
         }
 
     def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:
@@ -465,3 +699,13 @@ class Engine:
 
     def stats(self) -> StepStats:
         return self._stats
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One output for several tokens of one choice produced in one step (speculation)."""
+    last = outs[-1]
+    if len(outs) > 1:
+        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        last.delta_text = "".join(o.delta_text for o in outs)
+        last.logprobs = [lp for o in outs for lp in o.logprobs]
+    return last

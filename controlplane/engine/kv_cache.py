@@ -72,6 +72,15 @@ class KVCache:
                 blocks = host.index_select(0, src).to(layer.device, non_blocking=True)
                 self._blocks(layer).index_copy_(0, dst, blocks)
 
+    def copy(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Copy blocks within the device cache (copy-on-write of a shared partial block)."""
+        dev = self.k[0].device
+        src = torch.tensor(src_blocks, device=dev)
+        dst = torch.tensor(dst_blocks, device=dev)
+        for layer in (*self.k, *self.v):
+            blocks = self._blocks(layer)
+            blocks.index_copy_(0, dst, blocks.index_select(0, src))
+
 
 def plan_num_blocks(
     spec: KVCacheSpec,

@@ -28,7 +28,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order (one per choice
+        for SamplingParams.n > 1)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -45,11 +46,12 @@ class LLM:
             for request_id in ids:  # a bad prompt fails the whole call, leaving nothing queued
                 self.engine.abort(request_id)
             raise
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, list[RequestOutput]] = {i: [] for i in ids}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-        return [results[i] for i in ids]
+                        results[out.request_id].append(out)
+                        bar.update(not self.engine.requests.get(out.request_id))
+        # A request with n > 1 contributes its n choices, in index order.
+        return [o for i in ids for o in sorted(results[i], key=lambda o: o.index)]

@@ -25,11 +25,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Returns logits [N, vocab] (float32) and the N sequences they belong to."""
+        """Returns logits (float32) and the sequences they belong to: one row per sequence,
+        1 + len(draft_token_ids) consecutive rows for a speculating one."""
         if step.swap_out:
             self.kv.swap_out(*map(list, zip(*step.swap_out, strict=True)))
         if step.swap_in:
             self.kv.swap_in(*map(list, zip(*step.swap_in, strict=True)))
+        if step.copies:
+            self.kv.copy(*map(list, zip(*step.copies, strict=True)))
         input_ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -38,12 +41,14 @@ class ModelRunner:
         for item in step.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
+            drafts = seq.draft_token_ids
+            input_ids += (seq.token_ids + drafts if drafts else seq.token_ids)[start : start + n]
             positions += range(start, start + n)
             spans.append(SeqSpan(n, start + n, seq.block_table))
-            if start + n == seq.num_tokens:
-                # The chunk reaches the end of what is known: its last row predicts a new token.
-                logits_rows.append(len(input_ids) - 1)
+            if start + n >= seq.num_tokens:
+                # The chunk reaches the end of what is known: its last row predicts a new token
+                # (and each draft token's row verifies the next draft).
+                logits_rows += range(len(input_ids) - 1 - len(drafts), len(input_ids))
                 samplers.append(seq)
         meta = self.backend.prepare(spans, self.device)
         dev = self.device

@@ -4,31 +4,35 @@ from __future__ import annotations
 
 import torch
 
+from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import TokenLogprobs
 
 
-def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
-    p = seq.params
+def apply_penalties(
+    row: torch.Tensor, p: SamplingParams, token_ids: list[int], output_ids: list[int]
+) -> None:
+    """Penalise one row of logits in place, given the tokens so far (prompt + output) and the
+    output tokens."""
     if p.repetition_penalty != 1.0:
         # HF semantics: over prompt and output; shrink positive logits, push negative ones down.
-        ids = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+        ids = torch.tensor(sorted(set(token_ids)), device=row.device)
         sel = row[ids]
         row[ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+    if (p.presence_penalty or p.frequency_penalty) and output_ids:
         # OpenAI semantics: over output tokens only.
-        out = torch.tensor(seq.output_token_ids, device=row.device)
+        out = torch.tensor(output_ids, device=row.device)
         counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for rows that sample at random; returns probabilities."""
     device = logits.device
-    temps = torch.tensor([s.params.temperature for s in seqs], device=device)
+    temps = torch.tensor([p.temperature for p in params], device=device)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-    ks = [s.params.top_k for s in seqs]
-    ps = [s.params.top_p for s in seqs]
+    ks = [p.top_k for p in params]
+    ps = [p.top_p for p in params]
     if any(k > 0 for k in ks) or any(p < 1.0 for p in ps):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
@@ -42,13 +46,18 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         drop |= cum >= torch.tensor(ps, device=device).unsqueeze(1)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    min_ps = [s.params.min_p for s in seqs]
+    min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         floor = (
             torch.tensor(min_ps, device=device).unsqueeze(1) * probs.max(-1, keepdim=True).values
         )
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
+
+
+def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    # The sampler's call site, by sequence (fault-injection tests wrap it to fail one request).
+    return filter_probs(logits, [s.params for s in seqs])
 
 
 class Sampler:
@@ -61,13 +70,14 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         # logits: [N, vocab] float32, one row per sequence in `seqs`
         params = [s.params for s in seqs]
-        want_lp = [p.logprobs is not None for p in params]
+        # Parallel sampling keeps each choice's cumulative logprob (best_of ranks by it).
+        want_lp = [p.logprobs is not None or p.n > 1 for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(p.needs_penalties for p in params):
             logits = logits.clone()
             for i, seq in enumerate(seqs):
                 if seq.params.needs_penalties:
-                    _apply_penalties(logits[i], seq)
+                    apply_penalties(logits[i], seq.params, seq.token_ids, seq.output_token_ids)
 
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -92,10 +102,10 @@ class Sampler:
         lps: list[TokenLogprobs | None] = [None] * len(seqs)
         if raw_lp is not None:
             for i, p in enumerate(params):
-                if p.logprobs is None:
+                if not want_lp[i]:
                     continue
                 top: list[tuple[int, float]] = []
-                if p.logprobs > 0:
+                if p.logprobs:
                     vals, ids = raw_lp[i].topk(p.logprobs)
                     top = list(zip(ids.tolist(), vals.tolist(), strict=True))
                 lps[i] = TokenLogprobs(token_list[i], float(raw_lp[i, token_list[i]]), top)

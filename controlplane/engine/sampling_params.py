@@ -25,6 +25,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, OpenAI's type
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # engine-independent bound; validate_request checks the vocabulary
+MAX_N = 1024  # engine-side sanity bound; the server's `server.max_n` is the configured limit
 
 
 @dataclass(slots=True)
@@ -43,6 +44,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
+    # Parallel sampling: this many sequences (choices) from one prompt, sharing its KV blocks.
+    # Choice i of a seeded request draws from a generator seeded from (seed, i).
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +69,19 @@ class SamplingParams:
     def torch_seed(self) -> int | None:
         """The seed as torch takes it: int64 negatives map onto [2^63, 2^64) (two's complement)."""
         return None if self.seed is None else self.seed % 2**64
+
+    def choice_seed(self, index: int) -> int | None:
+        """Choice `index`'s torch seed: choice 0 uses the request's seed (so n=1 and choice 0
+        of n>1 draw the same tokens); the others a distinct value mixed from (seed, index)."""
+        if self.seed is None:
+            return None
+        if index == 0:
+            return self.torch_seed
+        # splitmix64's finaliser: nearby (seed, index) pairs give unrelated seeds.
+        z = (self.seed + index * 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return z ^ (z >> 31)
 
     def validate(self) -> None:
         """Raise InvalidSettingError (field, limit) for any value out of range; changes nothing."""
@@ -111,6 +128,7 @@ class SamplingParams:
                 raise InvalidSettingError(name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _int("n", self.n, 1, MAX_N)
 
 
 def _int(name: str, value: object, lo: int, hi: int | None, what: str = "") -> None:

@@ -5,16 +5,26 @@ starves them), running prefills continue, then swapped-out and waiting requests 
 FCFS while the token budget, `max_num_seqs` and free KV blocks allow. When blocks run out the
 most recently admitted sequence is preempted: recompute frees its blocks and requeues it at
 the head; swap copies its blocks to host memory first (recompute if the swap space is full).
+
+Prefix caching: a request admitted from the queue (new or recomputed) first takes the cached
+blocks of its longest cached prefix and computes only the rest; a swapped-in one takes its
+cached blocks instead of copying them back. The last token is always computed (its logits are
+needed), so at most (tokens - 1) // block_size blocks come from the cache. After each step the
+engine registers the blocks that became full (`cache_blocks`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from controlplane.engine.block_pool import BlockPool
-from controlplane.engine.sequence import Sequence, SequenceStatus
+from controlplane.engine.sequence import Sequence, SequenceStatus, chain_hashes
 from controlplane.engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from controlplane.engine.draft import DraftModel
 
 
 @dataclass(slots=True)
@@ -28,6 +38,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # single-token rows first, then prefill chunks
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -48,6 +59,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        # Prefix cache counters (tokens), cumulative: looked up at admission, found cached.
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0
+        self.draft: DraftModel | None = None  # speculative decoding's draft model, if loaded
 
     # -- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -62,13 +77,16 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-        self._free(seq)
+        self._free(seq)  # PENDING (an unforked choice): in no queue, holding nothing
         seq.status = SequenceStatus.FINISHED
 
     def _free(self, seq: Sequence) -> None:
         if seq.block_table:
             self.pool.release(seq.block_table)
             seq.block_table = []
+            seq.num_registered_blocks = 0
+        if self.draft is not None:
+            self.draft.release(seq)
         if seq.swap_table:
             self.swap_pool.release(seq.swap_table)
             seq.swap_table = []
@@ -76,23 +94,131 @@ class Scheduler:
     # -- blocks -------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
-        return max(0, total - len(seq.block_table))
+        return max(0, total - len(seq.block_table)) + self._shared_tail(seq)
 
-    def _grow(self, seq: Sequence, num_new: int) -> None:
+    def _shared_tail(self, seq: Sequence) -> int:
+        """1 if the block the next token goes into is shared (the last partial block of a
+        parallel-sampling fork): it is copied before this sequence writes to it."""
+        j = seq.num_computed_tokens // self.block_size
+        return int(j < len(seq.block_table) and self.pool.ref_counts[seq.block_table[j]] > 1)
+
+    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        if self._shared_tail(seq):
+            j = seq.num_computed_tokens // self.block_size
+            (copy,) = self.pool.allocate(1)
+            out.copies.append((seq.block_table[j], copy))
+            self.pool.release([seq.block_table[j]])
+            seq.block_table[j] = copy
         need = self._blocks_needed(seq, num_new)
         if need:
             seq.block_table += self.pool.allocate(need)
 
+    # -- the prefix cache -------------------------------------------------------------------
+    def _lookup(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Cached blocks for the longest cached prefix of seq's first `num_blocks` full blocks."""
+        if not self.settings.enable_prefix_caching or num_blocks <= 0:
+            return []
+        chain_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        return self.pool.lookup(seq.block_hashes[:num_blocks])
+
+    def _count_hits(self, seq: Sequence, tokens: int) -> None:
+        self.num_cache_hits += tokens
+        if seq.metrics.num_preemptions == 0 and not seq.output_token_ids:
+            # Billed at the cached price: prompt tokens its first pass did not compute.
+            seq.metrics.num_cached_tokens += tokens
+
+    def _inflight(self) -> dict[bytes, Sequence]:
+        """Full blocks that running prefills are about to compute: hash -> the earliest
+        admitted sequence computing it."""
+        inflight: dict[bytes, Sequence] = {}
+        for seq in self.running:
+            self._add_inflight(seq, inflight)
+        return inflight
+
+    def _add_inflight(self, seq: Sequence, inflight: dict[bytes, Sequence]) -> None:
+        if seq.num_uncomputed > 1 and self.settings.enable_prefix_caching:
+            chain_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+            for h in seq.block_hashes[seq.num_computed_tokens // self.block_size :]:
+                inflight.setdefault(h, seq)
+
+    def _waits(self, seq: Sequence, inflight: dict[bytes, Sequence]) -> bool:
+        """Whether seq's next block is being computed by a sequence admitted before it: then
+        seq waits for it rather than computing the same block in the same steps (a burst of
+        requests with one system prompt computes it once, not once per request)."""
+        bs = self.block_size
+        j = seq.num_computed_tokens // bs
+        if not inflight or seq.num_computed_tokens % bs or j >= (seq.num_tokens - 1) // bs:
+            return False
+        chain_hashes(seq.token_ids, bs, seq.block_hashes)
+        owner = inflight.get(seq.block_hashes[j])
+        return owner is not None and owner is not seq
+
+    def _late_hits(self, seq: Sequence) -> None:
+        """A running prefill takes the blocks that others registered since it was admitted."""
+        bs = self.block_size
+        j = seq.num_computed_tokens // bs
+        limit = (seq.num_tokens - 1) // bs
+        if seq.num_computed_tokens % bs or j >= limit or seq.num_registered_blocks != j:
+            return
+        hits = self._lookup(seq, limit)[j:]
+        for k, block in enumerate(hits):
+            self.pool.take([block])
+            if j + k < len(seq.block_table):  # its own block, allocated but not computed yet
+                self.pool.release([seq.block_table[j + k]])
+                seq.block_table[j + k] = block
+            else:
+                seq.block_table.append(block)
+        seq.num_computed_tokens += len(hits) * bs
+        seq.num_registered_blocks += len(hits)
+        self._count_hits(seq, len(hits) * bs)
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the next token's (speculative tokens rejected)."""
+        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that are full and computed (after a step)."""
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks or not self.settings.enable_prefix_caching:
+            return
+        chain_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        for j in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[j], seq.block_hashes[j])
+        seq.num_registered_blocks = full
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """Choice 0 of a parallel-sampling request has its prompt computed: its pending
+        choices start from the same state, holding its blocks by reference."""
+        seq.forked = True
+        children = [c for c in seq.group if c.status is SequenceStatus.PENDING]
+        at = self.running.index(seq) + 1
+        for child in children:
+            child.token_ids = list(seq.token_ids)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.block_hashes = list(seq.block_hashes)
+            child.num_registered_blocks = seq.num_registered_blocks
+            child.block_table = list(seq.block_table)
+            self.pool.share(child.block_table)
+            child.status = SequenceStatus.RUNNING
+        self.running[at:at] = children
+        return children
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed
-        return (
-            1
-            if remaining == 1 and budget > 0
-            else min(remaining, self.settings.prefill_chunk_size, budget)
-        )
+        if remaining == 1 and budget > 0:
+            # A decode, plus its draft tokens (speculative decoding) as far as the budget goes.
+            del seq.draft_token_ids[budget - 1 :]
+            return 1 + len(seq.draft_token_ids)
+        return min(remaining, self.settings.prefill_chunk_size, budget)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids, seq.draft_probs = [], None
+        if self.draft is not None:
+            self.draft.release(seq)  # it catches up when it speculates again
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         n = len(seq.block_table)
@@ -101,6 +227,7 @@ class Scheduler:
             out.swap_out += zip(seq.block_table, host, strict=True)
             self.pool.release(seq.block_table)
             seq.block_table, seq.swap_table = [], host
+            seq.num_registered_blocks = 0
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)
         else:
@@ -126,12 +253,19 @@ class Scheduler:
         # Decodes before prefills: a decode needs one token, and max_num_batched_tokens >=
         # max_num_seqs guarantees they all fit.
         order = sorted(self.running, key=lambda q: q.num_uncomputed != 1)
+        inflight = self._inflight()
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_uncomputed > 1 and self.settings.enable_prefix_caching:
+                self._late_hits(seq)
+                if self._waits(seq, inflight):
+                    continue
             n = self._chunk(seq, budget)
             if n <= 0:
                 break  # budget spent; only prefills come this late in `order`
+            if n > 1 and seq.draft_token_ids and self._blocks_needed(seq, n) > self.pool.num_free:
+                seq.draft_token_ids, n = [], 1  # drop the drafts before preempting anyone
             while self._blocks_needed(seq, n) > self.pool.num_free:
                 victim = self.running[-1]
                 budget += chosen.pop(victim, 0)
@@ -141,26 +275,25 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self._grow(seq, n)
+            self._grow(seq, n, out)
             chosen[seq] = n
             budget -= n
 
         # Admit only when nobody was preempted this step, or we would thrash.
         if not preempted:
             budget = self._admit_swapped(out, chosen, budget)
-            while self.waiting and len(self.running) < s.max_num_seqs and budget > 0:
-                seq = self.waiting[0]
-                n = self._chunk(seq, budget)
-                if self._blocks_needed(seq, n) > self.pool.num_free:
-                    break  # FCFS: nobody overtakes the head of the queue
-                self.waiting.popleft()
-                self._grow(seq, n)
-                seq.status = SequenceStatus.RUNNING
-                if seq.metrics.first_scheduled_time is None:
-                    seq.metrics.first_scheduled_time = now
-                self.running.append(seq)
-                chosen[seq] = n
-                budget -= n
+            for seq in list(self.waiting):
+                if budget <= 0:
+                    break
+                if self.running and len(self.running) + seq.num_slots > s.max_num_seqs:
+                    break
+                admitted = self._admit_waiting(seq, out, chosen, budget, now, inflight)
+                if admitted is None:
+                    continue  # its next blocks are being computed: it may be overtaken
+                if not admitted:
+                    break  # FCFS: nobody overtakes the head of the queue for want of blocks
+                budget -= chosen[seq]
+                self._add_inflight(seq, inflight)
 
         # Single-token rows first, longest context first: attention buckets them by length.
         singles = sorted((seq for seq, n in chosen.items() if n == 1), key=lambda q: -q.num_tokens)
@@ -171,28 +304,76 @@ class Scheduler:
         for item in out.scheduled:
             # A decode feeds back the token sampled last step; everything else is (re)prefill.
             if item.seq.output_token_ids and item.seq.num_uncomputed == 1:
-                out.num_decode_tokens += 1
+                out.num_decode_tokens += item.num_new_tokens  # with any draft tokens
             else:
                 out.num_prefill_tokens += item.num_new_tokens
         return out
 
+    def _admit_waiting(
+        self,
+        seq: Sequence,
+        out: SchedulerOutput,
+        chosen: dict[Sequence, int],
+        budget: int,
+        now: float,
+        inflight: dict[bytes, Sequence],
+    ) -> bool | None:
+        """Admit a waiting sequence if its blocks fit, after the cached prefix it reuses.
+        None: not now, as a running sequence is computing its next block (admitted later, it
+        finds that block cached instead of computing it a second time)."""
+        bs = self.block_size
+        hits = self._lookup(seq, (seq.num_tokens - 1) // bs)
+        cached = len(hits) * bs
+        seq.num_computed_tokens = cached  # sizes the chunk; undone below if it does not fit
+        if self._waits(seq, inflight):
+            seq.num_computed_tokens = 0
+            return None
+        n = self._chunk(seq, budget)
+        need = -(-(cached + n) // bs) - len(hits) + self.pool.num_unheld(hits)
+        if need > self.pool.num_free:
+            seq.num_computed_tokens = 0
+            return False
+        self.waiting.remove(seq)
+        self.pool.take(hits)
+        seq.block_table, seq.num_registered_blocks = hits, len(hits)
+        if self.settings.enable_prefix_caching:
+            self.num_cache_queries += seq.num_tokens
+            self._count_hits(seq, cached)
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
+        self._grow(seq, n, out)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        chosen[seq] = n
+        return True
+
     def _admit_swapped(self, out: SchedulerOutput, chosen: dict[Sequence, int], budget: int) -> int:
-        """Swapped-out sequences were admitted before anything waiting: they go first."""
+        """Swapped-out sequences were admitted before anything waiting: they go first. Blocks
+        still in the prefix cache are taken from it rather than copied back."""
         s = self.settings
-        while self.swapped and len(self.running) < s.max_num_seqs:
+        bs = self.block_size
+        while self.swapped:
             seq = self.swapped[0]
+            if self.running and len(self.running) + seq.num_slots > s.max_num_seqs:
+                break
             n = self._chunk(seq, budget)
             if n <= 0:
                 break
             held = len(seq.swap_table)
-            if -(-(seq.num_computed_tokens + n) // self.block_size) > self.pool.num_free:
+            full = min(seq.num_computed_tokens // bs, (seq.num_tokens - 1) // bs)
+            hits = self._lookup(seq, full)
+            k = len(hits)
+            grow = max(0, -(-(seq.num_computed_tokens + n) // bs) - held)
+            if held - k + self.pool.num_unheld(hits) + grow > self.pool.num_free:
                 break
             self.swapped.popleft()
-            device = self.pool.allocate(held)
-            out.swap_in += zip(seq.swap_table, device, strict=True)
+            self.pool.take(hits)
+            device = self.pool.allocate(held - k)
+            out.swap_in += zip(seq.swap_table[k:], device, strict=True)
             self.swap_pool.release(seq.swap_table)
-            seq.block_table, seq.swap_table = device, []
-            self._grow(seq, n)
+            seq.block_table, seq.swap_table = hits + device, []
+            seq.num_registered_blocks = k
+            self._grow(seq, n, out)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq] = n

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,22 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    PENDING = "pending"  # choice i > 0 of parallel sampling, before choice 0 forks it
     FINISHED = "finished"
+
+
+def chain_hashes(
+    token_ids: list[int], block_size: int, hashes: list[bytes], root: bytes = b""
+) -> None:
+    """Extend `hashes` to one per full block of `token_ids`. A block's hash covers its parent's
+    hash and its own token ids (and `root`: anything else that changes K/V, such as an
+    adapter), so equal hashes mean equal prefixes. 128-bit BLAKE2b: a crafted prompt cannot
+    collide with another tenant's prefix and read its cache."""
+    parent = hashes[-1] if hashes else root
+    for i in range(len(hashes), len(token_ids) // block_size):
+        block = array("i", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        hashes.append(parent)
 
 
 @dataclass(eq=False, slots=True)
@@ -42,10 +59,31 @@ class Sequence:
     output_text: str = ""
     num_emitted_chars: int = 0  # text already handed to the caller
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # Prefix cache: hashes of the full blocks of token_ids (extended as tokens come), and how
+    # many leading blocks of block_table are registered in (or were found in) the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    # Parallel sampling: the request's choices, this one at `index` (a list shared by all of
+    # them; [self] when n == 1). Choice 0 runs the prompt and forks the others at its first
+    # sample; until then they wait as PENDING, outside the scheduler's queues.
+    index: int = 0
+    group: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    cumulative_logprob: float = 0.0
+    # Speculative decoding: this step's proposed tokens (scheduled after the last token as
+    # extra rows) and the draft model's distributions for them (None for n-gram proposals).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    # The draft model's own KV (speculative_method = draft): its blocks and how many of
+    # token_ids it holds.
+    draft_block_table: list[int] = field(default_factory=list)
+    draft_num_computed: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.group:
+            self.group = [self]
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +92,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_slots(self) -> int:
+        """Batch slots this sequence takes once running: all n choices for an unforked choice 0."""
+        return 1 if self.forked or self.index else len(self.group)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -21,6 +21,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
 
@@ -69,12 +71,41 @@ class EngineSettings:
         "the embedding table stays float). Faster decode, some quality.",
         False,
     )
+    speculative_draft_model: str = _restart(
+        "Draft model for speculative_method = draft: a path like `model` (safetensors "
+        "directory, .gguf file or alias) sharing the target's tokenizer. Empty: none loaded.",
+        "",
+    )
+    speculative_draft_quantization: str = _restart(
+        "The draft model's weight-only quantization (auto, none, int8, int4), as `quantization`.",
+        "auto",
+    )
     # Live: applied at the next step boundary.
     max_num_seqs: int = _live("Most sequences in one batch.", 32)
     max_num_batched_tokens: int = _live("Token budget of one step (prefill + decode).", 1024)
     prefill_chunk_size: int = _live("Most prompt tokens one request may prefill in one step.", 512)
     preemption_mode: str = _live(
         "What to do when KV blocks run out: recompute or swap.", "recompute"
+    )
+    speculative_method: str = _live(
+        "Speculative decoding: off; ngram (prompt lookup: propose what followed the last n "
+        "tokens earlier in the prompt or output); draft (a small model proposes, needs "
+        "speculative_draft_model). Outputs keep the target's distribution exactly.",
+        "off",
+    )
+    speculative_num_tokens: int = _live("Tokens proposed per sequence and step (k).", 3)
+    speculative_max_batch_size: int = _live(
+        "Above this many running sequences speculation pauses: a compute-bound batch gains "
+        "nothing from it.",
+        8,
+    )
+    speculative_ngram_min: int = _live("ngram: shortest suffix matched.", 2)
+    speculative_ngram_max: int = _live("ngram: longest suffix matched (tried first).", 4)
+    enable_prefix_caching: bool = _live(
+        "Reuse the KV blocks of prompt prefixes computed before (full blocks, matched by a "
+        "chained hash of their tokens). Off: no matching and no new entries; nothing in use "
+        "is freed.",
+        True,
     )
 
     @classmethod
@@ -144,6 +175,31 @@ def check(settings: EngineSettings) -> EngineSettings:
     _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
     _int("prefill_chunk_size", s.prefill_chunk_size, 1, 1 << 20)
     _choice("preemption_mode", s.preemption_mode, PREEMPTION_MODES)
+    _choice("speculative_method", s.speculative_method, SPECULATIVE_METHODS)
+    _choice("speculative_draft_quantization", s.speculative_draft_quantization, QUANTIZATIONS)
+    if not isinstance(s.speculative_draft_model, str):
+        raise InvalidSettingError(
+            "speculative_draft_model", f"must be a path string, got {s.speculative_draft_model!r}"
+        )
+    if s.speculative_method == "draft" and not s.speculative_draft_model:
+        raise InvalidSettingError(
+            "speculative_method",
+            "draft needs speculative_draft_model, which is restart-only: set both and restart",
+        )
+    _int("speculative_num_tokens", s.speculative_num_tokens, 1, MAX_SPECULATIVE_TOKENS)
+    _int("speculative_max_batch_size", s.speculative_max_batch_size, 1, 4096)
+    _int("speculative_ngram_min", s.speculative_ngram_min, 1, 64)
+    _int("speculative_ngram_max", s.speculative_ngram_max, 1, 64)
+    if s.speculative_ngram_max < s.speculative_ngram_min:
+        raise InvalidSettingError(
+            "speculative_ngram_max",
+            f"must be >= speculative_ngram_min ({s.speculative_ngram_min}), "
+            f"got {s.speculative_ngram_max}",
+        )
+    if not isinstance(s.enable_prefix_caching, bool):
+        raise InvalidSettingError(
+            "enable_prefix_caching", f"must be true or false, got {s.enable_prefix_caching!r}"
+        )
     if s.max_num_batched_tokens < s.max_num_seqs:
         # Every running sequence must be able to decode one token per step.
         raise InvalidSettingError(

@@ -32,6 +32,8 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: proposed, and of those accepted
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -80,6 +82,23 @@ class StepStats:
     decode_tokens_total: int = 0
     running_total: int = 0  # sum over steps of num_running (mean batch fill = delta / steps)
     batched_tokens_total: int = 0  # sum over steps of prefill + decode tokens
+    # Prefix cache (vLLM's counters): prompt tokens looked up at admission and of those, found
+    # cached (so not computed); cached blocks evicted to make room. Cumulative.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefix_cache_evictions_total: int = 0
+    # Gauges: blocks whose contents are registered in the prefix cache (held or not), and of
+    # those, the ones nobody holds (evictable: allocation reuses them after the free ones).
+    # kv_blocks_used counts held blocks only; total - used can be allocated.
+    kv_blocks_cached: int = 0
+    kv_blocks_evictable: int = 0
+    # Speculative decoding (vLLM's counters), cumulative: sequences that had drafts verified,
+    # tokens proposed, tokens accepted, and accepted tokens by position in the draft.
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
+    speculation: str = "off"  # off | active | paused (more running than the max batch size)
 
     @property
     def kv_usage(self) -> float:
@@ -102,6 +121,11 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
     time: float = 0.0  # when this output was produced (time.time()): per-token latencies
     error: str | None = None  # why, when finish_reason is "error" (the engine kept serving)
+    # Parallel sampling (SamplingParams.n > 1): outputs of one request come per choice; `index`
+    # says which, `finished` means that choice is done (the request is done when all n are).
+    # `metrics` is the request's, shared by its choices (output tokens summed over them).
+    index: int = 0
+    cumulative_logprob: float | None = None  # sum of the choice's token logprobs (n > 1 only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,371 @@
+"""Prefix caching on the real model: cache on vs off, in the same run.
+
+What is measured
+----------------
+Three workloads, each run with ``engine.enable_prefix_caching`` on and off (order alternating):
+
+* ``system``: the daemon (``python -m controlplane serve``, SQLite, SmolLM2 by default) gets
+  ``--system-requests`` (64) streaming chat requests at a fixed rate (``--rate``, 1 req/s), each
+  the same ~2,000-token system prompt plus a distinct 50-100-token user turn, 64 output tokens
+  (EOS ignored). Figures: TTFT p50 / p99 (first content chunk), output tokens/s (from the first
+  send to the last completion), and the share of prompt tokens served from the cache (from
+  ``usage.prompt_tokens_details.cached_tokens``). Target: TTFT p50 at least 5x lower with the
+  cache on.
+* ``multiturn``: the daemon again; ``--conversations`` (16) chats of ``--turns`` (6) turns run
+  concurrently, every turn resending the whole conversation so far (the model's answers
+  included) plus a new user message, 48 output tokens per turn. Figures: prompt tokens sent,
+  prompt tokens computed (sent - cached), the cached share, total time. Target: at least 70%
+  of prompt tokens from the cache.
+* ``nosharing``: in-process ``LLM.generate`` on random prompts (``--offline-requests`` (48),
+  prompt 32-512 random token ids, output 16-128, greedy, EOS ignored): the hashing and
+  bookkeeping cost when nothing is shared. One engine, the setting toggled live between runs
+  (``--repeats`` (3) interleaved pairs; medians). Target: throughput with the cache on within
+  2% of off.
+
+Figures to read, never timed assertions: the machine is shared, the load generator runs on
+the same CPUs as the daemon.
+
+How to run
+----------
+    python benchmarks/prefix_cache.py                    # all three, ~20 minutes on 2 cores
+    python benchmarks/prefix_cache.py --only nosharing
+    python benchmarks/prefix_cache.py --system-requests 16 --conversations 4 --turns 3  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_serving import Daemon, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+TOPICS = (
+    "billing disputes",
+    "password resets",
+    "shipping delays",
+    "refund eligibility",
+    "account security",
+    "data export requests",
+    "subscription upgrades",
+    "outage communication",
+)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def system_prompt(words: int) -> str:
+    """A long, plausible, deterministic policy document (~1.3 tokens per word)."""
+    rng = random.Random(0)
+    parts = ["You are the support assistant of Example Corp. Follow this handbook exactly."]
+    n = 0
+    section = 1
+    while n < words:
+        topic = TOPICS[section % len(TOPICS)]
+        rule = (
+            f"Section {section}: on {topic}, first confirm the customer's identity, then check "
+            f"ticket history item {rng.randint(100, 999)}, quote policy clause "
+            f"{rng.randint(1, 40)}.{rng.randint(1, 9)}, and never promise a resolution time "
+            f"shorter than {rng.randint(2, 72)} hours. Escalate to tier {rng.randint(2, 3)} when "
+            f"the amount exceeds {rng.randint(50, 5000)} dollars."
+        )
+        parts.append(rule)
+        n += len(rule.split())
+        section += 1
+    return "\n".join(parts)
+
+
+def user_turn(i: int, words: int) -> str:
+    rng = random.Random(1000 + i)
+    topic = TOPICS[i % len(TOPICS)]
+    filler = " ".join(
+        rng.choice(
+            (
+                "please",
+                "urgent",
+                "order",
+                "account",
+                "today",
+                "again",
+                "invoice",
+                "email",
+                "help",
+                "thanks",
+            )
+        )
+        for _ in range(words)
+    )
+    return f"Customer {i} writes about {topic}: {filler}. What should I answer?"
+
+
+# -- the daemon -------------------------------------------------------------------------------
+
+
+def start(workdir: Path, model: str, caching: bool, args: argparse.Namespace) -> Daemon:
+    port = free_port()
+    data_dir = workdir / "data"
+    data_dir.mkdir(parents=True)
+    cfg = workdir / "config.toml"
+    cfg.write_text(
+        f"data_dir = {json.dumps(str(data_dir))}\n"
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue_len = 1024\n'
+        f"[engine]\nmodel = {json.dumps(model)}\n"
+        f"max_num_seqs = {args.max_num_seqs}\n"
+        f"enable_prefix_caching = {'true' if caching else 'false'}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+    log_path = workdir / "daemon.log"
+    import subprocess
+
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    d = Daemon(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, data_dir=data_dir)
+    d.wait_healthy(300)
+    return d
+
+
+async def chat(client: Any, model: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    usage = None
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(chunk.choices[0].delta.content)
+    cached = 0
+    if usage.prompt_tokens_details is not None:
+        cached = usage.prompt_tokens_details.cached_tokens or 0
+    return {
+        "ttft": ttft,
+        "e2e": time.perf_counter() - t0,
+        "text": "".join(text),
+        "prompt": usage.prompt_tokens,
+        "cached": cached,
+        "completion": usage.completion_tokens,
+    }
+
+
+async def system_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    system = system_prompt(args.system_words)
+    # Warm up (not measured) on an unrelated prompt: no cache entry for the system prompt.
+    await chat(client, model, [{"role": "user", "content": "Hello there"}], 4)
+    rng = random.Random(7)
+
+    async def one(i: int) -> dict[str, Any]:
+        await asyncio.sleep(i / args.rate)
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user_turn(i, rng.randint(40, 75))},
+        ]
+        return await chat(client, model, messages, args.output_len)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(args.system_requests)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    ttfts = [r["ttft"] for r in results]
+    prompt = sum(r["prompt"] for r in results)
+    return {
+        "requests": len(results),
+        "prompt_tokens_mean": prompt / len(results),
+        "ttft_p50_s": pct(ttfts, 50),
+        "ttft_p99_s": pct(ttfts, 99),
+        "output_tok_s": sum(r["completion"] for r in results) / wall,
+        "cached_share": sum(r["cached"] for r in results) / prompt,
+        "wall_s": wall,
+    }
+
+
+async def multiturn_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    await chat(client, model, [{"role": "user", "content": "Hello there"}], 4)
+    totals = {"prompt": 0, "cached": 0, "completion": 0}
+
+    async def conversation(c: int) -> None:
+        messages = [{"role": "system", "content": f"You are assistant number {c}. Be brief."}]
+        for t in range(args.turns):
+            messages.append({"role": "user", "content": user_turn(100 * c + t, 30)})
+            r = await chat(client, model, messages, args.turn_output_len)
+            messages.append({"role": "assistant", "content": r["text"]})
+            for k in totals:
+                totals[k] += r[k]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return {
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "prompt_tokens": totals["prompt"],
+        "prompt_tokens_computed": totals["prompt"] - totals["cached"],
+        "cached_share": totals["cached"] / totals["prompt"],
+        "wall_s": wall,
+    }
+
+
+def daemon_pair(name: str, workload: Any, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for caching in (False, True):
+        label = "on" if caching else "off"
+        with tempfile.TemporaryDirectory(prefix=f"prefix-{name}-") as tmp:
+            log(f"{name}: cache {label}: starting the daemon")
+            d = start(Path(tmp), model, caching, args)
+            try:
+                out[label] = asyncio.run(workload(d.url, args))
+            except Exception:
+                log(d.log_tail())
+                raise
+            finally:
+                d.stop(60)
+        log(f"{name}: cache {label}: {json.dumps(out[label])}")
+    return out
+
+
+# -- offline, nothing shared ----------------------------------------------------------------
+
+
+def nosharing(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    from controlplane.engine import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=args.max_num_seqs)
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts, params = [], []
+    for _ in range(args.offline_requests):
+        prompts.append([rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))])
+        params.append(
+            SamplingParams(max_tokens=rng.randint(16, 128), temperature=0, ignore_eos=True)
+        )
+    useful = sum(p.max_tokens for p in params)
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm up
+    figures: dict[str, list[float]] = {"off": [], "on": []}
+    for rep in range(args.repeats):
+        order = ("off", "on") if rep % 2 == 0 else ("on", "off")
+        for label in order:
+            llm.engine.update_settings(enable_prefix_caching=label == "on")
+            llm.engine.reset_prefix_cache()
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            figures[label].append(useful / (time.perf_counter() - t0))
+            log(f"nosharing: repeat {rep} cache {label}: {figures[label][-1]:.1f} output tok/s")
+    hits = llm.engine.stats().prefix_cache_hits_total
+    off, on = statistics.median(figures["off"]), statistics.median(figures["on"])
+    return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off, "cache_hits_tokens": hits}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="smollm2", help="engine.model (default: SmolLM2's GGUF)")
+    p.add_argument("--only", choices=("system", "multiturn", "nosharing"), action="append")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--system-requests", type=int, default=64)
+    p.add_argument("--system-words", type=int, default=1500, help="~2,000 tokens")
+    p.add_argument("--rate", type=float, default=1.0, help="system workload, requests/s")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--turn-output-len", type=int, default=48)
+    p.add_argument("--offline-requests", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    only = set(args.only or ("system", "multiturn", "nosharing"))
+    report: dict[str, Any] = {"cpu": _cpu()}
+    if "nosharing" in only:
+        report["nosharing"] = nosharing(args.model, args)
+    if "multiturn" in only:
+        report["multiturn"] = daemon_pair("multiturn", multiturn_workload, args.model, args)
+    if "system" in only:
+        report["system"] = daemon_pair("system", system_workload, args.model, args)
+
+    log("\n== prefix caching, cache on vs off (same run) ==")
+    if "system" in report:
+        off, on = report["system"]["off"], report["system"]["on"]
+        log(
+            f"shared system prompt ({on['requests']} requests, ~{on['prompt_tokens_mean']:.0f} "
+            f"prompt tokens, {args.rate:g} req/s): TTFT p50 {off['ttft_p50_s']:.2f}s -> "
+            f"{on['ttft_p50_s']:.2f}s ({off['ttft_p50_s'] / on['ttft_p50_s']:.1f}x lower, target "
+            f">= 5x); p99 {off['ttft_p99_s']:.2f}s -> {on['ttft_p99_s']:.2f}s; output tok/s "
+            f"{off['output_tok_s']:.1f} -> {on['output_tok_s']:.1f}; cached share "
+            f"{on['cached_share']:.1%}"
+        )
+    if "multiturn" in report:
+        off, on = report["multiturn"]["off"], report["multiturn"]["on"]
+        log(
+            f"multi-turn ({on['conversations']} x {on['turns']} turns): prompt tokens computed "
+            f"{off['prompt_tokens_computed']} -> {on['prompt_tokens_computed']} of "
+            f"{on['prompt_tokens']}; from the cache {on['cached_share']:.1%} (target >= 70%); "
+            f"total {off['wall_s']:.1f}s -> {on['wall_s']:.1f}s"
+        )
+    if "nosharing" in report:
+        r = report["nosharing"]
+        log(
+            f"no sharing (offline, {args.offline_requests} random prompts): {r['off_tok_s']:.1f} "
+            f"-> {r['on_tok_s']:.1f} output tok/s, on/off {r['ratio']:.3f} (target >= 0.98); "
+            f"cache hits {r['cache_hits_tokens']} tokens"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
