@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,21 @@ BS = 8
 def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same tokenizer, different random weights: a draft whose q differs much from p."""
     return write_demo_model(tmp_path_factory.mktemp("draft") / "model", size="tiny", seed=1)
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with its logits x 8 (lm_head x 8): the same ranking, a sharper
+    distribution. As a draft, q differs from p on every token, so the acceptance rule matters:
+    exact rejection sampling gives p, accepting too much gives q."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("sharp") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 8
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def make(tiny_model_dir: Path, **kw: Any) -> Engine:
@@ -224,7 +240,19 @@ def test_ngram_proposer():
 # -- the distribution ------------------------------------------------------------------------
 
 TOP_K = 5
-PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]  # repetitive: the n-gram proposer proposes too
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model_dir) -> list[int]:
+    """A prompt ending in the target's own greedy continuation, which repeats itself: likely
+    next tokens occur earlier in it, so the n-gram proposer's drafts are sometimes accepted and
+    sometimes rejected (both halves of the rule are exercised)."""
+    base = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+    eng = make(tiny_model_dir)
+    eng.add_request(
+        base, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), request_id="g"
+    )
+    return base + drain(eng)["g"].token_ids
 
 
 def exact_next(engine: Engine, prefix: list[int]) -> dict[int, float]:
@@ -238,7 +266,7 @@ def exact_next(engine: Engine, prefix: list[int]) -> dict[int, float]:
     return {t: w / total for t, w in weights.items()}
 
 
-def marginals(engine: Engine, depth: int) -> list[dict[int, float]]:
+def marginals(engine: Engine, prompt: list[int], depth: int) -> list[dict[int, float]]:
     """Exact distributions of output tokens 1..depth (marginalised over earlier ones)."""
     layers = [{(): 1.0}]
     out = []
@@ -246,7 +274,7 @@ def marginals(engine: Engine, depth: int) -> list[dict[int, float]]:
         nxt: dict[tuple[int, ...], float] = {}
         dist: dict[int, float] = {}
         for prefix, w in layers[-1].items():
-            for t, p in exact_next(engine, PROMPT + list(prefix)).items():
+            for t, p in exact_next(engine, prompt + list(prefix)).items():
                 nxt[(*prefix, t)] = w * p
                 dist[t] = dist.get(t, 0.0) + w * p
         layers.append(nxt)
@@ -274,10 +302,10 @@ def chi_square_rejects(
     return stat > crit, stat / crit
 
 
-def sample_tokens(engine: Engine, n: int, depth: int) -> list[list[int]]:
+def sample_tokens(engine: Engine, prompt: list[int], n: int, depth: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=depth, temperature=1.0, top_k=TOP_K, ignore_eos=True)
     for i in range(n):
-        engine.add_request(PROMPT, params, request_id=f"d{i}")
+        engine.add_request(prompt, params, request_id=f"d{i}")
     done = drain(engine)
     check_released(engine)
     return [done[f"d{i}"].token_ids for i in range(n)]
@@ -288,14 +316,15 @@ DEPTH = 3
 
 
 @pytest.fixture(scope="module")
-def exact(tiny_model_dir) -> list[dict[int, float]]:
-    return marginals(make(tiny_model_dir), DEPTH)
+def exact(tiny_model_dir, prompt) -> list[dict[int, float]]:
+    return marginals(make(tiny_model_dir), prompt, DEPTH)
 
 
-def spec_engine(tiny_model_dir, other_model_dir, method: str) -> Engine:
-    extra = {"speculative_draft_model": str(other_model_dir)} if method == "draft" else {}
+def spec_engine(tiny_model: Path, method: str, draft: Path | None = None, **extra: Any) -> Engine:
+    if draft is not None:
+        extra["speculative_draft_model"] = str(draft)
     return make(
-        tiny_model_dir,
+        tiny_model,
         speculative_method=method,
         speculative_num_tokens=2,
         speculative_ngram_min=1,
@@ -308,9 +337,12 @@ def spec_engine(tiny_model_dir, other_model_dir, method: str) -> Engine:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["off", "ngram", "draft"])
-def test_sampled_distribution_is_the_targets(tiny_model_dir, other_model_dir, exact, method):
-    eng = spec_engine(tiny_model_dir, other_model_dir, method)
-    samples = sample_tokens(eng, N_SAMPLES, DEPTH)
+def test_sampled_distribution_is_the_targets(
+    tiny_model_dir, sharp_model_dir, prompt, exact, method
+):
+    draft = sharp_model_dir if method == "draft" else None
+    eng = spec_engine(tiny_model_dir, method, draft)
+    samples = sample_tokens(eng, prompt, N_SAMPLES, DEPTH)
     if method != "off":
         st = eng.stats()
         # Both outcomes are exercised: accepted drafts and rejections (residual draws).
@@ -325,15 +357,15 @@ def test_sampled_distribution_is_the_targets(tiny_model_dir, other_model_dir, ex
 
 @pytest.mark.slow
 def test_a_wrong_acceptance_rule_fails_the_distribution_test(
-    tiny_model_dir, other_model_dir, exact, monkeypatch
+    tiny_model_dir, sharp_model_dir, prompt, exact, monkeypatch
 ):
-    # Accept every draft (u = 0): the output follows the draft, not the target.
+    # Accept every draft the target could emit (u = 0): the output follows the draft.
     real_rand = spec_module.torch.rand
     monkeypatch.setattr(spec_module.torch, "rand", lambda *a, **k: real_rand(*a, **k) * 0)
-    eng = spec_engine(tiny_model_dir, other_model_dir, "draft")
-    samples = sample_tokens(eng, N_SAMPLES, DEPTH)
+    eng = spec_engine(tiny_model_dir, "draft", sharp_model_dir)
+    samples = sample_tokens(eng, prompt, N_SAMPLES, DEPTH)
     counts: dict[int, int] = {}
     for s in samples:
         counts[s[1]] = counts.get(s[1], 0) + 1
-    rejected, _ = chi_square_rejects(counts, exact[1], N_SAMPLES)
-    assert rejected
+    rejected, ratio = chi_square_rejects(counts, exact[1], N_SAMPLES)
+    assert rejected, f"chi-square only {ratio:.2f}x the critical value"

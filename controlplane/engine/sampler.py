@@ -27,7 +27,9 @@ def apply_penalties(
 
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p for rows that sample at random; returns probabilities."""
+    """Temperature, top-k, top-p and min-p for rows that sample at random; returns normalized
+    probabilities (speculative verification compares them with the draft's: p/q must be
+    exact, so the filtered-out mass is renormalized here, not left to multinomial)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
@@ -52,7 +54,7 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
             torch.tensor(min_ps, device=device).unsqueeze(1) * probs.max(-1, keepdim=True).values
         )
         probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
