@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -119,7 +120,8 @@ def user_turn(i: int, words: int) -> str:
 # -- the daemon -------------------------------------------------------------------------------
 
 
-def start(workdir: Path, model: str, caching: bool, args: argparse.Namespace) -> Daemon:
+def start(workdir: Path, model: str, engine: dict[str, Any], args: argparse.Namespace) -> Daemon:
+    """The daemon on `model` with `engine` settings on top of the config below."""
     port = free_port()
     data_dir = workdir / "data"
     data_dir.mkdir(parents=True)
@@ -129,7 +131,7 @@ def start(workdir: Path, model: str, caching: bool, args: argparse.Namespace) ->
         f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue_len = 1024\n'
         f"[engine]\nmodel = {json.dumps(model)}\n"
         f"max_num_seqs = {args.max_num_seqs}\n"
-        f"enable_prefix_caching = {'true' if caching else 'false'}\n"
+        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in engine.items())
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
     log_path = workdir / "daemon.log"
@@ -153,6 +155,7 @@ async def chat(client: Any, model: str, messages: list[dict], max_tokens: int) -
     t0 = time.perf_counter()
     ttft = None
     text = []
+    times: list[float] = []  # arrival of each content chunk (inter-token latencies)
     usage = None
     stream = await client.chat.completions.create(
         model=model,
@@ -167,8 +170,9 @@ async def chat(client: Any, model: str, messages: list[dict], max_tokens: int) -
         if chunk.usage is not None:
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
             if ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = times[-1] - t0
             text.append(chunk.choices[0].delta.content)
     cached = 0
     if usage.prompt_tokens_details is not None:
@@ -180,6 +184,7 @@ async def chat(client: Any, model: str, messages: list[dict], max_tokens: int) -
         "prompt": usage.prompt_tokens,
         "cached": cached,
         "completion": usage.completion_tokens,
+        "itl": [b - a for a, b in itertools.pairwise(times)],
     }
 
 
@@ -255,7 +260,7 @@ def daemon_pair(name: str, workload: Any, model: str, args: argparse.Namespace) 
         label = "on" if caching else "off"
         with tempfile.TemporaryDirectory(prefix=f"prefix-{name}-") as tmp:
             log(f"{name}: cache {label}: starting the daemon")
-            d = start(Path(tmp), model, caching, args)
+            d = start(Path(tmp), model, {"enable_prefix_caching": caching}, args)
             try:
                 out[label] = asyncio.run(workload(d.url, args))
             except Exception:
