@@ -1,42 +1,42 @@
 """Unit tests for controlplane.admin_api.stats.summarize and controlplane.admin_api.metrics.Metrics.
 
-A stand-in dataclass with defaults replaces the engine's StepStats (whose cumulative fields
-are beside the point here); one test feeds the real class to prove the fields match. Request
-metrics are the engine's own, torch-free RequestMetrics. Expected numbers are computed by hand in the comments.
+Steps are the engine's own StepStats (torch-free), built by `Step` with zero defaults for
+what a test does not care about. Request metrics are the engine's own, torch-free
+RequestMetrics. Expected numbers are computed by hand in the comments.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import summarize
+from controlplane.admin_api.stats import cache_and_speculation, summarize
 from controlplane.common import percentile
-from controlplane.engine.types import RequestMetrics
+from controlplane.engine.types import RequestMetrics, StepStats
 
-# -- stand-ins ------------------------------------------------------------------------------
+# -- steps ----------------------------------------------------------------------------------
+
+STEP_DEFAULTS = dict(
+    num_running=0,
+    num_waiting=0,
+    num_swapped=0,
+    kv_blocks_used=0,
+    kv_blocks_total=100,
+    num_prefill_tokens=0,
+    num_decode_tokens=0,
+    num_sampled_tokens=0,
+    step_duration=0.0,
+    num_preemptions=0,
+    num_finished=0,
+)
 
 
-@dataclass(frozen=True)
-class Step:
-    step: int
-    time: float
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 100
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_sampled_tokens: int = 0
-    step_duration: float = 0.0
-    num_preemptions: int = 0
-    num_finished: int = 0
+def Step(step: int, time: float, **fields) -> StepStats:
+    return StepStats(step=step, time=time, **{**STEP_DEFAULTS, **fields})
 
 
 # -- summarize ------------------------------------------------------------------------------
@@ -455,9 +455,6 @@ def test_metrics_content_type_has_one_charset() -> None:
 
 
 def test_engine_classes_fit() -> None:
-    # The real classes (torch-free, controlplane.engine.types) work where the stand-ins do.
-    from controlplane.engine.types import StepStats
-
     common = dict(num_running=2, num_waiting=1, num_swapped=0, kv_blocks_total=40)
     steps = [
         StepStats(step=1, time=99.0, kv_blocks_used=10, num_prefill_tokens=32,
@@ -484,3 +481,84 @@ def test_engine_classes_fit() -> None:
     assert value(out, P + "generation_tokens_total") == rm.num_output_tokens == 3
     assert value(out, P + "inter_token_latency_seconds_count") == 2  # mean 0.5, twice
     assert value(out, P + "inter_token_latency_seconds_sum") == pytest.approx(1.0)
+
+
+# -- prefix cache and speculative decoding --------------------------------------------------
+
+CACHE_SPEC = dict(
+    prefix_cache_queries_total=1000,
+    prefix_cache_hits_total=600,
+    prefix_cache_evictions_total=7,
+    kv_blocks_cached=30,
+    kv_blocks_evictable=12,
+    spec_decode_num_drafts_total=50,
+    spec_decode_num_draft_tokens_total=150,
+    spec_decode_num_accepted_tokens_total=90,
+    spec_decode_accepted_per_pos=(45, 30, 15),
+    speculation="active",
+)
+
+
+def test_prefix_cache_and_spec_decode_metrics_are_the_engine_counters() -> None:
+    m = Metrics(MODEL)
+    out = scrape(m)  # before any step: zeros, the state off
+    assert value(out, P + "prefix_cache_hits_total") == 0
+    assert value(out, P + "spec_decode_state", state="off") == 1
+    assert value(out, P + "spec_decode_state", state="active") == 0
+
+    m.observe_steps([Step(1, 1.0), Step(2, 2.0, **CACHE_SPEC)])
+    out = scrape(m)
+    assert value(out, P + "prefix_cache_queries_total") == 1000
+    assert value(out, P + "prefix_cache_hits_total") == 600
+    assert value(out, P + "prefix_cache_evictions_total") == 7
+    assert value(out, P + "kv_cache_cached_blocks") == 30
+    assert value(out, P + "kv_cache_evictable_blocks") == 12
+    assert value(out, P + "spec_decode_num_drafts_total") == 50
+    assert value(out, P + "spec_decode_num_draft_tokens_total") == 150
+    assert value(out, P + "spec_decode_num_accepted_tokens_total") == 90
+    per_pos = [
+        value(out, P + "spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(3)
+    ]
+    assert per_pos == [45, 30, 15]
+    assert [value(out, P + "spec_decode_state", state=s) for s in ("off", "active", "paused")] == [
+        0,
+        1,
+        0,
+    ]
+    # A stale window (an older step) does not move the counters back.
+    m.observe_steps([Step(1, 1.0)])
+    assert value(scrape(m), P + "prefix_cache_hits_total") == 600
+
+
+def test_cache_and_speculation_rates_are_window_differences() -> None:
+    base = Step(5, 40.0, **{**CACHE_SPEC, "speculation": "off"})
+    latest = Step(
+        9,
+        100.0,
+        **{
+            **CACHE_SPEC,
+            "prefix_cache_queries_total": 1400,  # +400 looked up
+            "prefix_cache_hits_total": 900,  # +300 found: 75%
+            "spec_decode_num_drafts_total": 60,  # +10 verifications
+            "spec_decode_num_draft_tokens_total": 180,  # +30 proposed
+            "spec_decode_num_accepted_tokens_total": 114,  # +24 accepted: 80%
+            "speculation": "paused",
+        },
+    )
+    r = cache_and_speculation(latest, base)
+    assert r["prefix_cache_hit_rate"] == pytest.approx(0.75)
+    assert r["prefix_cache_queries_in_window"] == 400
+    assert r["spec_acceptance_rate"] == pytest.approx(0.8)
+    assert r["spec_mean_accepted_len"] == pytest.approx(24 / 10 + 1)
+    assert r["speculation"] == "paused"
+    assert (r["kv_blocks_cached"], r["kv_blocks_evictable"]) == (30, 12)
+    # Since start (no base): the cumulative totals.
+    assert cache_and_speculation(latest, None)["prefix_cache_hit_rate"] == pytest.approx(
+        0.9 * 1000 / 1400
+    )
+    # Nothing looked up or proposed in the window: None, not 0 or a division error.
+    idle = cache_and_speculation(latest, latest)
+    assert idle["prefix_cache_hit_rate"] is None
+    assert idle["spec_acceptance_rate"] is None and idle["spec_mean_accepted_len"] is None
+    assert cache_and_speculation(None, None)["speculation"] == "off"

@@ -298,6 +298,15 @@ def fake_stats(i: int) -> dict[str, Any]:
         "preemptions_in_window": 1,
         "prefill_tokens_per_s": 800 + 300 * ((i * 7) % 11),
         "decode_tokens_per_s": 1500 + 40 * ((i * 5) % 13),
+        "enable_prefix_caching": True,
+        "prefix_cache_hit_rate": 0.62,
+        "kv_blocks_cached": 180,
+        "kv_blocks_evictable": 96,
+        "speculative_method": "ngram",
+        "speculative_num_tokens": 3,
+        "speculation": "active",
+        "spec_acceptance_rate": 0.71,
+        "spec_mean_accepted_len": 3.13,
         "requests_in_flight": 9,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,
@@ -333,6 +342,10 @@ class FakeClient:
                 "engine.max_num_batched_tokens": f(2048),
                 "engine.prefill_chunk_size": f(512),
                 "engine.preemption_mode": f("recompute"),
+                "engine.speculative_method": f("ngram", "api"),
+                "engine.speculative_num_tokens": f(3),
+                "engine.speculative_max_batch_size": f(8),
+                "engine.enable_prefix_caching": f(True),
             }
         }
 
@@ -349,8 +362,9 @@ class FakeClient:
             ]
         }
 
-    async def block_map(self, buckets: int = 48) -> list[float]:
-        return [((i * 7) % 9) / 8 for i in range(buckets)]
+    async def block_map(self, buckets: int = 48) -> tuple[list[float], list[float]]:
+        used = [((i * 7) % 9) / 8 for i in range(buckets)]
+        return used, [(1 - u) * (i % 3) / 2 for i, u in enumerate(used)]
 
     async def requests(self) -> dict[str, Any]:
         live = [

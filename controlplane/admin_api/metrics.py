@@ -18,6 +18,19 @@ and histograms are not listed):
   ``controlplane:request_queue_time_seconds``, ``controlplane:iteration_tokens_total``,
   ``controlplane:request_prompt_tokens``, ``controlplane:request_generation_tokens``
   (with vLLM v1's bucket boundaries);
+- prefix caching (vLLM v1's names): counters ``controlplane:prefix_cache_queries_total`` and
+  ``controlplane:prefix_cache_hits_total`` (prompt tokens looked up / found cached), and our
+  own ``controlplane:prefix_cache_evictions_total`` (cached blocks evicted to make room),
+  gauges ``controlplane:kv_cache_cached_blocks`` (blocks holding a cached prefix, in use or
+  not) and ``controlplane:kv_cache_evictable_blocks`` (cached and unused: reusable, evicted
+  after the free ones);
+- speculative decoding (vLLM v1's names): counters ``controlplane:spec_decode_num_drafts_total``,
+  ``controlplane:spec_decode_num_draft_tokens_total``,
+  ``controlplane:spec_decode_num_accepted_tokens_total`` and
+  ``controlplane:spec_decode_num_accepted_tokens_per_pos_total{position}``; our own gauge
+  ``controlplane:spec_decode_state{state}`` (1 for the current state of off / active / paused,
+  0 for the others: the enum pattern, so a panel can show the state and an alert can fire on
+  ``paused`` without decoding numbers);
 - controlplane's own: ``controlplane:config_info`` (gauge = 1, labels = the live knobs),
   ``controlplane:config_changes_total{source}``, ``controlplane:records_dropped_total`` and
   ``controlplane:records_buffered`` (read from the SQL recorder at scrape time),
@@ -99,6 +112,50 @@ MAX_IGNORED_FIELD_CHARS = 64
 OTHER_FIELD = "other"
 
 
+# Cumulative StepStats counters and gauges exposed as they are: (name, StepStats field, help).
+ENGINE_COUNTERS = (
+    (
+        "prefix_cache_queries",
+        "prefix_cache_queries_total",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    (
+        "prefix_cache_hits",
+        "prefix_cache_hits_total",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    (
+        "prefix_cache_evictions",
+        "prefix_cache_evictions_total",
+        "Cached KV blocks evicted to make room for new ones.",
+    ),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "Number of spec decoding drafts."),
+    (
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_draft_tokens_total",
+        "Number of draft tokens.",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_total",
+        "Number of accepted tokens.",
+    ),
+)
+ENGINE_GAUGES = (
+    (
+        "kv_cache_cached_blocks",
+        "kv_blocks_cached",
+        "KV blocks holding a cached prefix (in use or evictable).",
+    ),
+    (
+        "kv_cache_evictable_blocks",
+        "kv_blocks_evictable",
+        "Cached KV blocks no request holds: reused after the free ones.",
+    ),
+)
+SPECULATION_STATES = ("off", "active", "paused")
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's request-token-count buckets)."""
     out: list[int] = []
@@ -143,6 +200,10 @@ class _ScrapeTimeCollector:
             GaugeMetricFamily(PREFIX + "config_info", "", labels=[]),
             CounterMetricFamily(PREFIX + "records_dropped", "", labels=[]),
             GaugeMetricFamily(PREFIX + "records_buffered", "", labels=[]),
+            *(CounterMetricFamily(PREFIX + name, "", labels=[]) for name, _, _ in ENGINE_COUNTERS),
+            *(GaugeMetricFamily(PREFIX + name, "", labels=[]) for name, _, _ in ENGINE_GAUGES),
+            CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "", labels=[]),
+            GaugeMetricFamily(PREFIX + "spec_decode_state", "", labels=[]),
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -177,6 +238,38 @@ class _ScrapeTimeCollector:
             family.add_metric([o.model_name], float(value))
         yield dropped
         yield buffered
+        yield from self._engine(o._latest)
+
+    def _engine(self, st: StepStats | None) -> Iterator[Metric]:
+        """The engine's cumulative counters and gauges, exactly as of its latest step (they
+        are cumulative in StepStats, so nothing between scrapes is lost)."""
+        m = self._owner.model_name
+        for name, attr, doc in ENGINE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([m], float(getattr(st, attr)) if st else 0.0)
+            yield family
+        for name, attr, doc in ENGINE_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([m], float(getattr(st, attr)) if st else 0.0)
+            yield family
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by their position in the draft (0 = first).",
+            labels=["model_name", "position"],
+        )
+        for pos, n in enumerate(st.spec_decode_accepted_per_pos if st else ()):
+            per_pos.add_metric([m, str(pos)], float(n))
+        yield per_pos
+        state = GaugeMetricFamily(
+            PREFIX + "spec_decode_state",
+            "Speculative decoding: 1 for the current state (off, active, or paused because more "
+            "sequences run than speculative_max_batch_size), 0 for the others.",
+            labels=["model_name", "state"],
+        )
+        current = st.speculation if st else "off"
+        for name in SPECULATION_STATES:
+            state.add_metric([m, name], 1.0 if name == current else 0.0)
+        yield state
 
 
 class Metrics:
@@ -194,6 +287,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._last_step = 0  # highest step number already counted (step 0 is no step)
         self._preemptions_seen = 0  # engine's cumulative preemption count already counted
+        self._latest: StepStats | None = None  # the newest step seen (cumulative counters)
         self._config_labels: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._recorder: tuple[Callable[[], int] | None, Callable[[], int] | None] = (None, None)
         self._ignored_names: set[str] = set()  # field names with a label of their own
@@ -326,6 +420,7 @@ class Metrics:
                 if latest.num_preemptions > self._preemptions_seen:
                     self.num_preemptions.inc(latest.num_preemptions - self._preemptions_seen)
                     self._preemptions_seen = latest.num_preemptions
+            self._latest = latest
             self.num_requests_running.set(latest.num_running)
             self.num_requests_waiting.set(latest.num_waiting)
             self.num_requests_swapped.set(latest.num_swapped)

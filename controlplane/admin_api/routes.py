@@ -109,7 +109,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         if block_map is not None:
             if not 8 <= block_map <= 1024:
                 raise _unprocessable("block_map", f"must be in [8, 1024] buckets, got {block_map}")
-            body["kv_block_map"] = runtime.kv_block_map(block_map)
+            body["kv_block_map"], body["kv_block_map_cached"] = runtime.kv_block_map(block_map)
         return body
 
     @get("/events", summary="Server-Sent Events: stats snapshots and config changes")
@@ -180,6 +180,23 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             param="request_id",
             code="not_found",
         )
+
+    @post(
+        "/cache/reset",
+        status_code=200,
+        summary="Drop every cached prefix block no request holds (audited)",
+    )
+    async def cache_reset(request: Request) -> dict[str, Any]:
+        if runtime.aengine is None:
+            raise APIError(503, "the engine is not loaded yet", type="unavailable", code="loading")
+        source = (
+            "tui" if request.headers.get("x-controlplane-source", "").lower() == "tui" else "api"
+        )
+        try:
+            dropped = await runtime.reset_prefix_cache(source, request.state.actor)
+        except ConfigChangeError as exc:
+            raise _unprocessable(exc.field, exc.message, exc.status) from None
+        return {"dropped_blocks": dropped}
 
     @post("/drain", status_code=200, summary="Stop admitting new requests; running ones finish")
     async def drain(request: Request) -> dict[str, Any]:
@@ -264,6 +281,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             abort,
             drain,
             resume,
+            cache_reset,
             costs,
             utilization,
         ],

@@ -12,7 +12,7 @@ from typing import Any
 from controlplane.common import percentile
 from controlplane.engine.types import StepStats
 
-__all__ = ["summarize"]
+__all__ = ["cache_and_speculation", "summarize"]
 
 
 def summarize(
@@ -133,4 +133,52 @@ def summarize(
         "steps_in_window": len(window),
         "window_s": window_s,
         "rate_window_s": rate_window_s,
+    }
+
+
+def cache_and_speculation(latest: StepStats | None, base: StepStats | None) -> dict[str, Any]:
+    """Prefix cache and speculative decoding figures for ``GET /admin/stats``.
+
+    Gauges come from `latest`: ``kv_blocks_cached`` (blocks holding a cached prefix, in use or
+    not), ``kv_blocks_evictable`` (cached and unused), ``prefix_cache_evictions`` (cumulative)
+    and ``speculation`` (off | active | paused). Rates are the differences of the cumulative
+    counters between `base` (the caller's snapshot from about a minute ago; None: since start)
+    and `latest`:
+
+    - ``prefix_cache_hit_rate``: prompt tokens found cached / prompt tokens looked up; None
+      when nothing was looked up;
+    - ``spec_acceptance_rate``: accepted / proposed draft tokens; None without proposals;
+    - ``spec_mean_accepted_len``: tokens emitted per verification and sequence (accepted /
+      drafts + 1, vLLM's "mean acceptance length"); None without drafts.
+    """
+    if latest is None:
+        return {
+            "kv_blocks_cached": 0,
+            "kv_blocks_evictable": 0,
+            "prefix_cache_evictions": 0,
+            "prefix_cache_hit_rate": None,
+            "prefix_cache_queries_in_window": 0,
+            "speculation": "off",
+            "spec_acceptance_rate": None,
+            "spec_mean_accepted_len": None,
+            "spec_drafts_in_window": 0,
+        }
+
+    def delta(name: str) -> int:
+        return getattr(latest, name) - (getattr(base, name) if base is not None else 0)
+
+    queries, hits = delta("prefix_cache_queries_total"), delta("prefix_cache_hits_total")
+    drafts = delta("spec_decode_num_drafts_total")
+    proposed = delta("spec_decode_num_draft_tokens_total")
+    accepted = delta("spec_decode_num_accepted_tokens_total")
+    return {
+        "kv_blocks_cached": latest.kv_blocks_cached,
+        "kv_blocks_evictable": latest.kv_blocks_evictable,
+        "prefix_cache_evictions": latest.prefix_cache_evictions_total,
+        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
+        "prefix_cache_queries_in_window": queries,
+        "speculation": latest.speculation,
+        "spec_acceptance_rate": accepted / proposed if proposed > 0 else None,
+        "spec_mean_accepted_len": accepted / drafts + 1 if drafts > 0 else None,
+        "spec_drafts_in_window": drafts,
     }

@@ -266,6 +266,7 @@ class AsyncEngine:
                     except Exception as exc:  # hand the error to the caller, keep stepping
                         self._loop.call_soon_threadsafe(_settle, future, None, exc)
                     else:
+                        self._publish_stats()  # a call may change gauges (a cache reset)
                         self._loop.call_soon_threadsafe(_settle, future, result, None)
                 cmd, arg = self._commands.get_nowait()
         except queue.Empty:

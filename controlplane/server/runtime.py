@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.admin_api.auth import AdminAuth, match_bearer
 from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import summarize
+from controlplane.admin_api.stats import cache_and_speculation, summarize
 from controlplane.common import percentile
 from controlplane.config import ApiKey, Config
 from controlplane.server.live_config import ConfigAuditError, FieldChange, LiveConfig
@@ -37,12 +37,14 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine as SQLEngine
 
     from controlplane.engine import AsyncEngine, RequestOutput, RequestStream, SamplingParams
+    from controlplane.engine.types import StepStats
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
 access_log = logging.getLogger("controlplane.access")
 
 LOADING, READY, DRAINING, STOPPED, DEAD = "loading", "ready", "draining", "stopped", "dead"
+COUNTER_WINDOW_S = 60.0  # /admin/stats: hit and acceptance rates over the last minute
 
 
 def _first_line(exc: BaseException) -> str:
@@ -96,6 +98,9 @@ class Runtime:
         # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
         # percentiles over the last minute for /admin/stats.
         self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
+        # StepStats kept about once a second (pump_metrics) for a minute: the cumulative
+        # counters differenced over the last minute (hit rate, acceptance rate).
+        self._history: deque[StepStats] = deque(maxlen=2 * int(COUNTER_WINDOW_S))
         # One config change at a time: each is planned, audited, then applied (see
         # change_config), and a second one planned meanwhile would revert the first.
         self._config_lock = asyncio.Lock()
@@ -255,6 +260,18 @@ class Runtime:
             latency_window_s=60.0,
             requests_finished_in_window=len(recent),
         )
+        # The counters as of the last snapshot before the window (none: the daemon is younger
+        # than the window, so since start).
+        older = [h for h in self._history if h.time < now - COUNTER_WINDOW_S]
+        body.update(
+            cache_and_speculation(steps[-1] if steps else None, older[-1] if older else None)
+        )
+        body.update(
+            counter_window_s=COUNTER_WINDOW_S,
+            enable_prefix_caching=s.enable_prefix_caching,
+            speculative_method=s.speculative_method,
+            speculative_num_tokens=s.speculative_num_tokens,
+        )
         body.update(
             state=self.state if self.state != READY or self.healthy else DEAD,
             model=self.model_name or None,
@@ -314,6 +331,8 @@ class Runtime:
         if steps:
             self._metrics_step = steps[-1].step
             self.metrics.observe_steps(steps)
+            if not self._history or steps[-1].time - self._history[-1].time >= 1.0:
+                self._history.append(steps[-1])
 
     async def change_config(
         self, changes: Mapping[str, Any], source: str, actor: str | None = None
@@ -411,9 +430,28 @@ class Runtime:
         """The engine's latest StepStats (controlplane.engine.types); None before it loads."""
         return self.aengine.stats() if self.aengine else None
 
-    def kv_block_map(self, buckets: int) -> list[float]:
-        """Fraction of KV blocks in use per range of block ids: a compact map of the cache."""
-        return self.aengine.engine.block_pool.occupancy(buckets) if self.aengine else []
+    def kv_block_map(self, buckets: int) -> tuple[list[float], list[float]]:
+        """Fraction of KV blocks in use, and of blocks cached but unused (evictable), per range
+        of block ids: a compact map of the cache."""
+        if self.aengine is None:
+            return [], []
+        pool = self.aengine.engine.block_pool
+        return pool.occupancy(buckets), pool.cached_occupancy(buckets)
+
+    async def reset_prefix_cache(self, source: str, actor: str | None) -> int:
+        """Drop every cached block nobody holds (on the step thread). Audited first, like a
+        config change (field `engine.prefix_cache_reset`, the evictable block count going to
+        0): if the audit row cannot be written, nothing is reset (ConfigAuditError)."""
+        if self.aengine is None:
+            raise RuntimeError("the engine is not loaded")
+        before = self.aengine.stats().kv_blocks_evictable
+        change = FieldChange("engine.prefix_cache_reset", before, 0)
+        async with self._config_lock:
+            await asyncio.to_thread(self._write_audit, self.cfg, [change], source, actor)
+            dropped = await self.aengine.call(lambda engine: engine.reset_prefix_cache())
+        log.info("prefix cache reset by admin %s: %d blocks dropped", actor, dropped)
+        self.broadcast({"type": "cache_reset", "dropped_blocks": dropped, "actor": actor})
+        return dropped
 
     def flops_per_token(self) -> float:
         return self._engine.engine.model_config.flops_per_token()

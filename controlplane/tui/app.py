@@ -30,7 +30,8 @@ from controlplane.tui.widgets import (
 )
 
 KEYS = [
-    ("t", "tune the engine: max_num_seqs, batched tokens, chunk, preemption"),
+    ("t", "tune the engine: batch, chunk, preemption, speculation, prefix caching"),
+    ("c", "reset the prefix cache: drop every unused cached block (asks first)"),
     ("a", "abort the selected live request (asks first)"),
     ("d", "drain: stop admitting new requests (asks first)"),
     ("r", "resume admitting requests (asks first)"),
@@ -62,6 +63,7 @@ class DashboardApp(App[None]):
         Binding("a", "abort", "Abort"),
         Binding("d", "drain", "Drain"),
         Binding("r", "resume", "Resume"),
+        Binding("c", "cache_reset", "Reset cache", show=False),
         Binding("o", "sort", "Sort"),
         Binding("g", "refresh", "Refresh", show=False),
         Binding("l", "toggle_theme", "Theme"),
@@ -265,11 +267,11 @@ class DashboardApp(App[None]):
     async def fetch_requests(self) -> None:
         try:
             live = (await self.client.requests()).get("live") or []
-            occupancy = await self.client.block_map()
+            used, cached = await self.client.block_map()
         except ClientError:
             return
         self.w(RequestsTable).show(live)
-        self.w(KVPanel).show_map(occupancy)
+        self.w(KVPanel).show_map(used, cached)
 
     @work(exclusive=True, group="reports")
     async def poll_reports(self) -> None:
@@ -341,6 +343,13 @@ class DashboardApp(App[None]):
     def action_drain(self) -> None:
         self._confirm_call(
             "Drain: stop admitting new requests (running ones finish)?", "drain", "draining"
+        )
+
+    def action_cache_reset(self) -> None:
+        self._confirm_call(
+            "Reset the prefix cache: drop every cached block no request uses?",
+            "cache_reset",
+            "prefix cache reset",
         )
 
     def action_resume(self) -> None:

@@ -63,10 +63,10 @@ class AdminClient:
     async def stats(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/stats")
 
-    async def block_map(self, buckets: int = 48) -> list[float]:
-        """Fraction of KV blocks in use per range of block ids."""
+    async def block_map(self, buckets: int = 48) -> tuple[list[float], list[float]]:
+        """Fractions of KV blocks in use, and cached but unused, per range of block ids."""
         body = await self._request("GET", "/admin/stats", params={"block_map": buckets})
-        return body.get("kv_block_map") or []
+        return body.get("kv_block_map") or [], body.get("kv_block_map_cached") or []
 
     async def config(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/config")
@@ -97,6 +97,9 @@ class AdminClient:
 
     async def resume(self) -> dict[str, Any]:
         return await self._request("POST", "/admin/resume", headers=SOURCE_HEADER)
+
+    async def cache_reset(self) -> dict[str, Any]:
+        return await self._request("POST", "/admin/cache/reset", headers=SOURCE_HEADER)
 
     # -- stream ------------------------------------------------------------------------------
     async def events(self, interval: float = 0.5) -> AsyncIterator[tuple[str, dict[str, Any]]]:

@@ -13,8 +13,25 @@ from textual.widgets import Button, Input, Label, Select, Static
 
 from controlplane.tui.client import APIError, ClientError
 
-TUNABLE = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
-PREEMPTION_MODES = ("recompute", "swap")
+# The live engine knobs the form edits: integers as text inputs, the rest as choices.
+TUNABLE = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefill_chunk_size",
+    "speculative_num_tokens",
+    "speculative_max_batch_size",
+)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "preemption_mode": ("recompute", "swap"),
+    "speculative_method": ("off", "ngram", "draft"),
+    "enable_prefix_caching": ("on", "off"),
+}
+
+
+def _choice(value: Any) -> Any:
+    """A setting's value as the form shows it (booleans as on / off: Textual's blank Select
+    value is False, so a boolean option value would read as "nothing selected")."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -79,14 +96,15 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
                         id=f"in-{name}",
                     )
                     yield Static("", id=f"err-{name}", classes="field-error")
-                yield Label("preemption_mode", classes="field-label")
-                mode = self.current("preemption_mode")
-                options = [(m, m) for m in PREEMPTION_MODES]
-                if mode in PREEMPTION_MODES:
-                    yield Select(options, value=mode, allow_blank=False, id="in-preemption_mode")
-                else:
-                    yield Select(options, id="in-preemption_mode")
-                yield Static("", id="err-preemption_mode", classes="field-error")
+                for name, choices in CHOICES.items():
+                    yield Label(name, classes="field-label")
+                    value = _choice(self.current(name))
+                    options = [(c, c) for c in choices]
+                    if value in choices:
+                        yield Select(options, value=value, allow_blank=False, id=f"in-{name}")
+                    else:  # unknown to this form (a newer daemon): left unchanged
+                        yield Select(options, id=f"in-{name}")
+                    yield Static("", id=f"err-{name}", classes="field-error")
             yield Static("", id="tune-status")
             with Horizontal(classes="buttons"):
                 yield Button("Apply (ctrl+s)", variant="primary", id="apply")
@@ -107,9 +125,10 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
                 value = raw  # the API says what is wrong with it
             if value != self.current(name):
                 body[name] = value
-        mode = self.query_one("#in-preemption_mode", Select).value
-        if isinstance(mode, str) and mode != self.current("preemption_mode"):
-            body["preemption_mode"] = mode
+        for name in CHOICES:
+            value = self.query_one(f"#in-{name}", Select).value
+            if isinstance(value, str) and value != _choice(self.current(name)):
+                body[name] = value == "on" if isinstance(self.current(name), bool) else value
         return body
 
     @on(Input.Submitted)

@@ -111,8 +111,22 @@ class BatchPanel(Panel):
             f"tokens/step [b]{fmt_pct(stats.get('batch_fill_tokens'))}[/] of "
             f"{fmt_value(stats.get('max_num_batched_tokens'))}\n"
             f"queue [b]{fmt_value(stats.get('queue_length'))}[/]  "
-            f"swapped {fmt_value(stats.get('num_swapped'))}"
+            f"swapped {fmt_value(stats.get('num_swapped'))}\n" + speculation_line(stats)
         )
+
+
+def speculation_line(stats: dict[str, Any]) -> str:
+    """Speculative decoding: method, k, state, and how well the drafts do (last minute)."""
+    method = stats.get("speculative_method") or "off"
+    if method == "off":
+        return "[dim]speculation off[/]"
+    state = stats.get("speculation") or "?"
+    colour = "yellow" if state == "paused" else "green"
+    return (
+        f"spec {method} k={fmt_value(stats.get('speculative_num_tokens'))} [{colour}]{state}[/] "
+        f"[b]{fmt_pct(stats.get('spec_acceptance_rate'))}[/] "
+        f"len [b]{fmt_num(stats.get('spec_mean_accepted_len'), 2)}[/]"
+    )
 
 
 class KVPanel(Panel):
@@ -120,15 +134,24 @@ class KVPanel(Panel):
         yield Static(id="kv-label")
         yield ProgressBar(total=100, show_eta=False, id="kv-bar")
         yield Static(id="kv-map")
+        yield Static(id="kv-cache")
         yield Static(id="kv-preempt")
         yield Static(id="kv-memory")
 
-    def show_map(self, occupancy: list[float]) -> None:
-        """One character per range of block ids, from empty (space) to full (█)."""
+    def show_map(self, occupancy: list[float], cached: list[float] | None = None) -> None:
+        """One character per range of block ids, from empty (space) to full (█): its height is
+        the share of blocks in use plus cached; cyan where cached blocks (unused, reusable
+        prefixes) outnumber the ones in use."""
         levels = " ▁▂▃▄▅▆▇█"
-        # Any block in use shows at least the lowest level: a big, lightly used cache stays visible.
-        cells = "".join(levels[0 if f <= 0 else max(1, min(8, round(f * 8)))] for f in occupancy)
-        self.query_one("#kv-map", Static).update(f"map [reverse]{cells}[/]" if cells else "")
+        cached = cached if cached and len(cached) == len(occupancy) else [0.0] * len(occupancy)
+        cells = []
+        for used, idle in zip(occupancy, cached, strict=True):
+            f = used + idle
+            # Any block in use shows at least the lowest level: a big cache stays visible.
+            glyph = levels[0 if f <= 0 else max(1, min(8, round(f * 8)))]
+            cells.append(f"[cyan]{glyph}[/]" if idle > used else glyph)
+        text = "".join(cells)
+        self.query_one("#kv-map", Static).update(f"map [reverse]{text}[/]" if cells else "")
 
     def show(self, stats: dict[str, Any], hist: StatsHistory) -> None:
         used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
@@ -138,6 +161,13 @@ class KVPanel(Panel):
         perc = stats.get("kv_usage_perc")
         self.query_one("#kv-bar", ProgressBar).update(
             progress=float(perc) if isinstance(perc, (int, float)) else 0.0
+        )
+        hit = stats.get("prefix_cache_hit_rate")
+        self.query_one("#kv-cache", Static).update(
+            f"hit [b]{fmt_pct(hit)}[/]  [cyan]cached[/] {fmt_value(stats.get('kv_blocks_cached'))} "
+            f"({fmt_value(stats.get('kv_blocks_evictable'))} idle)"
+            if stats.get("enable_prefix_caching", True)
+            else "[dim]prefix caching off[/]"
         )
         per_min = hist.rate("num_preemptions", 60.0)
         if per_min is None:  # one snapshot so far: the 10 s window's count, scaled

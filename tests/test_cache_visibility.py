@@ -1,0 +1,198 @@
+"""Prefix caching and speculative decoding as operators see them: Prometheus, /admin/stats, the
+audited cache reset and the TUI form, against a real daemon on loopback (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.config import load_config
+from controlplane.tui.app import DashboardApp
+from controlplane.tui.screens import ConfirmScreen, TuneScreen
+from tests.daemon_util import InProcessDaemon
+from tests.test_admin_api import TOKEN, admin_cfg
+from tests.test_tui import wait_until
+
+BS = 16  # the engine's default block size
+SHARED = [(7 * i) % 900 + 10 for i in range(5 * BS)]  # five full blocks
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cachevis")
+    path = admin_cfg(tmp, tiny_model_dir, engine={"max_num_seqs": 8, "max_model_len": 1024})
+    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
+    yield d
+    d.stop()
+
+
+def api(d: InProcessDaemon) -> httpx.Client:
+    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+
+
+def complete(c: httpx.Client, prompt: list, max_tokens: int = 4) -> dict:
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = c.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric(c: httpx.Client, name: str, **labels: str) -> float:
+    text = c.get("/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"{name} {labels} not exposed")
+
+
+def test_prefix_cache_hits_show_in_metrics_stats_and_usage(daemon):
+    with api(daemon) as c:
+        first = complete(c, [*SHARED, 1, 2, 3])
+        second = complete(c, [*SHARED, 4, 5])
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BS
+
+        queries = metric(c, "controlplane:prefix_cache_queries_total")
+        hits = metric(c, "controlplane:prefix_cache_hits_total")
+        assert hits >= 5 * BS and hits <= queries
+        assert metric(c, "controlplane:kv_cache_cached_blocks") >= 5
+        assert metric(c, "controlplane:kv_cache_evictable_blocks") >= 5
+
+        stats = c.get("/admin/stats", params={"block_map": 8}).json()
+        assert 0 < stats["prefix_cache_hit_rate"] <= 1
+        assert stats["kv_blocks_cached"] >= 5 and stats["kv_blocks_evictable"] >= 5
+        assert stats["enable_prefix_caching"] is True
+        # The map shows the cached, unused blocks apart from the (no) blocks in use.
+        assert set(stats["kv_block_map"]) == {0.0}
+        assert sum(stats["kv_block_map_cached"]) > 0
+
+
+def test_cache_reset_is_authenticated_audited_and_empties_the_cache(daemon):
+    with api(daemon) as c:
+        complete(c, [*SHARED, 9, 9])
+        before = c.get("/admin/stats").json()["kv_blocks_evictable"]
+        assert before > 0
+        anonymous = httpx.post(daemon.url + "/admin/cache/reset", timeout=30)
+        assert anonymous.status_code == 401
+        assert c.get("/admin/stats").json()["kv_blocks_evictable"] == before  # nothing dropped
+
+        r = c.post("/admin/cache/reset")
+        assert r.status_code == 200, r.text
+        assert r.json() == {"dropped_blocks": before}
+        stats = c.get("/admin/stats").json()
+        assert stats["kv_blocks_evictable"] == 0 and stats["kv_blocks_cached"] == 0
+        entry = c.get("/admin/config/history", params={"limit": 5}).json()["changes"][0]
+        assert entry["field"] == "engine.prefix_cache_reset"
+        assert (entry["old_value"], entry["new_value"]) == (before, 0)
+        assert (entry["source"], entry["actor"]) == ("api", "ops")
+        # Cold again: the same prompt computes everything.
+        again = complete(c, [*SHARED, 9, 9])
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_speculation_counters_and_state_follow_live_changes(daemon):
+    repetitive = [11, 12, 13, 14, 15, 16] * 8
+    with api(daemon) as c:
+        r = c.patch(
+            "/admin/config",
+            json={"engine": {"speculative_method": "ngram", "speculative_ngram_min": 1}},
+        )
+        assert r.status_code == 200, r.text
+        try:
+            complete(c, repetitive, max_tokens=24)
+            stats = c.get("/admin/stats").json()
+            assert stats["speculative_method"] == "ngram"
+            assert stats["speculation"] == "active"
+            proposed = metric(c, "controlplane:spec_decode_num_draft_tokens_total")
+            accepted = metric(c, "controlplane:spec_decode_num_accepted_tokens_total")
+            assert proposed > 0 and 0 <= accepted <= proposed
+            assert stats["spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+            assert 1 <= stats["spec_mean_accepted_len"] <= 1 + 3  # k = 3
+            first = metric(
+                c, "controlplane:spec_decode_num_accepted_tokens_per_pos_total", position="0"
+            )
+            assert first <= metric(c, "controlplane:spec_decode_num_drafts_total")
+            assert metric(c, "controlplane:spec_decode_state", state="active") == 1
+
+            # Above the batch limit speculation pauses: two prompts run at once (admitted and
+            # finished together: same lengths, EOS ignored), the limit is 1.
+            r = c.patch("/admin/config", json={"engine": {"speculative_max_batch_size": 1}})
+            assert r.status_code == 200, r.text
+            complete(c, [repetitive, repetitive[::-1]], max_tokens=8)
+            assert c.get("/admin/stats").json()["speculation"] == "paused"
+            assert metric(c, "controlplane:spec_decode_state", state="paused") == 1
+            assert metric(c, "controlplane:spec_decode_num_draft_tokens_total") == proposed
+        finally:
+            c.patch(
+                "/admin/config",
+                json={"engine": {"speculative_method": "off", "speculative_max_batch_size": 8}},
+            )
+
+
+def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
+    c = api(daemon)
+    complete(c, [*SHARED, 8, 8])  # something cached to reset
+
+    async def main() -> None:
+        app = DashboardApp(daemon.url, TOKEN)
+        async with app.run_test(size=(120, 50)) as pilot:
+            await wait_until(pilot, lambda: app.fields, 5, "config loaded")
+            await pilot.press("t")
+            form = await wait_until(
+                pilot, lambda: isinstance(app.screen, TuneScreen) and app.screen
+            )
+            form.query_one("#in-speculative_method").value = "ngram"
+            form.query_one("#in-speculative_num_tokens").value = "5"
+            form.query_one("#in-enable_prefix_caching").value = "off"
+            assert form.changes() == {
+                "speculative_num_tokens": 5,
+                "speculative_method": "ngram",
+                "enable_prefix_caching": False,
+            }
+            await pilot.press("ctrl+s")
+            status = form.query_one("#tune-status")
+            await wait_until(pilot, lambda: "applied" in str(status.render()), 10, "applied")
+            fields = c.get("/admin/config").json()["fields"]
+            assert fields["engine.speculative_method"]["value"] == "ngram"
+            assert fields["engine.speculative_num_tokens"]["value"] == 5
+            assert fields["engine.enable_prefix_caching"]["value"] is False
+
+            # draft without a draft model: refused, the reason inline, nothing changed.
+            form.query_one("#in-speculative_method").value = "draft"
+            await pilot.press("ctrl+s")
+            err = form.query_one("#err-speculative_method")
+            await wait_until(
+                pilot, lambda: "speculative_draft_model" in str(err.render()), 10, "inline error"
+            )
+            fields = c.get("/admin/config").json()["fields"]
+            assert fields["engine.speculative_method"]["value"] == "ngram"
+            await pilot.press("escape")
+
+            # The cache reset key asks first, then resets (audited as the TUI's).
+            before = c.get("/admin/stats").json()["kv_blocks_evictable"]
+            assert before > 0
+            await pilot.press("c")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "confirm")
+            await pilot.press("y")
+            await wait_until(
+                pilot,
+                lambda: c.get("/admin/stats").json()["kv_blocks_evictable"] == 0,
+                10,
+                "cache reset",
+            )
+
+    try:
+        asyncio.run(main())
+        entry = c.get("/admin/config/history", params={"limit": 1}).json()["changes"][0]
+        assert entry["field"] == "engine.prefix_cache_reset"
+        assert entry["source"] == "tui"
+    finally:
+        c.patch(
+            "/admin/config",
+            json={"engine": {"speculative_method": "off", "enable_prefix_caching": True}},
+        )
+        c.close()
