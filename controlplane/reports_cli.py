@@ -114,6 +114,8 @@ _HEADERS = {
     "requests_failed": "failed",
     "prompt_tokens": "prompt tok",
     "cached_prompt_tokens": "cached tok",
+    "cached_share": "cached",
+    "cache_savings_usd": "cache saved $",
     "completion_tokens": "compl. tok",
     "list_cost_usd": "list $",
     "list_usd_per_mtok_prompt": "list $/M prompt",
@@ -127,6 +129,8 @@ _HEADERS = {
     "mean_kv_usage": "KV",
     "mean_batch_fill_seqs": "fill seqs",
     "mean_batch_fill_tokens": "fill tok",
+    "mean_prefix_cache_hit_rate": "prefix hit",
+    "mean_spec_acceptance_rate": "spec accept",
     "mean_prefill_tokens_per_s": "prefill tok/s",
     "mean_decode_tokens_per_s": "decode tok/s",
     "mean_queue_length": "queue",
@@ -143,6 +147,9 @@ _FOOTNOTE = (
     "(jobs.rollup_interval_s, and at daemon shutdown)"
 )
 _PERCENT = {
+    "cached_share",
+    "mean_prefix_cache_hit_rate",
+    "mean_spec_acceptance_rate",
     "mean_utilization",
     "mfu",
     "mean_busy_fraction",
@@ -173,7 +180,7 @@ def _cell(column: str, value: Any) -> str:
         return f"{value / 3600:.2f} h"
     if column.startswith("mean_") and column.endswith("_s"):
         return f"{value:.3f}"
-    if column.endswith("_cost_usd"):
+    if column.endswith("_cost_usd") or column == "cache_savings_usd":
         return f"{value:,.4f}"
     if column.endswith("_per_mtok") or "_per_mtok_" in column:
         return f"{value:,.4f}"

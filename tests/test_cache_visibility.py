@@ -4,6 +4,8 @@ audited cache reset and the TUI form, against a real daemon on loopback (tiny mo
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -12,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.config import load_config
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.screens import ConfirmScreen, TuneScreen
-from tests.daemon_util import InProcessDaemon
+from tests.daemon_util import InProcessDaemon, wait_rows
 from tests.test_admin_api import TOKEN, admin_cfg
 from tests.test_tui import wait_until
 
@@ -103,7 +105,7 @@ def test_speculation_counters_and_state_follow_live_changes(daemon):
         )
         assert r.status_code == 200, r.text
         try:
-            complete(c, repetitive, max_tokens=24)
+            done = complete(c, repetitive, max_tokens=24)
             stats = c.get("/admin/stats").json()
             assert stats["speculative_method"] == "ngram"
             assert stats["speculation"] == "active"
@@ -117,15 +119,27 @@ def test_speculation_counters_and_state_follow_live_changes(daemon):
             )
             assert first <= metric(c, "controlplane:spec_decode_num_drafts_total")
             assert metric(c, "controlplane:spec_decode_state", state="active") == 1
+            # The request's row counts its drafts (the only speculating request so far).
+            (row,) = wait_rows(
+                daemon.cfg.store_url,
+                lambda rs: rs and rs[0]["status"] == "success",
+                where=f"id = '{done['id']}'",
+            )
+            assert (row["draft_tokens"], row["accepted_draft_tokens"]) == (proposed, accepted)
 
-            # Above the batch limit speculation pauses: two prompts run at once (admitted and
-            # finished together: same lengths, EOS ignored), the limit is 1.
+            # Above the batch limit speculation pauses: two prompts run at once, the limit is 1.
             r = c.patch("/admin/config", json={"engine": {"speculative_max_batch_size": 1}})
             assert r.status_code == 200, r.text
-            complete(c, [repetitive, repetitive[::-1]], max_tokens=8)
-            assert c.get("/admin/stats").json()["speculation"] == "paused"
+            pair = threading.Thread(
+                target=complete, args=(c, [repetitive, repetitive[::-1]], 200), daemon=True
+            )
+            pair.start()
+            deadline = time.monotonic() + 30
+            while c.get("/admin/stats").json()["speculation"] != "paused":
+                assert time.monotonic() < deadline, "speculation never paused"
+                time.sleep(0.02)
             assert metric(c, "controlplane:spec_decode_state", state="paused") == 1
-            assert metric(c, "controlplane:spec_decode_num_draft_tokens_total") == proposed
+            pair.join(60)
         finally:
             c.patch(
                 "/admin/config",

@@ -26,6 +26,10 @@ class Snap:
     decode_tokens_total: int = 0
     running_total: int = 0
     batched_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 def test_busy_fills_rates_from_the_difference() -> None:
@@ -75,6 +79,31 @@ def test_consecutive_samples_add_up_exactly() -> None:
     whole = make_sample(a, c, start=0.0, end=10.0, **LIMITS)
     assert s1.busy_fraction * 5 + s2.busy_fraction * 5 == pytest.approx(whole.busy_fraction * 10)
     assert s1.prefill_tokens_per_s * 5 + s2.prefill_tokens_per_s * 5 == pytest.approx(90)
+
+
+def test_cache_hit_and_acceptance_rates_are_interval_ratios() -> None:
+    prev = Snap(
+        step=5,
+        prefix_cache_queries_total=1000,
+        prefix_cache_hits_total=100,
+        spec_decode_num_draft_tokens_total=30,
+        spec_decode_num_accepted_tokens_total=10,
+    )
+    # In the interval: 600 prompt tokens looked up, 450 found; 40 drafts proposed, 30 accepted.
+    cur = replace(
+        prev,
+        step=9,
+        prefix_cache_queries_total=1600,
+        prefix_cache_hits_total=550,
+        spec_decode_num_draft_tokens_total=70,
+        spec_decode_num_accepted_tokens_total=40,
+    )
+    s = make_sample(prev, cur, start=0.0, end=5.0, **LIMITS)
+    assert s.prefix_cache_hit_rate == pytest.approx(450 / 600)
+    assert s.spec_acceptance_rate == pytest.approx(30 / 40)
+    # Nothing looked up or proposed in the interval: None, not 0 (which would read as misses).
+    idle = make_sample(cur, replace(cur, step=12), start=5.0, end=10.0, **LIMITS)
+    assert idle.prefix_cache_hit_rate is None and idle.spec_acceptance_rate is None
 
 
 def test_idle_interval_has_no_fills_and_zero_rates() -> None:

@@ -571,9 +571,8 @@ def test_migration_0004_keeps_old_rows_and_downgrades(db_url: str) -> None:
     try:
         with eng.begin() as conn:
             conn.execute(text(old_row))
-        upgrade(db_url)
+        upgrade(db_url, "0004")
         assert current(db_url) == "0004"
-        check(db_url)  # the models and the migrated schema agree
         with eng.connect() as conn:
             got = conn.execute(text("SELECT end_user, x_request_id FROM requests")).one()
         assert tuple(got) == (None, None)  # rows from before have neither
@@ -586,6 +585,41 @@ def test_migration_0004_keeps_old_rows_and_downgrades(db_url: str) -> None:
         left = {ix["name"] for ix in insp.get_indexes("requests")}
         assert "ix_requests_x_request_id" not in left
         assert {"ix_requests_status", "ix_requests_arrival_time", "ix_requests_hour_bucket"} <= left
+        with eng.connect() as conn:
+            assert conn.execute(text("SELECT id FROM requests")).scalars().all() == ["old"]
+    finally:
+        eng.dispose()
+
+
+# -- migration 0005 ------------------------------------------------------------------------------
+
+
+def test_migration_0005_old_rows_read_zero_and_it_downgrades(db_url: str) -> None:
+    upgrade(db_url, "0004")
+    eng = make_engine(db_url)
+    old_row = (
+        "INSERT INTO requests (id, instance_id, model, endpoint, status, arrival_time, "
+        "hour_bucket, day_bucket) VALUES ('old', 'i', 'm', 'completions', 'success', "
+        "'2026-03-01 12:00:00', '2026-03-01T12', '2026-03-01')"
+    )
+    try:
+        with eng.begin() as conn:
+            conn.execute(text(old_row))
+        upgrade(db_url)
+        assert current(db_url) == "0005"
+        check(db_url)  # the models and the migrated schema agree
+        with eng.connect() as conn:
+            got = conn.execute(text("SELECT draft_tokens, accepted_draft_tokens FROM requests"))
+            assert tuple(got.one()) == (0, 0)  # no speculation before: 0, not NULL
+        downgrade(db_url, "0004")
+        insp = inspect(eng)
+        assert not {"draft_tokens", "accepted_draft_tokens"} & {
+            c["name"] for c in insp.get_columns("requests")
+        }
+        assert "cache_savings_usd" not in {c["name"] for c in insp.get_columns("cost_rollups")}
+        assert not {"prefix_cache_hit_rate", "spec_acceptance_rate"} & {
+            c["name"] for c in insp.get_columns("utilization_samples")
+        }
         with eng.connect() as conn:
             assert conn.execute(text("SELECT id FROM requests")).scalars().all() == ["old"]
     finally:

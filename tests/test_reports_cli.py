@@ -89,6 +89,12 @@ def test_cost_csv_json_table(seeded: str, engine: Engine, capsys) -> None:
     # GPU $ 12.0000 and all 7,300 prompt tokens in the totals row (below the six group rows)
     assert "12.0000" in total and "7,300" in total and "0.0181" in total
     assert lines.index(total) > max(i for i, line in enumerate(lines) if "(idle)" in line)
+    # The prefix cache's share and savings: 400 of 7,300 prompt tokens cached (5.5%), saving
+    # 0.0003 USD at list price (200 at P1: 200 x 0.5 / 1e6, 200 at P2: 200 x 1.0 / 1e6).
+    header = next(line for line in lines if "cache saved $" in line)
+    assert "cached" in header
+    assert "5.5%" in total and "0.0003" in total
+    assert doc["totals"]["cache_savings_usd"] == pytest.approx(0.0003, rel=1e-12)
     assert "(no key)" in table and "2026-03-01" in table and "alice" in table
 
 

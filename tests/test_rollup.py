@@ -172,6 +172,7 @@ def row(**kw: Any) -> dict[str, Any]:
         cached_prompt_tokens=0,
         completion_tokens=0,
         list_cost_usd=0.0,
+        cache_savings_usd=0.0,
         list_usd_per_mtok_prompt=None,
         list_usd_per_mtok_completion=None,
         gpu_usd_per_mtok_prompt=None,
@@ -201,6 +202,7 @@ EXPECTED_A = {
         cached_prompt_tokens=200,
         completion_tokens=1200,
         list_cost_usd=0.0093,  # 0.0013 + 0.008 (two prices in one hour)
+        cache_savings_usd=0.0001,  # r1's 200 cached at P1: 200 x (1.0 - 0.5) / 1e6
         # prompt side: r1 (800 x 1.0 + 200 x 0.5) + r2 2000 x 2.0 = 4900 micro-USD / 3000 tokens
         list_usd_per_mtok_prompt=4900 / 3000,
         # completion side: r1 200 x 2.0 + r2 1000 x 4.0 = 4400 micro-USD / 1200 tokens
@@ -215,6 +217,7 @@ EXPECTED_A = {
         prompt_tokens=1200,
         cached_prompt_tokens=200,
         list_cost_usd=0.0022,
+        cache_savings_usd=0.0002,  # r3's 200 cached at P2: 200 x (2.0 - 1.0) / 1e6
         list_usd_per_mtok_prompt=2200 / 1200,  # (1000 x 2.0 + 200 x 1.0) / 1200
         gpu_cost_usd=0.25,
         gpu_usd_per_mtok_prompt=250.0,
@@ -443,6 +446,10 @@ def test_rollup_two_instances_one_database(engine: Engine) -> None:
     assert t["requests_succeeded"] == 3 + 1 and t["requests_failed"] == 2
     assert t["prompt_tokens"] == 3000 + 1200 + 2000 + 100 + 1000
     assert t["cached_prompt_tokens"] == 400 and t["completion_tokens"] == 1200 + 1000 + 100
+    assert t["cached_share"] == pytest.approx(400 / 7300, rel=1e-12)
+    assert t["cache_savings_usd"] == pytest.approx(0.0001 + 0.0002, rel=1e-12)
+    assert alice["cached_share"] == pytest.approx(200 / 4000, rel=1e-12)
+    assert alice["cache_savings_usd"] == pytest.approx(0.0001, rel=1e-12)
     assert t["list_cost_usd"] == pytest.approx(0.0093 + 0.0022 + 0.004 + 0.0006 + 0.002, rel=1e-12)
     assert t["gpu_cost_usd"] == pytest.approx(2.0 + 4.0 + 2.0 + 4.0, rel=1e-12)
     # all-in GPU rate: every GPU dollar, idle included, over all computed tokens

@@ -233,6 +233,16 @@ def test_costs_priced_at_ingest_across_a_price_change(engine: Engine, recorders)
     assert got["after"].status == "success" and got["after"].finish_reason == "stop"
 
 
+def test_draft_token_counts_round_trip_and_default_to_zero(engine: Engine, recorders) -> None:
+    rec = recorders(engine)
+    rec.submit(record("spec", draft_tokens=120, accepted_draft_tokens=87))
+    rec.submit(record("plain"))
+    assert rec.flush(10)
+    got = rows(engine)
+    assert (got["spec"].draft_tokens, got["spec"].accepted_draft_tokens) == (120, 87)
+    assert (got["plain"].draft_tokens, got["plain"].accepted_draft_tokens) == (0, 0)
+
+
 def test_price_history_never_changes(engine: Engine, recorders, caplog) -> None:
     sync_prices(engine, PRICES_CONFIG)
     rec = recorders(engine)

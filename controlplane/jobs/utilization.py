@@ -39,6 +39,8 @@ def make_sample(
       so above 1 means ``max_num_seqs`` was lowered live under a fuller batch.
     - rates: tokens between the snapshots over ``end - start``.
     - ``kv_usage`` and ``num_running``: from ``cur``.
+    - ``prefix_cache_hit_rate``: prompt tokens found cached / looked up between the snapshots,
+      ``spec_acceptance_rate``: accepted / proposed draft tokens; None when there were none.
     """
     if not end > start:
         raise ValueError(f"empty interval: start={start} end={end}")
@@ -66,4 +68,16 @@ def make_sample(
         queue_length=queue_length,
         num_running=cur.num_running,
         flops_per_token=flops_per_token,
+        prefix_cache_hit_rate=_ratio(
+            cur.prefix_cache_hits_total - prev.prefix_cache_hits_total,
+            cur.prefix_cache_queries_total - prev.prefix_cache_queries_total,
+        ),
+        spec_acceptance_rate=_ratio(
+            cur.spec_decode_num_accepted_tokens_total - prev.spec_decode_num_accepted_tokens_total,
+            cur.spec_decode_num_draft_tokens_total - prev.spec_decode_num_draft_tokens_total,
+        ),
     )
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole > 0 else None

@@ -178,6 +178,7 @@ class Runtime:
             rec.cached_prompt_tokens = m.num_cached_tokens
             rec.completion_tokens = m.num_output_tokens
             rec.preemptions = m.num_preemptions
+            rec.draft_tokens, rec.accepted_draft_tokens = m.num_draft_tokens, m.num_accepted_tokens
         if error is None and out is not None and out.finish_reason == "error":
             error = out.error or "request failed in the engine"  # the engine kept serving
         if error is not None:

@@ -147,6 +147,10 @@ class RequestRow(Base):
     cached_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    # Speculative decoding: tokens proposed for this request, and of those accepted (0 without
+    # speculation; migration 0005).
+    draft_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    accepted_draft_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     # The price in force at arrival_time, chosen when the final record was written.
     price_id: Mapped[int | None] = mapped_column(ForeignKey("prices.id"))
     cost_usd: Mapped[float | None] = mapped_column(USD)
@@ -220,6 +224,10 @@ class UtilizationSampleRow(Base):
     queue_length: Mapped[int | None] = mapped_column(Integer)  # waiting requests at `time`
     num_running: Mapped[int | None] = mapped_column(Integer)  # running requests at `time`
     flops_per_token: Mapped[float | None]  # model FLOPs per computed token (for MFU)
+    # Over the interval (migration 0005): prompt tokens found cached / looked up, and accepted
+    # / proposed draft tokens; None when nothing was looked up / proposed.
+    prefix_cache_hit_rate: Mapped[float | None]
+    spec_acceptance_rate: Mapped[float | None]
 
     def __repr__(self) -> str:
         return (
@@ -280,6 +288,9 @@ class CostRollupRow(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
     list_cost_usd: Mapped[float] = mapped_column(USD)
     gpu_cost_usd: Mapped[float] = mapped_column(USD)
+    # What the cached prompt tokens would have cost at the full prompt price, less what they
+    # cost at the cached price (migration 0005).
+    cache_savings_usd: Mapped[float] = mapped_column(USD, server_default=text("0"))
     # Derived rates (USD per million tokens); None where there are no such tokens.
     list_usd_per_mtok_prompt: Mapped[float | None]
     list_usd_per_mtok_completion: Mapped[float | None]

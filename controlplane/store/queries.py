@@ -43,6 +43,8 @@ REQUEST_FIELDS = (
     "cached_prompt_tokens",
     "completion_tokens",
     "preemptions",
+    "draft_tokens",
+    "accepted_draft_tokens",
     "price_id",
     "cost_usd",
     "end_user",

@@ -40,6 +40,8 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: proposed for this request
+    accepted_draft_tokens: int = 0  # and of those accepted
     end_user: str | None = None  # the request's OpenAI `user` field
     # The HTTP request's X-Request-Id: the client's (not unique: clients may reuse one) or the
     # generated one. Several rows share it when one request carried several prompts.

@@ -13,6 +13,8 @@ with the GPU figures of the last rollup, and every row and total it touches has
 `provisional` = true until the next rollup. Per group:
 counts, tokens and costs are sums; `list_usd_per_mtok_prompt` / `_completion` are the group's
 prompt-side / completion-side list cost per million prompt / completion tokens;
+`cached_share` is cached / prompt tokens and `cache_savings_usd` what the prefix cache saved at
+list price (cached tokens x (prompt rate - cached rate), by each request's own price row);
 `gpu_usd_per_mtok` is the group's GPU cost per million computed tokens (prompt - cached +
 completion; the same rate for prompt and completion tokens). A group that includes "(idle)"
 rows (grouping without api_key) therefore shows the all-in GPU rate, idle time included; the
@@ -80,8 +82,10 @@ COST_METRICS = (
     "requests_failed",
     "prompt_tokens",
     "cached_prompt_tokens",
+    "cached_share",
     "completion_tokens",
     "list_cost_usd",
+    "cache_savings_usd",
     "list_usd_per_mtok_prompt",
     "list_usd_per_mtok_completion",
     "gpu_cost_usd",
@@ -110,6 +114,8 @@ _SAMPLE_MEANS = (
     "decode_tokens_per_s",
     "queue_length",
     "num_running",
+    "prefix_cache_hit_rate",
+    "spec_acceptance_rate",
 )
 _GPU_MEANS = ("utilization_pct", "power_w")
 UTILIZATION_METRICS = (
@@ -185,6 +191,7 @@ class _CostAcc:
     cached: int = 0
     completion: int = 0
     list_cost: list[float] = field(default_factory=list)
+    savings: list[float] = field(default_factory=list)
     gpu_cost: list[float] = field(default_factory=list)
     prompt_side: list[float] = field(default_factory=list)  # USD x 1e6
     completion_side: list[float] = field(default_factory=list)  # USD x 1e6
@@ -200,6 +207,7 @@ class _CostAcc:
         self.cached += r["cached_prompt_tokens"]
         self.completion += r["completion_tokens"]
         self.list_cost.append(float(r["list_cost_usd"]))
+        self.savings.append(float(r["cache_savings_usd"]))
         self.gpu_cost.append(float(r["gpu_cost_usd"]))
         if r["list_usd_per_mtok_prompt"] is not None:
             self.prompt_side.append(r["list_usd_per_mtok_prompt"] * r["prompt_tokens"])
@@ -229,8 +237,10 @@ class _CostAcc:
             "requests_failed": self.failed,
             "prompt_tokens": self.prompt,
             "cached_prompt_tokens": self.cached,
+            "cached_share": _div(self.cached, self.prompt),
             "completion_tokens": self.completion,
             "list_cost_usd": round(math.fsum(self.list_cost), 12),
+            "cache_savings_usd": round(math.fsum(self.savings), 12),
             "list_usd_per_mtok_prompt": _div(math.fsum(self.prompt_side), self.prompt),
             "list_usd_per_mtok_completion": _div(math.fsum(self.completion_side), self.completion),
             "gpu_cost_usd": gpu_cost,
@@ -334,6 +344,7 @@ def _provisional_rows(
                     "cached_prompt_tokens": g.cached,
                     "completion_tokens": g.completion,
                     "list_cost_usd": g.list_cost,
+                    "cache_savings_usd": g.cache_savings,
                     "list_usd_per_mtok_prompt": _div(g.prompt_side * 1e6, g.prompt),
                     "list_usd_per_mtok_completion": _div(g.completion_side * 1e6, g.completion),
                     "gpu_cost_usd": before["gpu_cost_usd"] if before else 0.0,

@@ -30,6 +30,8 @@ instance's own request rows and samples:
   `list_usd_per_mtok_prompt` = prompt side / prompt tokens x 1e6 (cached tokens at their
   own rate, so this is the effective prompt rate); `list_usd_per_mtok_completion` =
   completion side / completion tokens x 1e6.
+* Cache savings: `cache_savings_usd` = sum of cached x (prompt rate - cached rate) / 1e6 over
+  the same price rows: what the prefix cache saved at list price.
 * GPU time, per (hour, instance): `covered_s` is the sum of `interval_s` of the instance's
   samples in the hour and busy_s the sum of `interval_s x busy_fraction`. The hour's GPU cost is
   `gpu_hourly_usd x num_gpus x covered_s / 3600`: only time the daemon was up and sampling is
@@ -133,6 +135,8 @@ class UtilizationSample:
     queue_length: int | None = None
     num_running: int | None = None
     flops_per_token: float | None = None  # model FLOPs per computed token
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up
+    spec_acceptance_rate: float | None = None  # accepted / proposed draft tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +224,8 @@ def write_sample(
         "prefill_tokens_per_s",
         "decode_tokens_per_s",
         "flops_per_token",
+        "prefix_cache_hit_rate",
+        "spec_acceptance_rate",
     ):
         row[name] = _finite(getattr(sample, name))
     with engine.begin() as conn:
@@ -313,6 +319,9 @@ class RequestGroup:
     list_cost: float = 0.0
     prompt_side: float = 0.0
     completion_side: float = 0.0
+    # Cached prompt tokens x (prompt price - cached prompt price): what the prefix cache saved
+    # at list price, by the same price rows as the cost.
+    cache_savings: float = 0.0
 
     @property
     def computed(self) -> int:
@@ -399,6 +408,11 @@ def request_groups(
                 + cached_n * float(price.cached_prompt_per_mtok)
             ) / 1e6
             g.completion_side += completion * float(price.completion_per_mtok) / 1e6
+            g.cache_savings += (
+                cached_n
+                * (float(price.prompt_per_mtok) - float(price.cached_prompt_per_mtok))
+                / 1e6
+            )
     return groups
 
 
@@ -498,6 +512,7 @@ def _hour_rows(
                 "cached_prompt_tokens": g.cached,
                 "completion_tokens": g.completion,
                 "list_cost_usd": g.list_cost,
+                "cache_savings_usd": g.cache_savings,
                 "gpu_cost_usd": gpu_cost,
                 "list_usd_per_mtok_prompt": _div(g.prompt_side * 1e6, g.prompt),
                 "list_usd_per_mtok_completion": _div(g.completion_side * 1e6, g.completion),
@@ -517,6 +532,7 @@ def _hour_rows(
                 "cached_prompt_tokens": 0,
                 "completion_tokens": 0,
                 "list_cost_usd": 0.0,
+                "cache_savings_usd": 0.0,
                 "gpu_cost_usd": idle_cost,
                 "list_usd_per_mtok_prompt": None,
                 "list_usd_per_mtok_completion": None,
