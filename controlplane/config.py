@@ -22,6 +22,7 @@ from typing import Any
 
 from controlplane.common import parse_time
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.sampling_params import MAX_N
 from controlplane.engine.settings import EngineSettings, check
 
 ENV_PREFIX = "CONTROLPLANE_"
@@ -36,6 +37,8 @@ class ServerSettings:
     model_name: str = ""
     # Waiting requests beyond this get 429 with Retry-After (backpressure).
     max_queue_len: int = 256
+    # Most choices one request may ask for per prompt (OpenAI `n`, and `best_of`); more is a 400.
+    max_n: int = 16
     # On SIGTERM/SIGINT: how long running requests may finish before they are aborted.
     drain_timeout_s: float = 30.0
     log_format: str = "text"  # text | json
@@ -218,6 +221,8 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError("server.port", f"must be in [0, 65535], got {s.port}")
     if s.max_queue_len < 0:
         raise InvalidSettingError("server.max_queue_len", f"must be >= 0, got {s.max_queue_len}")
+    if not 1 <= s.max_n <= MAX_N:
+        raise InvalidSettingError("server.max_n", f"must be in [1, {MAX_N}], got {s.max_n}")
     _in_range("server.drain_timeout_s", s.drain_timeout_s, 0, MAX_INTERVAL_S)
     # The range GET /admin/events accepts for its `interval` (the default must be one).
     _in_range("server.events_interval_s", s.events_interval_s, 0.1, 60)

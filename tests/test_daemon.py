@@ -270,7 +270,7 @@ def test_logprobs(client):
     [
         ({"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
         ({"prompt": "x", "top_p": 2}, 400, "top_p", "(0, 1]"),
-        ({"prompt": "x", "n": 2}, 400, "n", "only n=1"),
+        ({"prompt": "x", "n": 0}, 400, "n", "at least 1"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
         ({"prompt": ""}, 400, "prompt", "non-empty"),

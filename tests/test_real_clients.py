@@ -178,8 +178,8 @@ def test_ignored_field_labels_are_bounded() -> None:
             "response_format",
             "only {'type': 'text'}",
         ),
-        ("/v1/chat/completions", {"n": 2}, "n", "only n=1"),
-        ("/v1/completions", {"best_of": 3}, "best_of", "best_of=1"),
+        ("/v1/chat/completions", {"n": 17}, "n", "at most 16 (server.max_n)"),
+        ("/v1/completions", {"best_of": 3, "stream": True}, "best_of", "stream"),
         ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ],
 )

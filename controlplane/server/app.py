@@ -6,8 +6,9 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,8 +98,10 @@ class Flight:
     rec: RequestRecord
     on_end: Callable[[Flight], None]  # called once, right after the final record
     outputs: asyncio.Queue  # shared with the other flights of its Batch
-    index: int = 0  # the prompt's position: its choice's `index`
-    token_times: list[float] = field(default_factory=list)  # one per output token (ITL metrics)
+    index: int = 0  # the prompt's position
+    n: int = 1  # choices the engine samples for it: choice j is the response's index*n + j
+    # Choice 0's output token times (ITL metrics: a per-sequence figure, whatever n is).
+    token_times: list[float] = field(default_factory=list)
     last: RequestOutput | None = None
     done: bool = False  # the final record is written
     _abort_sent: bool = False
@@ -108,20 +111,21 @@ class Flight:
         try:
             async for out in self.stream:
                 self.last = out
-                self.token_times.extend([out.time] * len(out.new_token_ids))
-                self.outputs.put_nowait((self.index, out))
+                if out.index == 0:
+                    self.token_times.extend([out.time] * len(out.new_token_ids))
+                self.outputs.put_nowait((self.index * self.n + out.index, out))
         except asyncio.CancelledError:  # the loop is going away: still one final record
             self.stream.cancel()
             raise
         except Exception as exc:  # the engine died: tell the response, record the error
             error = repr(exc)
             failure = EngineFailure(unavailable(f"engine failed: {exc}"))
-            self.outputs.put_nowait((self.index, failure))
+            self.outputs.put_nowait((self.index * self.n, failure))
         finally:
             self.done = True
             self.runtime.finish(self.rec, self.last, self.token_times, error=error)
             self.on_end(self)
-            self.outputs.put_nowait((self.index, _END))
+            self.outputs.put_nowait((self.index * self.n, _END))
 
     def abort(self) -> None:
         """Stop the engine request (idempotent; nothing to do once it has ended)."""
@@ -185,6 +189,21 @@ class Batch:
             if item.finish_reason == "error":  # this request failed, the engine serves on
                 raise EngineFailure(_request_failed(item))
             yield index, item
+
+
+def _returned(f: Flight, n: int, pieces: dict[int, list[RequestOutput]]) -> list[int]:
+    """The choice indices of flight `f` the response returns, in order: all of them, or with
+    best_of (the engine sampled more than `n`), the `n` with the highest cumulative logprob
+    (ties: the lower index), best first."""
+    mine = [i for i in range(f.index * f.n, (f.index + 1) * f.n) if pieces.get(i)]
+    if f.n <= n:
+        return mine
+
+    def score(i: int) -> float:
+        value = pieces[i][-1].cumulative_logprob
+        return -math.inf if value is None else value
+
+    return sorted(mine, key=lambda i: (-score(i), i))[:n]
 
 
 class InferenceAPI:
@@ -320,7 +339,7 @@ class InferenceAPI:
                     x_request_id=rid.value,
                 )
                 d.record(rec)
-                flight = Flight(d, stream, rec, self._remember, batch.outputs, index=i)
+                flight = Flight(d, stream, rec, self._remember, batch.outputs, i, p.n)
                 batch.flights.append(flight)
                 self._spawn(flight.run())
         except BaseException:
@@ -356,7 +375,7 @@ class InferenceAPI:
         for each choice before anything else (chat's role delta)."""
         created = protocol.now()
         if not parsed.stream:
-            pieces: dict[int, list[RequestOutput]] = {f.index: [] for f in batch.flights}
+            pieces: dict[int, list[RequestOutput]] = defaultdict(list)
             try:
                 async for index, out in batch:
                     pieces[index].append(out)
@@ -366,8 +385,10 @@ class InferenceAPI:
                 batch.abort()  # the handler was cancelled: the requests go with it
             choices = []
             for f in batch.flights:
-                assert f.last is not None
-                choices.append({"index": f.index, **render_final(f.index, pieces[f.index], f.last)})
+                for rank, i in enumerate(_returned(f, parsed.n, pieces)):
+                    outs = pieces[i]
+                    index = f.index * parsed.n + rank
+                    choices.append({"index": index, **render_final(index, outs, outs[-1])})
             return Response(envelope(batch, obj, created, choices, usage=batch.usage()))
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -377,7 +398,8 @@ class InferenceAPI:
             try:
                 if first_chunk is not None:
                     for f in batch.flights:
-                        yield chunk([{"index": f.index, **first_chunk(f.index)}])
+                        for i in range(f.index * f.n, (f.index + 1) * f.n):
+                            yield chunk([{"index": i, **first_chunk(i)}])
                 async for index, out in batch:
                     choice = render_chunk(index, out)
                     if choice is not None:
@@ -410,15 +432,25 @@ class InferenceAPI:
         cfg = self.runtime.cfg
         return cfg.engine.max_num_seqs + cfg.server.max_queue_len
 
+    def _check_n(self, parsed: protocol.ParsedRequest) -> None:
+        """`n` and `best_of` against server.max_n (the engine checks n <= max_num_seqs)."""
+        limit = self.runtime.cfg.server.max_n
+        for name, value in (("n", parsed.n), ("best_of", parsed.best_of)):
+            if value is not None and value > limit:
+                raise invalid(name, f"must be at most {limit} (server.max_n), got {value}")
+
     async def completions(self, request: Request) -> Response:
         self._check_request_id(request)
         parsed = protocol.parse_completion(await self._body(request))
         self._note_ignored(parsed.ignored_fields)
-        n = len(parsed.prompts)
+        self._check_n(parsed)
+        # Sequences this request adds: one per prompt and choice.
+        n = len(parsed.prompts) * parsed.params.n
         if n > (limit := self._max_prompts()):
             raise invalid(
                 "prompt",
-                f"has {n} prompts; the limit is {limit} per request "
+                f"has {len(parsed.prompts)} prompts x {parsed.params.n} choices = {n} "
+                f"sequences; the limit is {limit} per request "
                 "(engine.max_num_seqs + server.max_queue_len)",
             )
         self._admit(request, parsed.model, incoming=n)
@@ -473,7 +505,8 @@ class InferenceAPI:
         self._check_request_id(request)
         parsed = protocol.parse_chat(await self._body(request))
         self._note_ignored(parsed.ignored_fields)
-        self._admit(request, parsed.model)
+        self._check_n(parsed)
+        self._admit(request, parsed.model, incoming=parsed.params.n)
         # "escape": special-token text typed into a message is plain text, not control tokens.
         escape = self.runtime.cfg.server.chat_special_tokens == "escape"
         size = len(await request.body())  # read once, kept by Litestar
@@ -483,7 +516,7 @@ class InferenceAPI:
             )
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
-        keys = self._admit(request, parsed.model)
+        keys = self._admit(request, parsed.model, incoming=parsed.params.n)
         batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys)
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ SOURCES = ("default", "file", "env", "api", "tui")
 # Fields an operator may change on a running daemon. Everything else needs a restart.
 LIVE_FIELDS = frozenset(
     {f"engine.{name}" for name in EngineSettings.live_fields()}
-    | {"server.max_queue_len", "server.drain_timeout_s", "prices"}
+    | {"server.max_queue_len", "server.max_n", "server.drain_timeout_s", "prices"}
     | {
         "jobs.utilization_interval_s",
         "jobs.rollup_interval_s",

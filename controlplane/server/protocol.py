@@ -6,6 +6,7 @@ field the way OpenAI's API does (`param`), and says the limit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -259,6 +260,10 @@ class ParsedRequest:
     chat_logprobs: bool = False
     default_max_tokens: bool = False  # chat without max_tokens: fill the context
     user: str | None = None  # OpenAI's end-user id (None: not sent, or empty)
+    # Choices returned per prompt: `params.n` (what the engine samples) unless best_of asked
+    # the engine for more and only the best `n` are returned.
+    n: int = 1
+    best_of: int | None = None
     ignored_fields: tuple[str, ...] = ()  # top-level fields this endpoint does not read
 
 
@@ -284,14 +289,16 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise invalid("stop", "must be a string or an array of strings")
-    if body.get("n") not in (None, 1):
-        raise invalid("n", f"only n=1 is supported, got {body.get('n')!r}")
+    n = _opt(body, "n", (int,), "an integer", 1)
+    if n < 1:
+        raise invalid("n", f"must be at least 1, got {n}")
     if body.get("logit_bias"):
         raise invalid("logit_bias", "is not supported")
     stop_ids = _opt(body, "stop_token_ids", (list,), "an array of token ids", [])
     try:
         return SamplingParams(
             max_tokens=16 if max_tokens is None else max_tokens,
+            n=n,
             temperature=float(_opt(body, "temperature", num, "a number", 1.0)),
             top_p=float(_opt(body, "top_p", num, "a number", 1.0)),
             top_k=_opt(body, "top_k", (int,), "an integer", 0),
@@ -391,17 +398,27 @@ def parse_completion(body: Any) -> ParsedRequest:
         raise invalid("echo", "is not supported")
     if body.get("suffix"):
         raise invalid("suffix", "is not supported")
-    if body.get("best_of") not in (None, 1):
-        raise invalid("best_of", "only best_of=1 is supported")
     max_tokens = _opt(body, "max_tokens", (int,), "an integer", None)
     logprobs = _opt(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+    params = _sampling(body, max_tokens, logprobs)
+    n = params.n
+    best_of = _opt(body, "best_of", (int,), "an integer", None)
+    if best_of is not None:
+        if best_of < n:
+            raise invalid("best_of", f"must be at least n ({n}), got {best_of}")
+        if best_of > 1 and common.stream:
+            # OpenAI's rule: which choices are best is known only once all have finished.
+            raise invalid("best_of", "cannot be used with stream: true")
+        params = dataclasses.replace(params, n=best_of)
     return ParsedRequest(
         common.model,
-        _sampling(body, max_tokens, logprobs),
+        params,
         common.stream,
         common.include_usage,
         prompts=prompts,
         user=common.user,
+        n=n,
+        best_of=best_of,
         ignored_fields=common.ignored,
     )
 
@@ -455,6 +472,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         chat_logprobs=want,
         default_max_tokens=mt is None,
         user=common.user,
+        n=params.n,
         ignored_fields=common.ignored,
     )
 
