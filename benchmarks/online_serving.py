@@ -121,6 +121,24 @@ class Daemon:
     log_path: Path
     data_dir: Path
 
+    @classmethod
+    def spawn(cls, cfg: Path, port: int, data_dir: Path) -> Daemon:
+        """`controlplane serve --config cfg` on `port`, its output in <cfg's folder>/daemon.log."""
+        log_path = cfg.parent / "daemon.log"
+        # The config file alone decides: drop CONTROLPLANE_* overrides inherited from the shell.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
+        with log_path.open("wb") as log_file:
+            cmd = [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)]
+            proc = subprocess.Popen(
+                [*cmd, "--port", str(port)],
+                cwd=REPO_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        return cls(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, data_dir=data_dir)
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -166,20 +184,7 @@ def start_daemon(workdir: Path, mode: str, model_dir: Path, args: argparse.Names
     data_dir.mkdir(parents=True)
     cfg = workdir / "config.toml"
     write_config(cfg, data_dir, port, mode, model_dir, args)
-    log_path = workdir / "daemon.log"
-    # The config file alone decides: drop CONTROLPLANE_* overrides inherited from the shell.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    with log_path.open("wb") as log_file:
-        cmd = [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)]
-        proc = subprocess.Popen(
-            [*cmd, "--port", str(port)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    return Daemon(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, data_dir=data_dir)
+    return Daemon.spawn(cfg, port, data_dir)
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import statistics
 import sys
@@ -133,20 +132,7 @@ def start(workdir: Path, model: str, engine: dict[str, Any], args: argparse.Name
         f"max_num_seqs = {args.max_num_seqs}\n"
         + "".join(f"{key} = {json.dumps(value)}\n" for key, value in engine.items())
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    log_path = workdir / "daemon.log"
-    import subprocess
-
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    d = Daemon(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, data_dir=data_dir)
+    d = Daemon.spawn(cfg, port, data_dir)
     d.wait_healthy(300)
     return d
 

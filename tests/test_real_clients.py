@@ -559,18 +559,20 @@ def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder)
 
 # -- migration 0004 ------------------------------------------------------------------------------
 
+# A request row as every schema since 0001 can hold it.
+OLD_ROW = (
+    "INSERT INTO requests (id, instance_id, model, endpoint, status, arrival_time, "
+    "hour_bucket, day_bucket) VALUES ('old', 'i', 'm', 'completions', 'success', "
+    "'2026-03-01 12:00:00', '2026-03-01T12', '2026-03-01')"
+)
+
 
 def test_migration_0004_keeps_old_rows_and_downgrades(db_url: str) -> None:
     upgrade(db_url, "0003")
     eng = make_engine(db_url)
-    old_row = (
-        "INSERT INTO requests (id, instance_id, model, endpoint, status, arrival_time, "
-        "hour_bucket, day_bucket) VALUES ('old', 'i', 'm', 'completions', 'success', "
-        "'2026-03-01 12:00:00', '2026-03-01T12', '2026-03-01')"
-    )
     try:
         with eng.begin() as conn:
-            conn.execute(text(old_row))
+            conn.execute(text(OLD_ROW))
         upgrade(db_url, "0004")
         assert current(db_url) == "0004"
         with eng.connect() as conn:
@@ -597,14 +599,9 @@ def test_migration_0004_keeps_old_rows_and_downgrades(db_url: str) -> None:
 def test_migration_0005_old_rows_read_zero_and_it_downgrades(db_url: str) -> None:
     upgrade(db_url, "0004")
     eng = make_engine(db_url)
-    old_row = (
-        "INSERT INTO requests (id, instance_id, model, endpoint, status, arrival_time, "
-        "hour_bucket, day_bucket) VALUES ('old', 'i', 'm', 'completions', 'success', "
-        "'2026-03-01 12:00:00', '2026-03-01T12', '2026-03-01')"
-    )
     try:
         with eng.begin() as conn:
-            conn.execute(text(old_row))
+            conn.execute(text(OLD_ROW))
         upgrade(db_url)
         assert current(db_url) == "0005"
         check(db_url)  # the models and the migrated schema agree
