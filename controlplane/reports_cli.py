@@ -53,7 +53,13 @@ _NEEDED_TABLES = {
     "requests": {"requests"},
     "utilization": {"utilization_samples", "gpu_samples"},
 }
-_NEEDED_COLUMNS = {"requests": ("requests", "end_user")}  # migration 0004
+# A report on a database one migration short would fail on the missing column: it gets the
+# "not migrated" sentence instead.
+_NEEDED_COLUMNS = {
+    "cost": (("cost_rollups", "cache_savings_usd"),),  # migration 0005
+    "requests": (("requests", "end_user"),),  # migration 0004
+    "utilization": (("utilization_samples", "prefix_cache_hit_rate"),),  # migration 0005
+}
 
 
 def _time_arg(flag: str) -> Callable[[str], datetime]:
@@ -317,10 +323,10 @@ def _has_schema(inspector: Any, kind: str) -> bool:
     """Whether the database has what the report reads (not migrated far enough: no)."""
     if not _NEEDED_TABLES[kind] <= set(inspector.get_table_names()):
         return False
-    if kind in _NEEDED_COLUMNS:
-        table, column = _NEEDED_COLUMNS[kind]
-        return column in {c["name"] for c in inspector.get_columns(table)}
-    return True
+    return all(
+        column in {c["name"] for c in inspector.get_columns(table)}
+        for table, column in _NEEDED_COLUMNS.get(kind, ())
+    )
 
 
 def add_report_parser(subparsers: Any) -> None:

@@ -4,6 +4,9 @@ audited cache reset and the TUI form, against a real daemon on loopback (tiny mo
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import signal
 import threading
 import time
 
@@ -13,10 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.config import load_config
 from controlplane.tui.app import DashboardApp
+from controlplane.tui.history import fmt_pct
 from controlplane.tui.screens import ConfirmScreen, TuneScreen
-from tests.daemon_util import InProcessDaemon, wait_rows
+from tests.daemon_util import DaemonProcess, InProcessDaemon, wait_rows
 from tests.test_admin_api import TOKEN, admin_cfg
-from tests.test_tui import wait_until
+from tests.test_tui import screen_text, wait_until
 
 BS = 16  # the engine's default block size
 SHARED = [(7 * i) % 900 + 10 for i in range(5 * BS)]  # five full blocks
@@ -71,6 +75,24 @@ def test_prefix_cache_hits_show_in_metrics_stats_and_usage(daemon):
         # The map shows the cached, unused blocks apart from the (no) blocks in use.
         assert set(stats["kv_block_map"]) == {0.0}
         assert sum(stats["kv_block_map_cached"]) > 0
+
+        # The SSE stream's snapshots are the same payload: the same figures, nothing running.
+        event = first_stats_event(c)
+        for key in ("prefix_cache_hit_rate", "kv_blocks_cached", "kv_blocks_evictable"):
+            assert event[key] == stats[key], key
+        assert {"speculation", "spec_acceptance_rate", "spec_mean_accepted_len"} <= set(event)
+        assert event["speculative_num_tokens"] == 3
+
+
+def first_stats_event(c: httpx.Client) -> dict:
+    with c.stream("GET", "/admin/events", params={"interval": 0.2}) as r:
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and event == "stats":
+                return json.loads(line.split(":", 1)[1])
+    raise AssertionError("no stats event")
 
 
 def test_cache_reset_is_authenticated_audited_and_empties_the_cache(daemon):
@@ -147,6 +169,16 @@ def test_speculation_counters_and_state_follow_live_changes(daemon):
             )
 
 
+def kv_line(c: httpx.Client) -> str:
+    """The KV panel's cache line for the daemon's current stats."""
+    stats = c.get("/admin/stats").json()
+    assert stats["prefix_cache_hit_rate"] is not None and stats["kv_blocks_cached"] > 0
+    return (
+        f"hit {fmt_pct(stats['prefix_cache_hit_rate'])}  █ cached {stats['kv_blocks_cached']} "
+        f"({stats['kv_blocks_evictable']} idle)"
+    )
+
+
 def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
     c = api(daemon)
     complete(c, [*SHARED, 8, 8])  # something cached to reset
@@ -155,6 +187,9 @@ def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
         app = DashboardApp(daemon.url, TOKEN)
         async with app.run_test(size=(120, 50)) as pilot:
             await wait_until(pilot, lambda: app.fields, 5, "config loaded")
+            # The KV panel shows the daemon's hit rate (last minute) and its cached blocks.
+            await wait_until(pilot, lambda: kv_line(c) in screen_text(app), 10, "hit rate shown")
+            assert "speculation off" in screen_text(app)
             await pilot.press("t")
             form = await wait_until(
                 pilot, lambda: isinstance(app.screen, TuneScreen) and app.screen
@@ -185,6 +220,11 @@ def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
             fields = c.get("/admin/config").json()["fields"]
             assert fields["engine.speculative_method"]["value"] == "ngram"
             await pilot.press("escape")
+            # The speculation line follows the new settings once a step speculates.
+            await asyncio.to_thread(complete, c, [11, 12, 13, 14, 15, 16] * 8, 24)
+            spec = re.compile(r"spec ngram k=5 active \d+% len \d\.\d\d")
+            await wait_until(pilot, lambda: spec.search(screen_text(app)), 10, "spec line")
+            await wait_until(pilot, lambda: "prefix caching off" in screen_text(app), 10)
 
             # The cache reset key asks first, then resets (audited as the TUI's).
             before = c.get("/admin/stats").json()["kv_blocks_evictable"]
@@ -210,3 +250,44 @@ def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
             json={"engine": {"speculative_method": "off", "enable_prefix_caching": True}},
         )
         c.close()
+
+
+def test_cache_reset_on_a_dead_engine_is_503_and_not_audited(tiny_model_dir, tmp_path):
+    path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_model_len": 256})
+    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
+    try:
+        engine = d.daemon.aengine.engine
+
+        def failing_step():
+            raise RuntimeError("simulated device fault")
+
+        engine.step = failing_step  # a real failure inside the engine thread: the loop dies
+        with api(d) as c:
+            body = {"model": "model", "prompt": "x", "max_tokens": 4}
+            assert c.post("/v1/completions", json=body).status_code == 503
+            assert c.get("/admin/stats").json()["state"] == "dead"
+
+            r = c.post("/admin/cache/reset")
+            assert r.status_code == 503, r.text
+            assert "engine" in r.json()["error"]["message"]
+            changes = c.get("/admin/config/history").json()["changes"]
+            assert all(e["field"] != "engine.prefix_cache_reset" for e in changes)
+    finally:
+        d.stop()
+
+
+def test_cache_reset_while_loading_is_503(tmp_path):
+    # No model configured: the daemon loads SmolLM2 or the demo model (seconds), answering
+    # meanwhile; the admin token is checked first, then the missing engine named.
+    path = admin_cfg(tmp_path, None, store={"record_requests": False})
+    d = DaemonProcess.start(path, wait_ready=False)
+    try:
+        assert httpx.post(d.url + "/admin/cache/reset", timeout=10).status_code == 401
+        r = httpx.post(
+            d.url + "/admin/cache/reset", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        )
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "loading"
+        assert "not loaded" in r.json()["error"]["message"]
+    finally:
+        d.stop(signal.SIGKILL)  # not waiting for the load: nothing here needs a clean exit

@@ -1,4 +1,5 @@
-"""make_sample: one utilization sample as the difference of two engine snapshots."""
+"""make_sample: one utilization sample as the difference of two engine snapshots (and its
+prefix-cache and draft acceptance rates as stored, on SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import pytest
+from sqlalchemy import Engine, select
 
+from controlplane.engine.types import StepStats
 from controlplane.jobs import UtilizationSample, make_sample
+from controlplane.store import UtilizationSampleRow, write_sample
+
+SAMPLES = UtilizationSampleRow.__table__
 
 LIMITS = dict(
     max_num_seqs=8, max_num_batched_tokens=100, queue_length=3, model="m", flops_per_token=2e6
@@ -143,3 +149,67 @@ def test_real_engine_snapshots(tiny_model_dir) -> None:
     assert after.prefill_tokens_total - before.prefill_tokens_total == 29
     assert after.decode_tokens_total - before.decode_tokens_total == 4
     assert 0 < s.busy_fraction <= 1 and s.batch_fill_seqs is not None
+
+
+def step_stats(**counters: int) -> StepStats:
+    """A real engine snapshot (the engine's own type) with the given cumulative counters."""
+    base = dict(
+        step=0,
+        time=0.0,
+        num_running=0,
+        num_waiting=0,
+        num_swapped=0,
+        kv_blocks_used=0,
+        kv_blocks_total=64,
+        num_prefill_tokens=0,
+        num_decode_tokens=0,
+        num_sampled_tokens=0,
+        step_duration=0.0,
+        num_preemptions=0,
+        num_finished=0,
+    )
+    return StepStats(**{**base, **counters})  # type: ignore[arg-type]
+
+
+def test_rates_of_step_stats_are_stored_and_null_without_queries(engine: Engine) -> None:
+    t0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC).timestamp()
+    a = step_stats(
+        step=10,
+        prefix_cache_queries_total=800,
+        prefix_cache_hits_total=200,
+        spec_decode_num_draft_tokens_total=90,
+        spec_decode_num_accepted_tokens_total=33,
+    )
+    # Interval 1: 640 prompt tokens looked up, 240 found; 48 drafted, 18 accepted.
+    b = replace(
+        a,
+        step=20,
+        prefix_cache_queries_total=1440,
+        prefix_cache_hits_total=440,
+        spec_decode_num_draft_tokens_total=138,
+        spec_decode_num_accepted_tokens_total=51,
+    )
+    # Interval 2: steps ran (decodes) but nothing was looked up or drafted.
+    c = replace(b, step=30, decode_tokens_total=50)
+    # Interval 3: a restarted engine (counters from 0): unknown, never negative or above 1.
+    d = step_stats(step=3, prefix_cache_queries_total=1500, prefix_cache_hits_total=10)
+    samples = [
+        make_sample(prev, cur, start=t0 + 5 * i, end=t0 + 5 * (i + 1), **LIMITS)
+        for i, (prev, cur) in enumerate(((a, b), (b, c), (c, d)))
+    ]
+    assert (samples[0].prefix_cache_hit_rate, samples[0].spec_acceptance_rate) == (
+        240 / 640,
+        18 / 48,
+    )
+    assert samples[2].spec_acceptance_rate is None and samples[2].prefix_cache_hit_rate is None
+
+    for s in samples:
+        write_sample(engine, "inst-a", s, ())
+    with engine.connect() as conn:
+        stored = conn.execute(
+            select(SAMPLES.c.prefix_cache_hit_rate, SAMPLES.c.spec_acceptance_rate).order_by(
+                SAMPLES.c.time
+            )
+        ).all()
+    # 240 / 640 = 0.375 and 18 / 48 = 0.375 exactly (binary fractions): stored as computed.
+    assert [tuple(r) for r in stored] == [(0.375, 0.375), (None, None), (None, None)]

@@ -235,6 +235,7 @@ def _prefill_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every prompt position (the runner's trace) and the requests run to the end."""
     from controlplane.engine import SamplingParams
 
+    engine.reset_prefix_cache()  # every position computed, not reused from an earlier call
     engine.runner.trace = []
     ids = [engine.add_request(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
     try:

@@ -9,13 +9,23 @@ import io
 import json
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import Engine
 
+from controlplane.config import Price, StoreSettings
 from controlplane.reports_cli import add_report_parser
-from controlplane.store import cost_report, run_rollup, utilization_report
-from tests.test_rollup import DAY, GPU, NOW, seed
+from controlplane.store import (
+    Recorder,
+    cost_report,
+    run_rollup,
+    sync_prices,
+    upgrade,
+    utilization_report,
+)
+from tests.test_rollup import DAY, GPU, NOW, add_sample, at, seed
+from tests.test_store import record
 
 WINDOW = ("--since", "2026-03-01", "--until", "2026-03-02")
 
@@ -96,6 +106,113 @@ def test_cost_csv_json_table(seeded: str, engine: Engine, capsys) -> None:
     assert "5.5%" in total and "0.0003" in total
     assert doc["totals"]["cache_savings_usd"] == pytest.approx(0.0003, rel=1e-12)
     assert "(no key)" in table and "2026-03-01" in table and "alice" in table
+
+
+# USD per million tokens: prompt 1.00, cached prompt 0.25, completion 2.00.
+CACHE_PRICE = (Price("*", DAY - timedelta(days=1), 1.00, 0.25, 2.00),)
+# (id, API key, prompt, cached, completion), all at 12:00 on DAY (tests.test_store.record).
+CACHE_REQUESTS = (
+    ("a1", "alice", 1000, 400, 100),
+    ("a2", "alice", 2000, 1600, 300),
+    ("b1", "bob", 1000, 0, 200),
+)
+
+
+def test_cached_share_and_savings_exact(engine: Engine, db_url: str, capsys) -> None:
+    sync_prices(engine, CACHE_PRICE)
+    rec = Recorder(engine, StoreSettings(flush_interval_s=0.02))
+    try:
+        for id, key, prompt, cached, completion in CACHE_REQUESTS:
+            rec.submit(
+                record(
+                    id,
+                    api_key_name=key,
+                    prompt_tokens=prompt,
+                    cached_prompt_tokens=cached,
+                    completion_tokens=completion,
+                )
+            )
+        assert rec.flush(10)
+    finally:
+        rec.close(timeout=5)
+    # By hand: savings = cached x (1.00 - 0.25) / 1e6. alice: (400 + 1600) x 0.75 = 1500 micro-
+    # USD, bob 0. Cached share: alice 2000 / 3000, bob 0 / 1000, all 2000 / 4000. List cost
+    # (micro-USD): a1 600 + 100 + 200 = 900, a2 400 + 400 + 600 = 1400, b1 1000 + 400 = 1400;
+    # list + savings is the cost at the full prompt price: alice 2300 + 1500 = 3800.
+    want = {
+        "alice": (2000 / 3000, 0.0015, 0.0023),
+        "bob": (0.0, 0.0, 0.0014),
+        "total": (0.5, 0.0015, 0.0037),
+    }
+
+    def figures(report) -> dict[str, tuple[float, float, float]]:
+        rows = {r["api_key"]: r for r in report.rows} | {"total": report.totals}
+        return {
+            k: (r["cached_share"], r["cache_savings_usd"], r["list_cost_usd"])
+            for k, r in rows.items()
+            if k in want
+        }
+
+    for rolled_up in (False, True):  # from the request rows (provisional), then the rollup
+        if rolled_up:
+            run_rollup(engine, "inst-a", now=NOW, **GPU)
+        report = cost_report(engine, since=DAY, until=DAY.replace(day=2), group_by="api_key")
+        assert report.totals["provisional"] is not rolled_up
+        got = figures(report)
+        assert got.keys() == want.keys()
+        for key, (share, savings, list_cost) in want.items():
+            assert got[key][0] == pytest.approx(share, rel=1e-12), key
+            assert got[key][1] == pytest.approx(savings, rel=1e-12, abs=1e-15), key
+            assert got[key][2] == pytest.approx(list_cost, rel=1e-12), key
+
+    assert cli("report", "cost", "--url", db_url, *WINDOW, "--group-by", "api_key", "--format", "json") == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["totals"]["cached_share"] == pytest.approx(0.5, rel=1e-12)
+    assert doc["totals"]["cache_savings_usd"] == pytest.approx(0.0015, rel=1e-12)
+    assert cli("report", "cost", "--url", db_url, *WINDOW, "--group-by", "api_key", "--format", "csv") == 0  # fmt: skip
+    by_key = {r["api_key"]: r for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
+    assert float(by_key["alice"]["cached_share"]) == pytest.approx(2000 / 3000, rel=1e-12)
+    assert float(by_key["alice"]["cache_savings_usd"]) == pytest.approx(0.0015, rel=1e-12)
+    assert float(by_key["bob"]["cache_savings_usd"]) == 0.0
+    assert cli("report", "cost", "--url", db_url, *WINDOW, "--group-by", "api_key") == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "API key" in line)
+    assert "cached" in header and "cache saved $" in header
+    alice = next(line for line in lines if "alice" in line)
+    bob = next(line for line in lines if "bob" in line)
+    total = next(line for line in lines if "total" in line)
+    assert "66.7%" in alice and "0.0015" in alice
+    assert "0.0%" in bob and "0.0000" in bob
+    assert "50.0%" in total and "0.0015" in total
+
+
+def test_utilization_shows_hit_and_acceptance_rates(engine: Engine, db_url: str, capsys) -> None:
+    # Time-weighted over the samples that carry a rate: hit (0.5 x 900 + 0.25 x 900) / 1800 =
+    # 0.375, acceptance 0.75 (one sample); the 1800 s sample without either does not count
+    # (as 0 it would halve the hit rate).
+    add_sample(engine, at(12, 15), 900, 0.5, prefix_cache_hit_rate=0.5, spec_acceptance_rate=0.75)
+    add_sample(engine, at(12, 30), 900, 0.5, prefix_cache_hit_rate=0.25)
+    add_sample(engine, at(13, 0), 1800, 0.5)
+    assert cli("report", "utilization", "--url", db_url, *WINDOW, "--group-by", "day", "--format", "json") == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["totals"]["mean_prefix_cache_hit_rate"] == pytest.approx(0.375, rel=1e-12)
+    assert doc["totals"]["mean_spec_acceptance_rate"] == pytest.approx(0.75, rel=1e-12)
+    assert cli("report", "utilization", "--url", db_url, *WINDOW, "--group-by", "day") == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "samples" in line)
+    assert "prefix hit" in header and "spec accept" in header
+    total = next(line for line in lines if "total" in line)
+    assert "37.5%" in total and "75.0%" in total
+
+
+@pytest.mark.parametrize("kind", ["cost", "utilization"])
+def test_database_before_0005_is_not_migrated(kind: str, db_url: str, capsys) -> None:
+    # The report reads columns 0005 adds: a database one migration short gets the sentence
+    # (exit 0), not a database error.
+    upgrade(db_url, "0004")
+    assert cli("report", kind, "--url", db_url, *WINDOW) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"no {kind} data between ") and "controlplane db upgrade" in out
 
 
 def test_utilization_formats(seeded: str, engine: Engine, capsys) -> None:

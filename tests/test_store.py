@@ -21,12 +21,14 @@ from sqlalchemy.orm import Session
 
 from controlplane.config import Price, StoreSettings
 from controlplane.store import (
+    CostRollupRow,
     PriceBook,
     PriceEntry,
     PriceRow,
     Recorder,
     RequestRecord,
     RequestRow,
+    UtilizationSampleRow,
     check,
     cost,
     current,
@@ -39,6 +41,8 @@ from controlplane.store import (
     upgrade,
 )
 from controlplane.store.cli import add_db_parser
+from controlplane.store.journal import Journal
+from controlplane.store.recorder import replay_journal
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 REQUESTS = RequestRow.__table__
@@ -241,6 +245,64 @@ def test_draft_token_counts_round_trip_and_default_to_zero(engine: Engine, recor
     got = rows(engine)
     assert (got["spec"].draft_tokens, got["spec"].accepted_draft_tokens) == (120, 87)
     assert (got["plain"].draft_tokens, got["plain"].accepted_draft_tokens) == (0, 0)
+
+
+def test_journal_replay_keeps_draft_counts(engine: Engine, tmp_path) -> None:
+    # What a daemon killed before its batch was written leaves: the journal's lines only.
+    sync_prices(engine, PRICES_CONFIG)
+    journal = Journal(tmp_path / "journal")
+    journal.append(record("spec", status="running"))
+    journal.append(record("spec", draft_tokens=120, accepted_draft_tokens=87))
+    assert replay_journal(engine, tmp_path / "journal") == 1
+    got = rows(engine)["spec"]
+    assert (got.status, got.draft_tokens, got.accepted_draft_tokens) == ("success", 120, 87)
+    assert got.cost_usd is not None  # priced at replay like any final record
+    assert not list((tmp_path / "journal").glob("*.jsonl"))
+
+
+# Rows as migration 0004 left them: the columns 0005 adds do not exist yet.
+OLD_ROWS_0004 = (
+    "INSERT INTO requests (id, instance_id, model, endpoint, status, arrival_time, hour_bucket, "
+    "day_bucket, prompt_tokens, cached_prompt_tokens) VALUES ('old', 'i', 'm', 'completions', "
+    "'success', '2026-03-01 12:00:00', '2026-03-01T12', '2026-03-01', 100, 0)",
+    "INSERT INTO utilization_samples (instance_id, time, hour_bucket, interval_s, model, "
+    "busy_fraction) VALUES ('i', '2026-03-01 12:05:00', '2026-03-01T12', 5.0, 'm', 0.5)",
+    "INSERT INTO cost_rollups (hour_bucket, day_bucket, instance_id, model, api_key_name, "
+    "requests_succeeded, requests_failed, prompt_tokens, cached_prompt_tokens, "
+    "completion_tokens, list_cost_usd, gpu_cost_usd, covered_s, updated_at) VALUES "
+    "('2026-03-01T12', '2026-03-01', 'i', 'm', '', 1, 0, 100, 0, 10, 0.0001, 0.5, 5.0, "
+    "'2026-03-01 13:00:00')",
+)
+
+
+def test_migration_0005_from_0004_old_rows_read_zero_or_null(db_url: str) -> None:
+    upgrade(db_url, "0004")
+    eng = make_engine(db_url)
+    try:
+        with eng.begin() as conn:
+            for stmt in OLD_ROWS_0004:
+                conn.execute(text(stmt))
+        upgrade(db_url, "0005")
+        assert current(db_url) == "0005"
+        with Session(eng) as s:
+            req = s.scalars(select(RequestRow)).one()
+            sample = s.scalars(select(UtilizationSampleRow)).one()
+            rollup = s.scalars(select(CostRollupRow)).one()
+        # No speculation and no prefix cache before 0005: 0 is exact for the counts and the
+        # savings (cached tokens were always 0); the rates were not measured: NULL.
+        assert (req.draft_tokens, req.accepted_draft_tokens) == (0, 0)
+        assert (sample.prefix_cache_hit_rate, sample.spec_acceptance_rate) == (None, None)
+        assert float(rollup.cache_savings_usd) == 0.0
+        # A new row written through the models at 0005 carries the new fields.
+        rec = Recorder(eng, StoreSettings(flush_interval_s=0.02))
+        try:
+            rec.submit(record("new", draft_tokens=12, accepted_draft_tokens=5))
+            assert rec.flush(10)
+        finally:
+            rec.close(timeout=5)
+        assert (rows(eng)["new"].draft_tokens, rows(eng)["new"].accepted_draft_tokens) == (12, 5)
+    finally:
+        eng.dispose()
 
 
 def test_price_history_never_changes(engine: Engine, recorders, caplog) -> None:

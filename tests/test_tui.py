@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from textual.widgets import Input
 
 from controlplane.config import load_config
 from controlplane.tui import add_tui_parser, resolve_token
@@ -406,6 +407,35 @@ async def loaded(pilot: Any) -> None:
     await pilot.pause(0.1)
 
 
+def test_an_answer_arriving_during_shutdown_does_not_crash_the_app():
+    # Textual removes a panel's children before the panel, and the workers stop last: the
+    # block map answered mid-shutdown found the KV panel but not its map line (NoMatches).
+    class LateClient(FakeClient):
+        app: DashboardApp | None = None
+        answered_late = 0
+
+        async def block_map(self, buckets: int = 48) -> tuple[list[float], list[float]]:
+            out = await super().block_map(buckets)
+            app = self.app
+            if app is not None and app.stats_received >= 60:  # loaded: hold until the exit
+                while app.is_running:
+                    await asyncio.sleep(0)
+                await asyncio.sleep(0)  # the pruning has begun
+                self.answered_late += 1
+            return out
+
+    client = LateClient()
+    app = DashboardApp("http://x", "t", client=client, clock=lambda: T0, requests_interval=0.01)
+    client.app = app
+
+    async def main() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot)
+
+    asyncio.run(main())  # a worker's NoMatches would fail the app, and this, with WorkerFailed
+    assert client.answered_late >= 1  # the map came back after the app stopped running
+
+
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
 def test_snapshot_dashboard(snap_compare, size):
     assert snap_compare(fake_app(), terminal_size=size, run_before=loaded)
@@ -415,6 +445,10 @@ def test_snapshot_tune_form(snap_compare):
     async def open_form(pilot: Any) -> None:
         await loaded(pilot)
         await pilot.press("t")
+        await wait_until(pilot, lambda: isinstance(pilot.app.screen, TuneScreen), 5, "form")
+        # The cursor blinks every 0.5 s: on a loaded machine the shot caught it either way.
+        for field in pilot.app.screen.query(Input):
+            field.cursor_blink = False
         await pilot.pause(0.2)
 
     assert snap_compare(fake_app(), terminal_size=(80, 24), run_before=open_form)

@@ -80,4 +80,6 @@ def make_sample(
 
 
 def _ratio(part: int, whole: int) -> float | None:
-    return part / whole if whole > 0 else None
+    # None when nothing was counted, and when a counter went backwards (a restarted engine
+    # starts its counters at 0): the interval's ratio is unknown then, not negative or above 1.
+    return part / whole if whole > 0 and 0 <= part <= whole else None

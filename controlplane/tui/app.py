@@ -138,7 +138,11 @@ class DashboardApp(App[None]):
 
         While the app shuts down its widgets are removed before its workers stop: a worker
         that updates one then gets a stand-in whose methods do nothing, instead of crashing.
+        Textual removes the children first, so a panel can still be found while its parts are
+        gone: once the app stops running, every widget is the stand-in.
         """
+        if not self.is_running:
+            return _Gone()
         try:
             return self.screen_stack[0].query_one(cls)
         except (NoMatches, IndexError):

@@ -141,7 +141,9 @@ class KVPanel(Panel):
     def show_map(self, occupancy: list[float], cached: list[float] | None = None) -> None:
         """One character per range of block ids, from empty (space) to full (█): its height is
         the share of blocks in use plus cached; cyan where cached blocks (unused, reusable
-        prefixes) outnumber the ones in use."""
+        prefixes) outnumber the ones in use. Drawn on a slightly lighter strip (the theme's
+        $boost) so that empty ranges show, not in reverse video: that would paint the free
+        share of a cell, in cyan for a mostly cached one."""
         levels = " ▁▂▃▄▅▆▇█"
         cached = cached if cached and len(cached) == len(occupancy) else [0.0] * len(occupancy)
         cells = []
@@ -151,7 +153,7 @@ class KVPanel(Panel):
             glyph = levels[0 if f <= 0 else max(1, min(8, round(f * 8)))]
             cells.append(f"[cyan]{glyph}[/]" if idle > used else glyph)
         text = "".join(cells)
-        self.query_one("#kv-map", Static).update(f"map [reverse]{text}[/]" if cells else "")
+        self.query_one("#kv-map", Static).update(f"map [on $boost]{text}[/]" if cells else "")
 
     def show(self, stats: dict[str, Any], hist: StatsHistory) -> None:
         used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
@@ -163,8 +165,10 @@ class KVPanel(Panel):
             progress=float(perc) if isinstance(perc, (int, float)) else 0.0
         )
         hit = stats.get("prefix_cache_hit_rate")
+        # Also the map's legend: its cyan cells are mostly cached, unused blocks.
         self.query_one("#kv-cache", Static).update(
-            f"hit [b]{fmt_pct(hit)}[/]  [cyan]cached[/] {fmt_value(stats.get('kv_blocks_cached'))} "
+            f"hit [b]{fmt_pct(hit)}[/]  [cyan]█ cached[/] "
+            f"{fmt_value(stats.get('kv_blocks_cached'))} "
             f"({fmt_value(stats.get('kv_blocks_evictable'))} idle)"
             if stats.get("enable_prefix_caching", True)
             else "[dim]prefix caching off[/]"
