@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
 
+    from controlplane.fleet_cli import add_fleet_parser
+
+    add_fleet_parser(sub)
+
     from controlplane.tui import add_tui_parser
 
     add_tui_parser(sub)

@@ -59,6 +59,10 @@ class ServerSettings:
     # Special-token text (`<|eot_id|>`) inside chat messages: "escape" tokenizes it as plain
     # text, so a message cannot forge the template's control tokens; "allow" parses it.
     chat_special_tokens: str = "escape"
+    # The URL other fleet members and operators reach this daemon's admin API at (the
+    # instances table); default http://<host, or the hostname when listening on all
+    # interfaces>:<port>.
+    advertise_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,16 @@ class JobsSettings:
     num_gpus: int = 0
     # Peak FLOP/s of the hardware for estimated MFU; 0: unknown (MFU is left empty).
     peak_flops: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    # Every daemon on a shared database registers in `instances` and refreshes its row (state
+    # and headline figures) this often.
+    heartbeat_s: float = 5.0
+    # A row whose heartbeat is older than this reads as unreachable; left out of the file:
+    # 3 x heartbeat_s.
+    unreachable_after_s: float = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +155,7 @@ class Config:
     server: ServerSettings = field(default_factory=ServerSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     jobs: JobsSettings = field(default_factory=JobsSettings)
+    fleet: FleetSettings = field(default_factory=FleetSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     prices: tuple[Price, ...] = DEFAULT_PRICES
     api_keys: tuple[ApiKey, ...] = ()
@@ -296,6 +311,18 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError("jobs.peak_flops", f"must be >= 0, got {j.peak_flops}")
     if not 0 <= j.num_gpus <= 1024:
         raise InvalidSettingError("jobs.num_gpus", f"must be in [0, 1024], got {j.num_gpus}")
+    f = cfg.fleet
+    _in_range("fleet.heartbeat_s", f.heartbeat_s, 0.1, MAX_INTERVAL_S)
+    if not f.heartbeat_s < f.unreachable_after_s <= MAX_INTERVAL_S:
+        raise InvalidSettingError(
+            "fleet.unreachable_after_s",
+            f"must be more than fleet.heartbeat_s ({f.heartbeat_s:g}) and at most "
+            f"{MAX_INTERVAL_S:g} seconds, got {f.unreachable_after_s}",
+        )
+    if s.advertise_url and not s.advertise_url.startswith(("http://", "https://")):
+        raise InvalidSettingError(
+            "server.advertise_url", f"must be an http:// or https:// URL, got {s.advertise_url!r}"
+        )
     check_engine(cfg.engine)
     return cfg
 
@@ -323,6 +350,7 @@ def env_names() -> list[str]:
         "server": ServerSettings,
         "store": StoreSettings,
         "jobs": JobsSettings,
+        "fleet": FleetSettings,
         "engine": EngineSettings,
     }
     names = [f"{ENV_PREFIX}DATA_DIR"]
@@ -372,6 +400,15 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise InvalidSettingError("config", f"{p}: invalid TOML: {exc}") from None
 
 
+def _fleet(raw: Mapping[str, Any]) -> FleetSettings:
+    """[fleet]; unreachable_after_s left out: 3 heartbeats (a heartbeat_s of 10 must not read
+    unreachable after 15 s)."""
+    f = _build(FleetSettings, raw, "fleet")
+    if "unreachable_after_s" not in raw:
+        f = dataclasses.replace(f, unreachable_after_s=3 * f.heartbeat_s)
+    return f
+
+
 def build_config(
     raw: Mapping[str, Any],
     env: Mapping[str, str] | None = None,
@@ -403,6 +440,7 @@ def build_config(
         server=_build(ServerSettings, merged.get("server", {}), "server"),
         store=_build(StoreSettings, merged.get("store", {}), "store"),
         jobs=_build(JobsSettings, merged.get("jobs", {}), "jobs"),
+        fleet=_fleet(merged.get("fleet", {})),
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
         # No `prices` key: the default price; `prices = []`: none.
         prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices))

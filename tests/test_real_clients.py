@@ -603,8 +603,7 @@ def test_migration_0005_old_rows_read_zero_and_it_downgrades(db_url: str) -> Non
         with eng.begin() as conn:
             conn.execute(text(OLD_ROW))
         upgrade(db_url)
-        assert current(db_url) == "0005"
-        check(db_url)  # the models and the migrated schema agree
+        check(db_url)  # the models and the migrated schema (head) agree
         with eng.connect() as conn:
             got = conn.execute(text("SELECT draft_tokens, accepted_draft_tokens FROM requests"))
             assert tuple(got.one()) == (0, 0)  # no speculation before: 0, not NULL

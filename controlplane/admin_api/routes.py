@@ -181,6 +181,26 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             code="not_found",
         )
 
+    @get("/fleet", summary="Every daemon sharing this database, worst first")
+    async def fleet(include_stopped: FromQuery[bool] = False) -> dict[str, Any]:
+        from controlplane.store.fleet import members
+
+        if runtime.db is None:
+            raise APIError(503, "the store is not open yet", type="unavailable", code="loading")
+        age = runtime.cfg.fleet.unreachable_after_s
+        found = await asyncio.to_thread(
+            members,
+            runtime.db,
+            now=datetime.now(UTC),
+            unreachable_after_s=age,
+            include_stopped=include_stopped,
+        )
+        return {
+            "instances": [m.to_dict() for m in found],
+            "self": runtime.instance_id,
+            "unreachable_after_s": age,
+        }
+
     @post(
         "/cache/reset",
         status_code=200,
@@ -189,6 +209,13 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
     async def cache_reset(request: Request) -> dict[str, Any]:
         if runtime.aengine is None:
             raise APIError(503, "the engine is not loaded yet", type="unavailable", code="loading")
+        if not runtime.engine_running:  # before the audit: a dead engine resets nothing
+            raise APIError(
+                503,
+                "the engine's step loop has stopped (state dead): nothing to reset",
+                type="unavailable",
+                code="engine_dead",
+            )
         source = (
             "tui" if request.headers.get("x-controlplane-source", "").lower() == "tui" else "api"
         )
@@ -282,6 +309,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             drain,
             resume,
             cache_reset,
+            fleet,
             costs,
             utilization,
         ],

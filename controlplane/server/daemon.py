@@ -35,6 +35,7 @@ from controlplane.server.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
 if TYPE_CHECKING:
     from controlplane.engine import AsyncEngine
     from controlplane.jobs.scheduler import Jobs
+    from controlplane.server.heartbeat import FleetMember
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")
@@ -85,6 +86,7 @@ class Daemon:
         self.ready = asyncio.Event()
         self._shutdown = asyncio.Event()
         self.jobs: Jobs | None = None  # once the engine is ready
+        self.fleet: FleetMember | None = None  # this daemon's fleet row, once listening
         self._tasks: set[asyncio.Task] = set()  # reloads started by SIGHUP (kept referenced)
         live.subscribe(self._on_config_change)
 
@@ -215,6 +217,15 @@ class Daemon:
             self.runtime.pump_metrics()
             await asyncio.sleep(0.5)
 
+    def advertise_url(self) -> str:
+        """server.advertise_url, else this daemon's own address and bound port."""
+        from controlplane.server.heartbeat import default_advertise_url
+
+        if self.cfg.server.advertise_url:
+            return self.cfg.server.advertise_url
+        port = int(self.url.rsplit(":", 1)[-1]) if self.url else self.cfg.server.port
+        return default_advertise_url(self.cfg.server.host, port)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def _open_store(self) -> None:
         from controlplane.store import Recorder, make_engine, mark_interrupted, sync_prices
@@ -290,6 +301,11 @@ class Daemon:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         self.url = f"http://{host}:{port}"
         print(f"controlplane: listening on {self.url} (loading the model)", flush=True)
+        from controlplane.server.heartbeat import FleetMember
+
+        self.fleet = FleetMember(self.runtime, self.advertise_url())
+        await self.fleet.beat_now()  # registers (state loading); never stops the start
+        background.append(asyncio.create_task(self.fleet.run_forever()))
         try:
             self.runtime.aengine = await asyncio.to_thread(self._load_engine)
         except Exception as exc:
@@ -316,6 +332,7 @@ class Daemon:
             asyncio.create_task(trim_when_idle(lambda: aeng.stats().step, configured_idle_s()))
         )
         self.runtime.state = READY
+        await self.fleet.beat_now()  # serving, now rather than at the next beat
         self.ready.set()
         print(f"controlplane: ready on {self.url}: {self.runtime.describe_model()}", flush=True)
         log.info("ready", extra={"event": "ready"})
@@ -334,6 +351,8 @@ class Daemon:
 
     async def _drain(self) -> None:
         self.runtime.state = DRAINING
+        if self.fleet is not None:
+            await self.fleet.beat_now()  # the fleet sees draining now, not at the next beat
         aeng = self.aengine
         timeout = self.cfg.server.drain_timeout_s
         n = aeng.num_unfinished if aeng else 0
@@ -374,5 +393,7 @@ class Daemon:
             # After the recorder's last flush, so the last requests are in the rollup.
             await self.jobs.close()
         self.runtime.state = STOPPED
+        if self.fleet is not None:
+            await self.fleet.stopped()
         log.info("stopped", extra={"event": "stopped"})
         print("controlplane: stopped", flush=True)

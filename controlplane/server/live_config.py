@@ -88,7 +88,7 @@ def _plain(value: Any) -> Any:
 def flatten(cfg: Config) -> dict[str, Any]:
     """Dotted field -> JSON-friendly value, for every field of the config."""
     out: dict[str, Any] = {"data_dir": cfg.data_dir}
-    for section in ("server", "store", "jobs", "engine"):
+    for section in ("server", "store", "jobs", "fleet", "engine"):
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             out[f"{section}.{f.name}"] = _plain(getattr(obj, f.name))

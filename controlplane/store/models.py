@@ -308,6 +308,36 @@ class CostRollupRow(Base):
         )
 
 
+class InstanceRow(Base):
+    """One daemon sharing this database (a fleet member), refreshed by its heartbeat.
+
+    `state` is what the daemon last said (loading, serving, draining, stopped); readers turn a
+    live state whose heartbeat is too old into "unreachable" (`controlplane.store.fleet`),
+    since a killed daemon cannot say so itself. The figures are its last heartbeat's.
+    """
+
+    __tablename__ = "instances"
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)  # the daemon's instance_id
+    advertise_url: Mapped[str] = mapped_column(String(512))  # its admin API
+    hostname: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    version: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(255))  # None while loading
+    quantization: Mapped[str | None] = mapped_column(String(32))
+    state: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    num_running: Mapped[int | None] = mapped_column(Integer)
+    num_waiting: Mapped[int | None] = mapped_column(Integer)
+    kv_usage: Mapped[float | None]  # 0-1
+    output_tokens_per_s: Mapped[float | None]
+    ttft_p50_s: Mapped[float | None]
+
+    def __repr__(self) -> str:
+        return f"InstanceRow(id={self.id!r}, state={self.state!r}, url={self.advertise_url!r})"
+
+
 class JobWatermarkRow(Base):
     """How far a scheduled job has got for one instance (e.g. "cost_rollup")."""
 

@@ -1,0 +1,158 @@
+"""The fleet in SQL: every daemon on a shared database keeps one `instances` row.
+
+A daemon registers at start (state loading), refreshes its row on a heartbeat (state and
+headline figures) and marks it stopped on a graceful exit. Readers compute "unreachable": a
+daemon that was killed, hung or cut off from the database cannot say so itself, so a live
+state (loading, serving, draining) whose heartbeat is older than the configured age reads as
+unreachable, since heartbeat_at + that age. Torch-free: `controlplane fleet ls` imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, insert, select, update
+
+from controlplane.store.models import InstanceRow
+
+INSTANCES = InstanceRow.__table__
+LOADING, SERVING, DRAINING, STOPPED, UNREACHABLE = (
+    "loading",
+    "serving",
+    "draining",
+    "stopped",
+    "unreachable",
+)
+STATES = (LOADING, SERVING, DRAINING, STOPPED)  # what a daemon writes
+# A stopped instance stays in the default view this long (it just went away: worth a look),
+# then only `include_stopped` shows it.
+STOPPED_SHOWN_S = 3600.0
+# Worst first: what an operator paged at 3 a.m. wants at the top.
+_RANK = {UNREACHABLE: 0, DRAINING: 1, LOADING: 2, SERVING: 3, STOPPED: 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A daemon's headline figures (None where not known yet)."""
+
+    state: str
+    model: str | None = None
+    quantization: str | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None  # 0-1
+    output_tokens_per_s: float | None = None
+    ttft_p50_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One instance as a reader sees it."""
+
+    id: str
+    advertise_url: str
+    hostname: str
+    pid: int
+    version: str
+    model: str | None
+    quantization: str | None
+    state: str  # STATES or "unreachable"
+    started_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age_s: float
+    unreachable_since: datetime | None
+    num_running: int | None
+    num_waiting: int | None
+    kv_usage: float | None
+    output_tokens_per_s: float | None
+    ttft_p50_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for key in ("started_at", "heartbeat_at", "unreachable_since"):
+            if out[key] is not None:
+                out[key] = out[key].isoformat()
+        return out
+
+
+def _figures(beat: Heartbeat) -> dict[str, Any]:
+    if beat.state not in STATES:
+        raise ValueError(f"state: must be one of {', '.join(STATES)}, got {beat.state!r}")
+    return dataclasses.asdict(beat)
+
+
+def register(
+    db: Engine,
+    instance_id: str,
+    *,
+    advertise_url: str,
+    hostname: str,
+    pid: int,
+    version: str,
+    beat: Heartbeat,
+    now: datetime,
+) -> None:
+    """Insert or replace this instance's row (a restarted daemon keeps its id and row)."""
+    row = dict(
+        advertise_url=advertise_url,
+        hostname=hostname,
+        pid=pid,
+        version=version,
+        started_at=now,
+        heartbeat_at=now,
+        **_figures(beat),
+    )
+    with db.begin() as conn:
+        done = conn.execute(update(INSTANCES).where(INSTANCES.c.id == instance_id).values(**row))
+        if done.rowcount == 0:
+            conn.execute(insert(INSTANCES).values(id=instance_id, **row))
+
+
+def heartbeat(db: Engine, instance_id: str, beat: Heartbeat, *, now: datetime) -> bool:
+    """Refresh the row; False if it is gone (pruned by hand): the caller registers again."""
+    values = {k: v for k, v in _figures(beat).items() if v is not None or k == "state"}
+    with db.begin() as conn:
+        done = conn.execute(
+            update(INSTANCES)
+            .where(INSTANCES.c.id == instance_id)
+            .values(heartbeat_at=now, **values)
+        )
+    return done.rowcount > 0
+
+
+def members(
+    db: Engine, *, now: datetime, unreachable_after_s: float, include_stopped: bool = False
+) -> list[Member]:
+    """The instances, worst first: unreachable, draining, loading, serving (fullest KV cache
+    first), stopped; ties by id. Stopped for over STOPPED_SHOWN_S: only with include_stopped."""
+    with db.connect() as conn:
+        rows = conn.execute(select(INSTANCES)).mappings().all()
+    out = [member(dict(r), now=now, unreachable_after_s=unreachable_after_s) for r in rows]
+    if not include_stopped:
+        out = [m for m in out if m.state != STOPPED or m.heartbeat_age_s <= STOPPED_SHOWN_S]
+    return sorted(out, key=lambda m: (_RANK[m.state], -(m.kv_usage or 0.0), m.id))
+
+
+def member(row: dict[str, Any], *, now: datetime, unreachable_after_s: float) -> Member:
+    """A row as readers see it: its state, or unreachable when a live state's heartbeat is
+    older than `unreachable_after_s`."""
+    beat_at = row["heartbeat_at"].astimezone(UTC)
+    age = (now - beat_at).total_seconds()
+    state, since = row["state"], None
+    if state != STOPPED and age > unreachable_after_s:
+        state, since = UNREACHABLE, beat_at + timedelta(seconds=unreachable_after_s)
+    fields = {f.name for f in dataclasses.fields(Member)}
+    base = {k: v for k, v in row.items() if k in fields}
+    return Member(
+        **{
+            **base,
+            "state": state,
+            "heartbeat_at": beat_at,
+            "started_at": row["started_at"].astimezone(UTC),
+            "heartbeat_age_s": age,
+            "unreachable_since": since,
+        }
+    )

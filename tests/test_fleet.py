@@ -1,0 +1,275 @@
+"""The fleet table: registration, heartbeats, unreachable-by-age, `GET /admin/fleet` and
+`controlplane fleet ls`, on SQLite and PostgreSQL, with real daemon processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import Engine, create_engine
+
+from controlplane.admin_api.auth import AdminAuth
+from controlplane.config import FleetSettings, build_config
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.server.heartbeat import FleetMember, default_advertise_url
+from controlplane.server.live_config import LiveConfig
+from controlplane.server.runtime import Runtime
+from controlplane.store import upgrade
+from controlplane.store.fleet import Heartbeat, heartbeat, member, members, register
+from tests.daemon_util import DaemonProcess, write_config
+
+T0 = datetime(2026, 11, 25, 3, 0, tzinfo=UTC)
+TOKEN = "fleet-token-0123456789abcdef"
+
+
+def row(state: str, beat_at: datetime) -> dict:
+    return dict(
+        id="a",
+        advertise_url="http://h:1",
+        hostname="h",
+        pid=1,
+        version="0.1.0",
+        model="m",
+        quantization="none",
+        state=state,
+        started_at=T0,
+        heartbeat_at=beat_at,
+        num_running=1,
+        num_waiting=0,
+        kv_usage=0.5,
+        output_tokens_per_s=10.0,
+        ttft_p50_s=0.1,
+    )
+
+
+def test_a_live_state_with_an_old_heartbeat_reads_unreachable() -> None:
+    now = T0 + timedelta(seconds=100)
+    fresh = member(row("serving", now - timedelta(seconds=14)), now=now, unreachable_after_s=15)
+    assert fresh.state == "serving" and fresh.unreachable_since is None
+    assert fresh.heartbeat_age_s == pytest.approx(14)
+    old = member(row("draining", now - timedelta(seconds=20)), now=now, unreachable_after_s=15)
+    assert old.state == "unreachable"
+    assert old.unreachable_since == now - timedelta(seconds=5)  # heartbeat + 15 s
+    # A stopped daemon said so: it stays stopped, however old its last word.
+    gone = member(row("stopped", now - timedelta(days=2)), now=now, unreachable_after_s=15)
+    assert gone.state == "stopped" and gone.unreachable_since is None
+
+
+def beat(state: str, kv: float) -> Heartbeat:
+    return Heartbeat(state, model="m", num_running=2, num_waiting=0, kv_usage=kv)
+
+
+def test_register_heartbeat_and_worst_first(engine: Engine) -> None:
+    def reg(iid: str, b: Heartbeat) -> None:
+        register(engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
+                 version="0.1.0", beat=b, now=T0)  # fmt: skip
+
+    reg("serving-low", beat("serving", 0.1))
+    reg("serving-high", beat("serving", 0.9))
+    reg("draining", beat("draining", 0.2))
+    reg("stopped", beat("stopped", 0.0))
+    reg("silent", beat("serving", 0.3))
+    later = T0 + timedelta(seconds=30)
+    for iid, b in (
+        ("serving-low", beat("serving", 0.1)),
+        ("serving-high", beat("serving", 0.9)),
+        ("draining", beat("draining", 0.2)),
+    ):
+        assert heartbeat(engine, iid, b, now=later)
+    assert not heartbeat(engine, "never-registered", beat("serving", 0), now=later)
+    got = members(engine, now=later + timedelta(seconds=1), unreachable_after_s=15)
+    assert [(m.id, m.state) for m in got] == [
+        ("silent", "unreachable"),
+        ("draining", "draining"),
+        ("serving-high", "serving"),
+        ("serving-low", "serving"),
+        ("stopped", "stopped"),
+    ]
+    # Registering again (a restart keeps its instance id) replaces the row, not a second one.
+    reg("silent", beat("loading", 0.0))
+    again = members(engine, now=T0, unreachable_after_s=15)
+    assert [m.id for m in again if m.id == "silent"] == ["silent"]
+    assert len(again) == 5  # "stopped" stopped just now: still shown by default
+    # Stopped for more than an hour: only with include_stopped.
+    hour = T0 + timedelta(seconds=3601)
+    assert "stopped" not in {m.id for m in members(engine, now=hour, unreachable_after_s=15)}
+    everyone = members(engine, now=hour, unreachable_after_s=15, include_stopped=True)
+    assert [m.id for m in everyone][-1] == "stopped"
+    with pytest.raises(ValueError, match="state"):
+        heartbeat(engine, "silent", Heartbeat("sleeping"), now=T0)
+
+
+def fleet_config(tmp: Path, name: str, model: Path, store_url: str) -> Path:
+    return write_config(
+        tmp / f"{name}.toml",
+        tmp / name,
+        model,
+        server={"instance_id": name},
+        store={"url": store_url, "flush_interval_s": 0.1},
+        fleet={"heartbeat_s": 0.3, "unreachable_after_s": 1.5},
+        engine={"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 64},
+        admin_tokens=[{"name": "ops", "token": TOKEN}],
+    )
+
+
+def start_all(configs: dict[str, Path], store_url: str) -> dict[str, DaemonProcess]:
+    """Start the daemons side by side (each spends seconds importing torch), on a database
+    migrated first: daemons that all migrate one empty database at once race each other's
+    CREATE TABLE (a limit of the store's start-up, not of the fleet)."""
+    upgrade(store_url)
+    with ThreadPoolExecutor(len(configs)) as pool:
+        started = {n: pool.submit(DaemonProcess.start, c) for n, c in configs.items()}
+        return {n: f.result() for n, f in started.items()}
+
+
+def fleet_view(url: str) -> dict[str, dict]:
+    r = httpx.get(url + "/admin/fleet", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return {m["id"]: m for m in r.json()["instances"]}
+
+
+def wait_states(url: str, want: dict[str, str], timeout: float = 20) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        view = fleet_view(url)
+        if {k: view.get(k, {}).get("state") for k in want} == want:
+            return view
+        assert time.monotonic() < deadline, f"fleet never reached {want}: {view}"
+        time.sleep(0.1)
+
+
+def fleet_ls(config: Path) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "controlplane", "fleet", "ls", "--all", "--format", "json",
+         "--config", str(config)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    return json.loads(out)["instances"]
+
+
+def test_three_daemons_on_postgresql_kill_and_stop(tiny_model_dir, tmp_path, pg_url) -> None:
+    names = ("a", "b", "c")
+    configs = {n: fleet_config(tmp_path, n, tiny_model_dir, pg_url) for n in names}
+    daemons = start_all(configs, pg_url)
+    try:
+        view = wait_states(daemons["a"].url, dict.fromkeys(names, "serving"))
+        # An admin GET like the others: no token, no fleet.
+        assert httpx.get(daemons["a"].url + "/admin/fleet", timeout=30).status_code == 401
+        assert view["b"]["advertise_url"] == daemons["b"].url
+        assert view["c"]["model"] and view["c"]["kv_usage"] is not None
+        # SIGKILL b: it cannot say so; after unreachable_after_s it reads unreachable.
+        daemons["b"].stop(signal.SIGKILL)
+        view = wait_states(daemons["c"].url, {"a": "serving", "b": "unreachable"})
+        since = datetime.fromisoformat(view["b"]["unreachable_since"])
+        beat_at = datetime.fromisoformat(view["b"]["heartbeat_at"])
+        assert since == beat_at + timedelta(seconds=1.5)
+        # SIGTERM c: a graceful stop says stopped.
+        assert daemons["c"].stop() == 0
+        wait_states(daemons["a"].url, {"a": "serving", "b": "unreachable", "c": "stopped"})
+        # The CLI reads the same table, without any daemon's help.
+        listed = fleet_ls(configs["a"])
+        assert listed[0]["id"] == "b"  # worst first
+        assert {m["id"]: m["state"] for m in listed} == {
+            "a": "serving",
+            "b": "unreachable",
+            "c": "stopped",
+        }
+    finally:
+        for d in daemons.values():
+            if d.proc.poll() is None:
+                d.stop()
+
+
+def test_two_daemons_on_one_sqlite_file(tiny_model_dir, tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    configs = {n: fleet_config(tmp_path, n, tiny_model_dir, url) for n in ("node-x", "node-y")}
+    daemons = start_all(configs, url)
+    try:
+        wait_states(daemons["node-y"].url, {"node-x": "serving", "node-y": "serving"})
+        assert daemons["node-x"].stop() == 0
+        wait_states(daemons["node-y"].url, {"node-x": "stopped", "node-y": "serving"})
+        shown = subprocess.run(
+            [sys.executable, "-m", "controlplane", "fleet", "ls", "--config", str(configs["node-y"])],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        lines = {line.split()[1]: line for line in shown.splitlines() if "node-" in line}
+        assert "serving" in lines["node-y"] and "stopped" in lines["node-x"]
+        assert shown.index("node-y") < shown.index("node-x")  # worst first: stopped last
+    finally:
+        for d in daemons.values():
+            if d.proc.poll() is None:
+                d.stop()
+
+
+def test_fleet_ls_imports_no_torch(tmp_path) -> None:
+    code = f"""
+import sys
+from controlplane.cli import main
+assert main(["fleet", "ls", "--url", "sqlite:///{tmp_path / "none.db"}"]) == 0
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "no instances" in done.stdout
+    assert not (tmp_path / "none.db").exists()  # a look never creates a database
+
+
+def test_fleet_config_defaults_and_errors_name_the_field() -> None:
+    assert build_config({}).fleet == FleetSettings(heartbeat_s=5.0, unreachable_after_s=15.0)
+    # unreachable_after_s left out: three heartbeats, whatever the heartbeat.
+    assert build_config({"fleet": {"heartbeat_s": 10}}).fleet.unreachable_after_s == 30
+    bad = (
+        ({"fleet": {"heartbeat_s": 0}}, "fleet.heartbeat_s"),
+        ({"fleet": {"heartbeat_s": 5, "unreachable_after_s": 5}}, "fleet.unreachable_after_s"),
+        ({"server": {"advertise_url": "ftp://x"}}, "server.advertise_url"),
+    )
+    for raw, name in bad:
+        with pytest.raises(InvalidSettingError) as err:
+            build_config(raw)
+        assert name in str(err.value)
+    with pytest.raises(InvalidSettingError, match=r"more than fleet\.heartbeat_s"):
+        build_config({"fleet": {"heartbeat_s": 2, "unreachable_after_s": 1}})
+
+
+def test_default_advertise_url() -> None:
+    assert default_advertise_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert default_advertise_url("0.0.0.0", 81) == f"http://{socket.gethostname()}:81"
+    assert default_advertise_url("::1", 81) == "http://[::1]:81"
+
+
+def test_a_database_outage_is_one_warning_and_the_row_comes_back(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        cfg = build_config({})
+        runtime = Runtime(LiveConfig(cfg, {}, {}), "outage", AdminAuth([]))
+        # Nothing listens on port 1: a real connection failure, every beat.
+        runtime.db = create_engine("postgresql+psycopg://u@127.0.0.1:1/x?connect_timeout=2")
+        member_ = FleetMember(runtime, "http://h:1")
+        with caplog.at_level(logging.INFO, logger="controlplane.fleet"):
+            for _ in range(3):
+                await member_.beat_now()  # never raises
+            assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+            runtime.db = engine  # the database is back
+            await member_.beat_now()
+        assert "written again" in caplog.records[-1].getMessage()
+        (row,) = members(engine, now=datetime.now(UTC), unreachable_after_s=15)
+        assert (row.id, row.state, row.advertise_url) == ("outage", "loading", "http://h:1")
+        await member_.stopped()
+        runtime.state = "ready"
+        await member_.beat_now()  # a beat after stopped does not bring the row back to life
+        (row,) = members(engine, now=datetime.now(UTC), unreachable_after_s=15)
+        assert row.state == "stopped"
+
+    asyncio.run(main())
