@@ -167,9 +167,10 @@ def batch16(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     sets = prompt_sets()
     texts = [t for group in sets.values() for t in group]
     prompts = encode(llm, [texts[i % len(texts)] for i in range(args.batch)])
+    defaults = EngineSettings()
     llm.engine.update_settings(
-        speculative_num_tokens=EngineSettings.speculative_num_tokens,
-        speculative_max_batch_size=EngineSettings.speculative_max_batch_size,
+        speculative_num_tokens=defaults.speculative_num_tokens,
+        speculative_max_batch_size=defaults.speculative_max_batch_size,
     )
     rows: dict[str, Any] = {}
     for rep in range(args.repeats):
