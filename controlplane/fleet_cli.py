@@ -9,7 +9,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from controlplane.reports_cli import _url
+from controlplane.reports_cli import _url, table_console
 
 COLUMNS = (
     ("id", "instance"),
@@ -93,7 +93,6 @@ def _ls(args: argparse.Namespace) -> int:
     if not found:
         print("no instances in this database (none has started on it; --all: long stopped too)")
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table()
@@ -105,8 +104,5 @@ def _ls(args: argparse.Namespace) -> int:
         if m.unreachable_since is not None:
             cells[2] = f"unreachable since {m.unreachable_since:%H:%M:%S}"
         table.add_row(*cells, style=STATE_STYLE.get(m.state))
-    console = Console()
-    if not console.is_terminal:  # piped: no wrapping to a guessed width
-        console = Console(width=max(console.width, 200))
-    console.print(table)
+    table_console().print(table)
     return 0

@@ -195,13 +195,18 @@ def _cell(column: str, value: Any) -> str:
     return f"{value:,.2f}"
 
 
-def _print_table(report: Any) -> None:
+def table_console() -> Any:
+    """A rich Console for tables: a terminal's own width; piped, no wrapping to a guessed one."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    if not console.is_terminal:  # piped: no wrapping to a guessed width
-        console = Console(width=max(console.width, 400))
+    return console if console.is_terminal else Console(width=max(console.width, 400))
+
+
+def _print_table(report: Any) -> None:
+    from rich.table import Table
+
+    console = table_console()
     # The title is printed on its own: as a table title rich pads it to the console width.
     console.print(
         f"{report.kind} report, {_shown(report.since)} to {_shown(report.until)}",
