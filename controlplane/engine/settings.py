@@ -135,6 +135,12 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidSettingError(name, f"must be true or false, got {value!r}")
+    return value
+
+
 def check(settings: EngineSettings) -> EngineSettings:
     """Validate every field and the relations between them; return the settings unchanged."""
     s = settings
@@ -154,10 +160,7 @@ def check(settings: EngineSettings) -> EngineSettings:
     if s.max_model_len is not None:
         _int("max_model_len", s.max_model_len, 1, 1 << 24)
     _int("seed", s.seed, 0, 2**63 - 1)
-    if not isinstance(s.cpu_weight_packing, bool):
-        raise InvalidSettingError(
-            "cpu_weight_packing", f"must be true or false, got {s.cpu_weight_packing!r}"
-        )
+    _bool("cpu_weight_packing", s.cpu_weight_packing)
     _choice("quantization", s.quantization, QUANTIZATIONS)
     if isinstance(s.quantization_group_size, bool) or (
         s.quantization_group_size not in INT4_GROUP_SIZES
@@ -167,10 +170,7 @@ def check(settings: EngineSettings) -> EngineSettings:
             f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
             f"got {s.quantization_group_size!r}",
         )
-    if not isinstance(s.quantize_lm_head, bool):
-        raise InvalidSettingError(
-            "quantize_lm_head", f"must be true or false, got {s.quantize_lm_head!r}"
-        )
+    _bool("quantize_lm_head", s.quantize_lm_head)
     _int("max_num_seqs", s.max_num_seqs, 1, 4096)
     _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
     _int("prefill_chunk_size", s.prefill_chunk_size, 1, 1 << 20)
@@ -196,10 +196,7 @@ def check(settings: EngineSettings) -> EngineSettings:
             f"must be >= speculative_ngram_min ({s.speculative_ngram_min}), "
             f"got {s.speculative_ngram_max}",
         )
-    if not isinstance(s.enable_prefix_caching, bool):
-        raise InvalidSettingError(
-            "enable_prefix_caching", f"must be true or false, got {s.enable_prefix_caching!r}"
-        )
+    _bool("enable_prefix_caching", s.enable_prefix_caching)
     if s.max_num_batched_tokens < s.max_num_seqs:
         # Every running sequence must be able to decode one token per step.
         raise InvalidSettingError(
