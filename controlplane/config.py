@@ -108,6 +108,47 @@ class FleetSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AutopilotSettings:
+    """[autopilot] (every key live): hold latency targets at the most goodput by moving the
+    engine's live knobs within bounds (controlplane/autopilot.py decides, server/autopilot.py
+    applies, audited as source "autopilot")."""
+
+    enabled: bool = False
+    # p99 targets in milliseconds; 0: no target.
+    ttft_p99_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    # A decision every interval_s, on the figures of the last window_s seconds, widened up to
+    # max_window_s until it holds min_requests finished requests (fewer: no decision).
+    interval_s: float = 10.0
+    window_s: float = 30.0
+    max_window_s: float = 120.0
+    min_requests: int = 20
+    # Targets "met with headroom" when p99 <= headroom x target: only then does it trade
+    # latency for throughput (between headroom and the target it holds: hysteresis).
+    headroom: float = 0.8
+    # An operator's change to a knob pins it for this long: the operator always wins.
+    operator_hold_s: float = 600.0
+    # It turns itself off after this many changes in a row that improved nothing.
+    give_up_after: int = 6
+    # Bounds of what it may set.
+    max_num_seqs_min: int = 1
+    max_num_seqs_max: int = 256
+    max_num_batched_tokens_min: int = 256
+    max_num_batched_tokens_max: int = 8192
+    prefill_chunk_size_min: int = 64
+    prefill_chunk_size_max: int = 4096
+    speculative_num_tokens_min: int = 1
+    speculative_num_tokens_max: int = 8
+    speculative_max_batch_size_min: int = 1
+    speculative_max_batch_size_max: int = 64
+
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        from controlplane.autopilot import KNOBS
+
+        return {k: (getattr(self, f"{k}_min"), getattr(self, f"{k}_max")) for k in KNOBS}
+
+
+@dataclass(frozen=True, slots=True)
 class Price:
     """USD per million tokens, in force from `effective_from` (UTC) until a later price."""
 
@@ -135,6 +176,8 @@ MAX_PRICE_PER_MTOK = 1_000_000.0
 MAX_GPU_HOURLY_USD = 10_000.0
 MAX_RETENTION_DAYS = 36_500.0
 MAX_INTERVAL_S = 86_400.0
+# The daemon keeps about one engine snapshot a second for this long (server/runtime.py).
+MAX_AUTOPILOT_WINDOW_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +199,7 @@ class Config:
     store: StoreSettings = field(default_factory=StoreSettings)
     jobs: JobsSettings = field(default_factory=JobsSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    autopilot: AutopilotSettings = field(default_factory=AutopilotSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     prices: tuple[Price, ...] = DEFAULT_PRICES
     api_keys: tuple[ApiKey, ...] = ()
@@ -323,8 +367,33 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError(
             "server.advertise_url", f"must be an http:// or https:// URL, got {s.advertise_url!r}"
         )
+    _check_autopilot(cfg.autopilot)
     check_engine(cfg.engine)
     return cfg
+
+
+def _check_autopilot(a: AutopilotSettings) -> None:
+    for name in ("ttft_p99_ms", "itl_p99_ms"):
+        _in_range(f"autopilot.{name}", getattr(a, name), 0, MAX_INTERVAL_S * 1000)
+    _in_range("autopilot.interval_s", a.interval_s, 0.5, MAX_INTERVAL_S)
+    _in_range("autopilot.window_s", a.window_s, 1, MAX_AUTOPILOT_WINDOW_S)
+    if not a.window_s <= a.max_window_s <= MAX_AUTOPILOT_WINDOW_S:
+        raise InvalidSettingError(
+            "autopilot.max_window_s",
+            f"must be in [autopilot.window_s ({a.window_s:g}), {MAX_AUTOPILOT_WINDOW_S:g}], "
+            f"got {a.max_window_s}",
+        )
+    _in_range("autopilot.min_requests", a.min_requests, 1, 1_000_000)
+    if not 0 < a.headroom < 1:
+        raise InvalidSettingError("autopilot.headroom", f"must be in (0, 1), got {a.headroom}")
+    _in_range("autopilot.operator_hold_s", a.operator_hold_s, 0, MAX_INTERVAL_S)
+    _in_range("autopilot.give_up_after", a.give_up_after, 1, 1000)
+    for knob, (lo, hi) in a.bounds().items():
+        if not 1 <= lo <= hi <= 1 << 20:
+            raise InvalidSettingError(
+                f"autopilot.{knob}_max",
+                f"bounds must satisfy 1 <= {knob}_min ({lo}) <= {knob}_max ({hi}) <= {1 << 20}",
+            )
 
 
 def check_engine(settings: EngineSettings) -> EngineSettings:
@@ -351,6 +420,7 @@ def env_names() -> list[str]:
         "store": StoreSettings,
         "jobs": JobsSettings,
         "fleet": FleetSettings,
+        "autopilot": AutopilotSettings,
         "engine": EngineSettings,
     }
     names = [f"{ENV_PREFIX}DATA_DIR"]
@@ -441,6 +511,7 @@ def build_config(
         store=_build(StoreSettings, merged.get("store", {}), "store"),
         jobs=_build(JobsSettings, merged.get("jobs", {}), "jobs"),
         fleet=_fleet(merged.get("fleet", {})),
+        autopilot=_build(AutopilotSettings, merged.get("autopilot", {}), "autopilot"),
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
         # No `prices` key: the default price; `prices = []`: none.
         prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices))

@@ -15,6 +15,7 @@ from sqlalchemy import Connection
 from sqlalchemy.pool import NullPool
 
 from controlplane.store.db import make_engine, normalize_url
+from controlplane.store.migrate import MIGRATION_LOCK_ID
 from controlplane.store.models import Base, UTCDateTime
 
 config = context.config
@@ -70,6 +71,11 @@ def _run_online(connection: Connection) -> None:
         connection.commit()
     _configure(connection=connection, render_as_batch=sqlite)
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Daemons of a fleet starting together on an empty database would otherwise race
+            # each other's CREATE TABLE: one migrates, the others wait here, then find the
+            # schema at head and do nothing. (SQLite: a file lock in store/migrate.py.)
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})")
         context.run_migrations()
 
 

@@ -150,6 +150,45 @@ def test_patch_invalid_and_restart_only_change_nothing(admin):
     assert d.daemon.aengine.engine.settings.max_num_seqs == before["engine.max_num_seqs"]["value"]
 
 
+def test_dry_run_validates_without_applying_and_change_ids_group_audit_rows(admin):
+    d, _ = admin
+    c = api(d)
+    before = c.get("/admin/config").json()["fields"]
+    now = before["engine.max_num_seqs"]["value"]
+    r = c.patch("/admin/config?dry_run=true", json={"engine": {"max_num_seqs": now + 1}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["dry_run"] is True and body["change_id"] is None
+    assert body["changed"] == [{"field": "engine.max_num_seqs", "old": now, "new": now + 1}]
+    r = c.patch("/admin/config?dry_run=true", json={"engine": {"max_num_batched_tokens": 1}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "engine.max_num_batched_tokens"
+    assert c.get("/admin/config").json()["fields"] == before  # nothing applied, nothing audited
+    history = c.get("/admin/config/history").json()["changes"]
+    # A change id given by the caller (a fleet change) lands on every row of the change.
+    two = {"engine": {"max_num_seqs": now + 1, "prefill_chunk_size": 96}}
+    r = c.patch("/admin/config", json=two, headers={"X-Controlplane-Change-Id": "fleet-42"})
+    assert r.status_code == 200 and r.json()["change_id"] == "fleet-42"
+    rows = c.get("/admin/config/history").json()["changes"]
+    new = rows[: len(rows) - len(history)]
+    assert sorted(x["field"] for x in new) == ["engine.max_num_seqs", "engine.prefill_chunk_size"]
+    assert {x["change_id"] for x in new} == {"fleet-42"}
+    # Without one, each change gets its own.
+    chunk = before["engine.prefill_chunk_size"]["value"]
+    r = c.patch(
+        "/admin/config", json={"engine": {"max_num_seqs": now, "prefill_chunk_size": chunk}}
+    )
+    assert r.json()["change_id"] not in ("fleet-42", None)
+    assert c.get("/admin/config/history").json()["changes"][0]["change_id"] == r.json()["change_id"]
+    r = c.patch(
+        "/admin/config",
+        json={"engine.max_num_seqs": now},
+        headers={"X-Controlplane-Change-Id": "a b"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Controlplane-Change-Id"
+    r = c.patch("/admin/config?scope=planet", json={"engine.max_num_seqs": now})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "scope"
+
+
 def _stats(c: httpx.Client) -> dict:
     return c.get("/admin/stats").json()
 

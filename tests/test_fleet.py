@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, insert
 
 from controlplane.admin_api.auth import AdminAuth
 from controlplane.config import FleetSettings, build_config
@@ -25,8 +26,16 @@ from controlplane.engine.errors import InvalidSettingError
 from controlplane.server.heartbeat import FleetMember, default_advertise_url
 from controlplane.server.live_config import LiveConfig
 from controlplane.server.runtime import Runtime
-from controlplane.store import upgrade
-from controlplane.store.fleet import Heartbeat, heartbeat, member, members, register
+from controlplane.store.fleet import (
+    ROLLUPS,
+    Heartbeat,
+    config_drift,
+    heartbeat,
+    member,
+    members,
+    register,
+    totals,
+)
 from tests.daemon_util import DaemonProcess, write_config
 
 T0 = datetime(2026, 11, 25, 3, 0, tzinfo=UTC)
@@ -110,7 +119,70 @@ def test_register_heartbeat_and_worst_first(engine: Engine) -> None:
         heartbeat(engine, "silent", Heartbeat("sleeping"), now=T0)
 
 
-def fleet_config(tmp: Path, name: str, model: Path, store_url: str) -> Path:
+def test_config_drift_names_the_odd_ones_out() -> None:
+    def at(iid: str, state: str, **config: object) -> object:
+        r = {**row(state, T0), "id": iid, "config": json.dumps(config)}
+        return member(r, now=T0, unreachable_after_s=15)
+
+    found = [
+        at("a", "serving", **{"engine.max_num_seqs": 32, "engine.preemption_mode": "swap"}),
+        at("b", "serving", **{"engine.max_num_seqs": 32, "engine.preemption_mode": "recompute"}),
+        at("c", "draining", **{"engine.max_num_seqs": 16, "engine.preemption_mode": "swap"}),
+        at("d", "stopped", **{"engine.max_num_seqs": 1}),  # gone: not part of the fleet's view
+    ]
+    assert config_drift(found) == {
+        "engine.max_num_seqs": {"majority": 32, "instances": {"c": 16}},
+        "engine.preemption_mode": {"majority": "swap", "instances": {"b": "recompute"}},
+    }
+    assert config_drift(found[:1]) == {}
+    # A tie goes to the lowest id's value: every reader names the same odd one out.
+    assert config_drift(found[1:3])["engine.max_num_seqs"] == {
+        "majority": 32,
+        "instances": {"c": 16},
+    }
+
+
+def test_totals_sum_live_heartbeats_and_per_instance_rollup_rates(engine: Engine) -> None:
+    now = T0 + timedelta(minutes=30)
+    found = [
+        member({**row("serving", now), "id": i, "output_tokens_per_s": tok}, now=now, unreachable_after_s=15)
+        for i, tok in (("a", 10.0), ("b", 30.0))
+    ] + [member({**row("stopped", now), "id": "z"}, now=now, unreachable_after_s=15)]  # fmt: skip
+
+    def rollup(iid: str, hour: datetime, requests: int, gpu: float, lst: float, covered: float):
+        zero = dict.fromkeys(("prompt_tokens", "cached_prompt_tokens", "completion_tokens"), 0)
+        return dict(
+            hour_bucket=hour.strftime("%Y-%m-%dT%H"), day_bucket=hour.strftime("%Y-%m-%d"),
+            instance_id=iid, model="m", api_key_name="k", requests_succeeded=requests,
+            requests_failed=0, list_cost_usd=lst, gpu_cost_usd=gpu, covered_s=covered,
+            updated_at=now, **zero,
+        )  # fmt: skip
+
+    before = T0 - timedelta(hours=1)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(ROLLUPS),
+            [
+                # a: 3,600 s covered over two hours, 720 requests, $2 GPU, $4 list.
+                rollup("a", before, 360, 1.0, 2.0, 1800.0),
+                rollup("a", T0, 360, 1.0, 2.0, 1800.0),
+                # b: 900 s covered, 90 requests, $0.5 GPU, $1 list.
+                rollup("b", T0, 90, 0.5, 1.0, 900.0),
+                # Too old, and a stopped instance: neither counts.
+                rollup("a", T0 - timedelta(hours=2), 9999, 99.0, 99.0, 3600.0),
+                rollup("z", T0, 9999, 99.0, 99.0, 3600.0),
+            ],
+        )
+    t = totals(engine, found, now=now)
+    assert (t.instances, t.serving, t.unreachable) == (2, 2, 0)
+    assert t.output_tokens_per_s == 40.0
+    assert t.requests_per_s == pytest.approx(720 / 3600 + 90 / 900)
+    assert t.gpu_cost_per_hour_usd == pytest.approx(2.0 + 0.5 * 4)
+    assert t.list_cost_per_hour_usd == pytest.approx(4.0 + 1.0 * 4)
+    assert totals(engine, found[2:], now=now).requests_per_s is None  # nothing live
+
+
+def fleet_config(tmp: Path, name: str, model: Path, store_url: str, **engine: int) -> Path:
     return write_config(
         tmp / f"{name}.toml",
         tmp / name,
@@ -118,25 +190,27 @@ def fleet_config(tmp: Path, name: str, model: Path, store_url: str) -> Path:
         server={"instance_id": name},
         store={"url": store_url, "flush_interval_s": 0.1},
         fleet={"heartbeat_s": 0.3, "unreachable_after_s": 1.5},
-        engine={"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 64},
+        engine={"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 64, **engine},
         admin_tokens=[{"name": "ops", "token": TOKEN}],
     )
 
 
 def start_all(configs: dict[str, Path], store_url: str) -> dict[str, DaemonProcess]:
-    """Start the daemons side by side (each spends seconds importing torch), on a database
-    migrated first: daemons that all migrate one empty database at once race each other's
-    CREATE TABLE (a limit of the store's start-up, not of the fleet)."""
-    upgrade(store_url)
+    """Start the daemons side by side (each spends seconds importing torch) on an empty
+    database: they all migrate it at start, one at a time (the migration lock)."""
     with ThreadPoolExecutor(len(configs)) as pool:
         started = {n: pool.submit(DaemonProcess.start, c) for n, c in configs.items()}
         return {n: f.result() for n, f in started.items()}
 
 
-def fleet_view(url: str) -> dict[str, dict]:
-    r = httpx.get(url + "/admin/fleet", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+def admin_get(url: str, path: str) -> dict:
+    r = httpx.get(url + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert r.status_code == 200, r.text
-    return {m["id"]: m for m in r.json()["instances"]}
+    return r.json()
+
+
+def fleet_view(url: str) -> dict[str, dict]:
+    return {m["id"]: m for m in admin_get(url, "/admin/fleet")["instances"]}
 
 
 def wait_states(url: str, want: dict[str, str], timeout: float = 20) -> dict[str, dict]:
@@ -149,34 +223,106 @@ def wait_states(url: str, want: dict[str, str], timeout: float = 20) -> dict[str
         time.sleep(0.1)
 
 
+def fleet_cli(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "controlplane", "fleet", *args, "--config", str(config)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "CONTROLPLANE_ADMIN_TOKEN": TOKEN},
+    )  # fmt: skip
+
+
 def fleet_ls(config: Path) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "controlplane", "fleet", "ls", "--all", "--format", "json",
-         "--config", str(config)],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
-    return json.loads(out)["instances"]
+    done = fleet_cli(config, "ls", "--all", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["instances"]
 
 
-def test_three_daemons_on_postgresql_kill_and_stop(tiny_model_dir, tmp_path, pg_url) -> None:
+def setting(url: str, key: str) -> object:
+    return admin_get(url, "/admin/config")["fields"][key]["value"]
+
+
+def audit(url: str, change_id: str) -> list[dict]:
+    rows = admin_get(url, "/admin/config/history")["changes"]
+    return [r for r in rows if r["change_id"] == change_id]
+
+
+def test_three_daemons_on_postgresql_apply_drain_kill_and_stop(
+    tiny_model_dir, tmp_path, pg_url
+) -> None:
     names = ("a", "b", "c")
-    configs = {n: fleet_config(tmp_path, n, tiny_model_dir, pg_url) for n in names}
+    # c's smaller step budget makes a larger max_num_seqs invalid there (and only there).
+    extra = {"c": {"max_num_batched_tokens": 64}}
+    configs = {
+        n: fleet_config(tmp_path, n, tiny_model_dir, pg_url, **extra.get(n, {})) for n in names
+    }
     daemons = start_all(configs, pg_url)
+    urls = {n: d.url for n, d in daemons.items()}
     try:
-        view = wait_states(daemons["a"].url, dict.fromkeys(names, "serving"))
+        view = wait_states(urls["a"], dict.fromkeys(names, "serving"))
         # An admin GET like the others: no token, no fleet.
-        assert httpx.get(daemons["a"].url + "/admin/fleet", timeout=30).status_code == 401
-        assert view["b"]["advertise_url"] == daemons["b"].url
+        assert httpx.get(urls["a"] + "/admin/fleet", timeout=30).status_code == 401
+        assert view["b"]["advertise_url"] == urls["b"]
         assert view["c"]["model"] and view["c"]["kv_usage"] is not None
+        body = admin_get(urls["a"], "/admin/fleet")
+        assert body["config_drift"]["engine.max_num_batched_tokens"] == {
+            "majority": 1024,
+            "instances": {"c": 64},
+        }
+        assert body["totals"]["instances"] == 3 and body["totals"]["serving"] == 3
+
+        # Invalid for c: validated everywhere first, so none changes; the CLI names c and the field.
+        (tmp_path / "bad.toml").write_text("[engine]\nmax_num_seqs = 100\n")
+        done = fleet_cli(configs["a"], "apply", str(tmp_path / "bad.toml"), "--format", "json")
+        assert done.returncode == 1, done.stderr
+        result = {o["instance"]: o for o in json.loads(done.stdout)["instances"]}
+        assert result["c"]["outcome"] == "invalid"
+        assert result["c"]["param"] == "engine.max_num_batched_tokens"
+        assert {result[n]["outcome"] for n in ("a", "b")} == {"not_applied"}
+        assert {setting(u, "engine.max_num_seqs") for u in urls.values()} == {4}
+
+        # Valid for all, through one instance's API: one change id in every audit log.
+        r = httpx.patch(
+            urls["b"] + "/admin/config",
+            params={"scope": "fleet"},
+            json={"engine": {"max_num_seqs": 8}},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        change_id = r.json()["change_id"]
+        assert {o["outcome"] for o in r.json()["instances"]} == {"applied"}
+        for url in urls.values():
+            assert setting(url, "engine.max_num_seqs") == 8
+            (row,) = audit(url, change_id)
+            assert (row["field"], row["new_value"], row["source"], row["actor"]) == (
+                "engine.max_num_seqs", 8, "fleet", "ops",
+            )  # fmt: skip
+
+        # Drain b through the fleet command: its readiness goes down, the fleet shows it.
+        done = fleet_cli(configs["a"], "drain", "b")
+        assert done.returncode == 0 and "draining" in done.stdout, done.stderr
+        assert httpx.get(urls["b"] + "/health/ready", timeout=30).status_code == 503
+        wait_states(urls["a"], {"b": "draining"})
+        done = fleet_cli(configs["a"], "resume", "b")
+        assert done.returncode == 0, done.stderr
+        assert httpx.get(urls["b"] + "/health/ready", timeout=30).status_code == 200
+        assert fleet_cli(configs["a"], "drain", "zz").returncode == 1  # no such instance
+
         # SIGKILL b: it cannot say so; after unreachable_after_s it reads unreachable.
         daemons["b"].stop(signal.SIGKILL)
-        view = wait_states(daemons["c"].url, {"a": "serving", "b": "unreachable"})
+        view = wait_states(urls["c"], {"a": "serving", "b": "unreachable"})
         since = datetime.fromisoformat(view["b"]["unreachable_since"])
         beat_at = datetime.fromisoformat(view["b"]["heartbeat_at"])
         assert since == beat_at + timedelta(seconds=1.5)
+        # A fleet change now applies on a and c and reports b, not silently skipped (exit 2).
+        (tmp_path / "ok.json").write_text('{"engine.max_num_seqs": 6}')
+        done = fleet_cli(configs["a"], "apply", str(tmp_path / "ok.json"))
+        assert done.returncode == 2, done.stderr
+        assert "b unreachable" in done.stderr and "applied on 2 instance(s)" in done.stderr
+        assert {setting(urls[n], "engine.max_num_seqs") for n in ("a", "c")} == {6}
+
         # SIGTERM c: a graceful stop says stopped.
         assert daemons["c"].stop() == 0
-        wait_states(daemons["a"].url, {"a": "serving", "b": "unreachable", "c": "stopped"})
+        wait_states(urls["a"], {"a": "serving", "b": "unreachable", "c": "stopped"})
         # The CLI reads the same table, without any daemon's help.
         listed = fleet_ls(configs["a"])
         assert listed[0]["id"] == "b"  # worst first

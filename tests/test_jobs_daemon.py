@@ -110,14 +110,18 @@ def test_jobs_write_samples_and_rollups_and_admin_matches_cli(jobs_daemon):
 def test_job_intervals_are_live(jobs_daemon):
     d, cfg = jobs_daemon
     c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-    from controlplane.jobs.scheduler import ROLLUP_JOB, SAMPLE_JOB
+    from controlplane.jobs.scheduler import AUTOPILOT_JOB, ROLLUP_JOB, SAMPLE_JOB
 
-    assert d.daemon.jobs.intervals() == {SAMPLE_JOB: 0.5, ROLLUP_JOB: 1.0}
+    assert d.daemon.jobs.intervals() == {SAMPLE_JOB: 0.5, ROLLUP_JOB: 1.0, AUTOPILOT_JOB: 10.0}
     r = c.patch(
-        "/admin/config", json={"jobs": {"utilization_interval_s": 30, "rollup_interval_s": 45}}
+        "/admin/config",
+        json={
+            "jobs": {"utilization_interval_s": 30, "rollup_interval_s": 45},
+            "autopilot": {"interval_s": 20},
+        },
     )
     assert r.status_code == 200
-    assert d.daemon.jobs.intervals() == {SAMPLE_JOB: 30.0, ROLLUP_JOB: 45.0}
+    assert d.daemon.jobs.intervals() == {SAMPLE_JOB: 30.0, ROLLUP_JOB: 45.0, AUTOPILOT_JOB: 20.0}
     # No sample lands at the old 0.5 s pace any more.
     before = count(cfg.store_url, "utilization_samples")
     time.sleep(2.0)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml  # PyYAML: comes with the test extra (transformers and schemathesis require it)
@@ -166,3 +167,81 @@ def test_kubernetes_probes_secret_and_service_fit_together():
     )
     assert container["volumeMounts"][0]["mountPath"] == "/data"  # the image's data directory
     assert pod["spec"]["securityContext"]["runAsUser"] != 0
+
+
+def _daemon_accepts(env: dict[str, str]) -> Any:
+    """The config the daemon would build from these variables (an unknown CONTROLPLANE_*
+    name or a bad value raises, naming it, as it would stop the daemon)."""
+    from controlplane.config import build_config
+
+    return build_config({}, env)
+
+
+def test_kubernetes_fleet_replicas_share_one_database_and_advertise_themselves():
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes-fleet.yaml").read_text()))
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    fleet = by_name[("StatefulSet", "controlplane")]
+    assert fleet["spec"]["replicas"] >= 3 and fleet["spec"]["podManagementPolicy"] == "Parallel"
+    pod = fleet["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    secret = by_name[("Secret", "controlplane-fleet")]["stringData"]
+    env: dict[str, str] = {}
+    for e in container["env"]:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "secretKeyRef" in e["valueFrom"]:
+            ref = e["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "controlplane-fleet"
+            env[e["name"]] = secret[ref["key"]]
+    # $(POD_NAME) expanded as the kubelet would, for the second replica.
+    pod_env = {"POD_NAME": "controlplane-1", "POD_NAMESPACE": "default"}
+    env = {k: re.sub(r"\$\((\w+)\)", lambda m: pod_env[m.group(1)], v) for k, v in env.items()}
+    cfg = _daemon_accepts({k: v for k, v in env.items() if k.startswith("CONTROLPLANE_")})
+    assert cfg.server.instance_id == "controlplane-1"
+    assert cfg.store_url.startswith("postgresql+psycopg://")
+    # The advertised URL is the headless Service's per-pod name, published even when not ready
+    # (a draining replica must still answer fleet actions), on the container's port.
+    headless = by_name[("Service", "controlplane-pods")]["spec"]
+    assert fleet["spec"]["serviceName"] == "controlplane-pods"
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    (port,) = container["ports"]
+    assert (
+        cfg.server.advertise_url
+        == f"http://controlplane-1.controlplane-pods.default.svc:{port['containerPort']}"
+    )
+    # The client Service selects the replicas; readiness keeps draining ones out of it.
+    service = by_name[("Service", "controlplane")]["spec"]
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    assert "publishNotReadyAddresses" not in service
+    # The database the store URL names is the PostgreSQL Service in the file.
+    pg = by_name[("Service", "controlplane-postgres")]["spec"]["ports"][0]["port"]
+    assert f"@controlplane-postgres:{pg}/" in cfg.store_url
+
+
+def test_compose_fleet_starts_postgresql_and_three_daemons_on_the_demo_model():
+    compose = yaml.safe_load((DEPLOY / "compose.fleet.yaml").read_text())
+    services = compose["services"]
+    pg = services["postgres"]
+    pg_port = pg["command"][pg["command"].index("-p") + 1]
+    daemons = {n: s for n, s in services.items() if n != "postgres"}
+    assert len(daemons) == 3
+    seen: dict[str, set] = {"ports": set(), "ids": set(), "tokens": set()}
+    for name, svc in daemons.items():
+        assert svc["depends_on"]["postgres"]["condition"] == "service_healthy"
+        assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
+        cfg = _daemon_accepts(
+            {k: v for k, v in svc["environment"].items() if k != "CONTROLPLANE_ADMIN_TOKEN"}
+        )
+        assert cfg.store_url.endswith(f"@127.0.0.1:{pg_port}/controlplane")
+        assert cfg.server.advertise_url == f"http://127.0.0.1:{cfg.server.port}"
+        assert cfg.server.instance_id == name
+        # The demo model the command writes on first start is the one the daemon serves.
+        assert f"controlplane demo-model {cfg.engine.model};" in svc["command"][-1]
+        seen["ports"].add(cfg.server.port)
+        seen["ids"].add(cfg.server.instance_id)
+        seen["tokens"].add(svc["environment"]["CONTROLPLANE_ADMIN_TOKEN"])
+        assert {v.split(":")[1] for v in svc["volumes"]} == {"/data"}
+    assert len(seen["ports"]) == len(seen["ids"]) == 3
+    assert len(seen["tokens"]) == 1  # one token for the fleet

@@ -8,6 +8,8 @@ import contextlib
 import logging
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +114,19 @@ def test_migrations_upgrade_downgrade_upgrade(db_url: str) -> None:
     finally:
         eng.dispose()
     upgrade(db_url)
+    assert current(db_url) == head()
+    check(db_url)
+
+
+def test_concurrent_upgrades_of_an_empty_database_all_succeed(db_url: str) -> None:
+    """A fleet starting together on an empty database: every daemon migrates at start."""
+    code = "import sys; from controlplane.store import upgrade; upgrade(sys.argv[1])"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, db_url], stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(errors)
     assert current(db_url) == head()
     check(db_url)
 

@@ -44,7 +44,11 @@ def test_migration_0002_upgrade_downgrade_upgrade(db_url: str) -> None:
         indexes = {
             ix["name"]: ix["column_names"] for ix in inspect(eng).get_indexes("config_changes")
         }
-        assert indexes == {"ix_config_changes_time": ["time"], "ix_config_changes_field": ["field"]}
+        assert indexes == {
+            "ix_config_changes_time": ["time"],
+            "ix_config_changes_field": ["field"],
+            "ix_config_changes_change_id": ["change_id"],  # migration 0007
+        }
         downgrade(db_url, "0001")
         assert current(db_url) == "0001"
         inspect(eng).clear_cache()

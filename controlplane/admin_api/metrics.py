@@ -73,6 +73,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.engine.types import RequestMetrics, StepStats
+from controlplane.store.models import CONFIG_SOURCES
 
 __all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetrics"]
 
@@ -88,7 +89,6 @@ MEDIA_TYPE = "; ".join(
 PREFIX = "controlplane:"
 # "error": one request failed inside the engine, which kept serving the others.
 FINISH_REASONS = ("stop", "length", "abort", "error")
-CONFIG_SOURCES = ("default", "file", "env", "api", "tui")
 
 # vLLM v1 (vllm/v1/metrics/loggers.py, PrometheusStatLogger) bucket boundaries.
 TTFT_BUCKETS = (
@@ -347,6 +347,20 @@ class Metrics:
             registry=reg,
         )
 
+        self._autopilot_decisions = Counter(
+            PREFIX + "autopilot_decisions",
+            "Knob changes the SLO autopilot made, by knob and direction (latency, throughput).",
+            [*labels, "knob", "direction"],
+            registry=reg,
+        )
+        self.autopilot_enabled = gauge("autopilot_enabled", "1 while the SLO autopilot is on.")
+        self._slo_attainment = Gauge(
+            PREFIX + "slo_attainment",
+            "Fraction of requests finished in the autopilot's window within the target.",
+            [*labels, "target"],
+            registry=reg,
+        )
+
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -381,6 +395,22 @@ class Metrics:
         )
 
         reg.register(_ScrapeTimeCollector(self))
+
+    # -- the autopilot ----------------------------------------------------------------------
+    def observe_autopilot(
+        self,
+        knob: str | None,
+        direction: str | None,
+        enabled: bool,
+        attainment: Mapping[str, float | None] | None = None,
+    ) -> None:
+        """One autopilot decision (a change when `knob` is set) and its current figures."""
+        if knob is not None and direction is not None:
+            self._autopilot_decisions.labels(self.model_name, knob, direction).inc()
+        self.autopilot_enabled.set(1.0 if enabled else 0.0)
+        for target, value in (attainment or {}).items():
+            if value is not None:
+                self._slo_attainment.labels(self.model_name, target).set(value)
 
     # -- engine steps ---------------------------------------------------------------------
     def observe_steps(self, steps: Iterable[StepStats]) -> None:

@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from litestar import Request, Response, Router, get, patch, post
-from litestar.params import FromPath, FromQuery
+from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
+from controlplane.admin_client import CHANGE_ID_HEADER
 from controlplane.common import parse_group_by, parse_time
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.fleet_actions import apply_change, fleet_status, fleet_summary
 from controlplane.server.errors import APIError
 from controlplane.server.protocol import load_json, openapi_body
 
 if TYPE_CHECKING:
     from controlplane.server.runtime import Runtime
 
+log = logging.getLogger("controlplane.admin")
+
 KEEPALIVE_S = 15.0
+CHANGE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 # Row ids and other integers bound into SQL: both databases store them as signed 64-bit.
 MAX_SQL_INT = (1 << 63) - 1
 # Report bounds a datetime can hold with room for the hour arithmetic around them.
@@ -31,6 +39,12 @@ CONFIG_PATCH_SCHEMA = {
     "minProperties": 1,
     "description": 'fields to change, nested ({"engine": {"max_num_seqs": 16}}) or dotted',
 }
+
+
+def _source(request: Request) -> str:
+    """Where a change says it came from (audit log): the TUI and fleet actions say so."""
+    said = request.headers.get("x-controlplane-source", "").lower()
+    return said if said in ("tui", "fleet") else "api"
 
 
 def _unprocessable(param: str, message: str, status: int = 422) -> APIError:
@@ -62,24 +76,74 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         summary="Change live settings (all or nothing)",
         operation_class=openapi_body(CONFIG_PATCH_SCHEMA),
     )
-    async def patch_config(request: Request) -> dict[str, Any]:
+    async def patch_config(
+        request: Request,
+        dry_run: FromQuery[bool] = False,
+        # `scope` is litestar's name for the ASGI scope: the query parameter gets another.
+        where: Annotated[str, QueryParameter(name="scope")] = "instance",
+    ) -> Any:
         # 400 naming the field for malformed JSON, too deep, huge integers, lone surrogates.
         body = load_json(await request.body())
         if not isinstance(body, dict) or not body:
             raise _unprocessable("body", "must be a non-empty JSON object of fields to change", 400)
-        source = (
-            "tui" if request.headers.get("x-controlplane-source", "").lower() == "tui" else "api"
-        )
+        if where not in ("instance", "fleet"):
+            raise _unprocessable("scope", f"must be instance or fleet, got {where!r}", 400)
         from controlplane.server.live_config import flatten_raw
 
+        changes = flatten_raw(body)
+        if where == "fleet":
+            if dry_run:
+                raise _unprocessable("dry_run", "is for one instance, not with scope=fleet", 400)
+            return await _fleet_change(request, changes)
+        source = _source(request)
+        change_id = request.headers.get(CHANGE_ID_HEADER)
+        if change_id is not None and not CHANGE_ID_RE.fullmatch(change_id):
+            raise _unprocessable(
+                CHANGE_ID_HEADER, "must be 1-64 characters of A-Z a-z 0-9 . _ : -", 400
+            )
+        change_id = change_id or uuid.uuid4().hex
         try:
-            changes = await runtime.change_config(flatten_raw(body), source, request.state.actor)
+            if dry_run:
+                planned = runtime.check_config(changes, source)
+            else:
+                planned = await runtime.change_config(
+                    changes, source, request.state.actor, change_id
+                )
         except ConfigChangeError as exc:
             raise _unprocessable(exc.field, exc.message, exc.status) from None
         return {
-            "changed": [{"field": c.field, "old": c.old, "new": c.new} for c in changes],
+            "change_id": None if dry_run else change_id,
+            "dry_run": dry_run,
+            "changed": [{"field": c.field, "old": c.old, "new": c.new} for c in planned],
             "fields": runtime.live.describe(),
         }
+
+    async def _fleet_change(request: Request, changes: dict[str, Any]) -> Response:
+        """This daemon coordinates: every live instance validates, then all apply (the caller's
+        token authenticates to each, so one token per fleet works)."""
+        from controlplane.store.fleet import members
+
+        if runtime.db is None:
+            raise APIError(503, "the store is not open yet", type="unavailable", code="loading")
+        found = await asyncio.to_thread(
+            members,
+            runtime.db,
+            now=datetime.now(UTC),
+            unreachable_after_s=runtime.cfg.fleet.unreachable_after_s,
+        )
+        authorization = request.headers.get("authorization", "")
+        token = authorization[7:].strip() if authorization[:7].lower() == "bearer " else None
+        result = await apply_change(found, changes, token)
+        log.info(
+            "fleet change %s by %s: %s",
+            result.change_id,
+            request.state.actor,
+            ", ".join(f"{o.instance} {o.outcome}" for o in result.instances) or "no instances",
+        )
+        status, body = fleet_status(result), result.to_dict()
+        if status != 200:
+            body["error"] = {"message": fleet_summary(result), "type": "fleet_change_failed"}
+        return Response(body, status_code=status)
 
     @get("/config/history", summary="Audit log of config changes, newest first")
     async def config_history(
@@ -183,23 +247,51 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
 
     @get("/fleet", summary="Every daemon sharing this database, worst first")
     async def fleet(include_stopped: FromQuery[bool] = False) -> dict[str, Any]:
-        from controlplane.store.fleet import members
+        from controlplane.store.fleet import config_drift, members, totals
 
         if runtime.db is None:
             raise APIError(503, "the store is not open yet", type="unavailable", code="loading")
-        age = runtime.cfg.fleet.unreachable_after_s
-        found = await asyncio.to_thread(
-            members,
-            runtime.db,
-            now=datetime.now(UTC),
-            unreachable_after_s=age,
-            include_stopped=include_stopped,
-        )
-        return {
-            "instances": [m.to_dict() for m in found],
-            "self": runtime.instance_id,
-            "unreachable_after_s": age,
-        }
+        age, now = runtime.cfg.fleet.unreachable_after_s, datetime.now(UTC)
+
+        def read() -> dict[str, Any]:
+            found = members(
+                runtime.db, now=now, unreachable_after_s=age, include_stopped=include_stopped
+            )
+            return {
+                "instances": [m.to_dict() for m in found],
+                "totals": totals(runtime.db, found, now=now).to_dict(),
+                "config_drift": config_drift(found),
+            }
+
+        body = await asyncio.to_thread(read)
+        return {**body, "self": runtime.instance_id, "unreachable_after_s": age}
+
+    @get("/autopilot", summary="The SLO autopilot: on/off, targets, bounds, recent decisions")
+    async def autopilot() -> dict[str, Any]:
+        if runtime.autopilot is None:
+            raise APIError(503, "the autopilot is not running yet", type="unavailable")
+        return runtime.autopilot.describe()
+
+    @patch(
+        "/autopilot",
+        status_code=200,
+        summary="Change [autopilot] settings (all or nothing, audited like PATCH /admin/config)",
+        operation_class=openapi_body(
+            {"type": "object", "minProperties": 1, "description": '{"enabled": true, ...}'}
+        ),
+    )
+    async def patch_autopilot(request: Request) -> dict[str, Any]:
+        body = load_json(await request.body())
+        if not isinstance(body, dict) or not body:
+            raise _unprocessable("body", "must be a non-empty JSON object of [autopilot] keys", 400)
+        if runtime.autopilot is None:
+            raise APIError(503, "the autopilot is not running yet", type="unavailable")
+        changes = {f"autopilot.{k}": v for k, v in body.items()}
+        try:
+            await runtime.change_config(changes, _source(request), request.state.actor)
+        except ConfigChangeError as exc:
+            raise _unprocessable(exc.field, exc.message, exc.status) from None
+        return runtime.autopilot.describe()
 
     @post(
         "/cache/reset",
@@ -216,9 +308,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
                 type="unavailable",
                 code="engine_dead",
             )
-        source = (
-            "tui" if request.headers.get("x-controlplane-source", "").lower() == "tui" else "api"
-        )
+        source = _source(request)
         try:
             dropped = await runtime.reset_prefix_cache(source, request.state.actor)
         except ConfigChangeError as exc:
@@ -309,6 +399,8 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             drain,
             resume,
             cache_reset,
+            autopilot,
+            patch_autopilot,
             fleet,
             costs,
             utilization,

@@ -4,7 +4,8 @@
   token rates, queue length, plus NVML readings per GPU, into `utilization_samples`;
 - cost rollup (jobs.rollup_interval_s): hourly buckets by model and API key into
   `cost_rollups` (idempotent, watermarked), then retention pruning; once more at shutdown,
-  after the recorder's last flush.
+  after the recorder's last flush;
+- the SLO autopilot (autopilot.interval_s; controlplane/server/autopilot.py).
 
 Database and NVML work runs in a worker thread: the event loop never waits on either.
 Intervals are live: a config change reschedules the job without a restart.
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("controlplane.jobs")
 
-SAMPLE_JOB, ROLLUP_JOB = "utilization_sampler", "cost_rollup"
+SAMPLE_JOB, ROLLUP_JOB, AUTOPILOT_JOB = "utilization_sampler", "cost_rollup", "autopilot"
 
 
 class Jobs:
@@ -54,6 +55,14 @@ class Jobs:
         self.scheduler.add_job(
             self.rollup, IntervalTrigger(seconds=j.rollup_interval_s), id=ROLLUP_JOB, **common
         )
+        if self.runtime.autopilot is not None:
+            # On the loop like the others; it decides nothing while autopilot.enabled is off.
+            self.scheduler.add_job(
+                self.runtime.autopilot.tick,
+                IntervalTrigger(seconds=self.runtime.cfg.autopilot.interval_s),
+                id=AUTOPILOT_JOB,
+                **common,
+            )
         self.scheduler.start()
         log.info(
             "jobs started: utilization every %.1fs, cost rollup every %.1fs",

@@ -79,6 +79,9 @@ class Daemon:
         live = LiveConfig(cfg, file_raw or {}, env)
         tokens, token_file = resolve_tokens(cfg, env)
         self.runtime = Runtime(live, instance_id(cfg), AdminAuth(tokens), cfg.server.model_name)
+        from controlplane.server.autopilot import Autopilot
+
+        self.runtime.autopilot = Autopilot(self.runtime)
         self.config_path = Path(config_path) if config_path else None
         self.install_signals = install_signals
         self.admin_token_file = token_file
@@ -126,11 +129,12 @@ class Daemon:
         if engine_changes:
             self.runtime.update_settings(**engine_changes)
         if self.jobs is not None:
-            from controlplane.jobs.scheduler import ROLLUP_JOB, SAMPLE_JOB
+            from controlplane.jobs.scheduler import AUTOPILOT_JOB, ROLLUP_JOB, SAMPLE_JOB
 
             intervals = {
                 "jobs.utilization_interval_s": SAMPLE_JOB,
                 "jobs.rollup_interval_s": ROLLUP_JOB,
+                "autopilot.interval_s": AUTOPILOT_JOB,
             }
             for c in changes:
                 if c.field in intervals:

@@ -30,8 +30,9 @@ log = logging.getLogger("controlplane.fleet")
 def figures(runtime: Runtime) -> fleet.Heartbeat:
     """The runtime's state and the headline figures of /admin/stats (the same computation)."""
     state = {READY: fleet.SERVING, DRAINING: fleet.DRAINING}.get(runtime.state, fleet.LOADING)
+    config = runtime.live.live_values()
     if runtime.aengine is None:
-        return fleet.Heartbeat(state)
+        return fleet.Heartbeat(state, config=config)
     stats = runtime.stats_payload()
     ttft = stats.get("ttft_p50_ms")
     return fleet.Heartbeat(
@@ -43,6 +44,7 @@ def figures(runtime: Runtime) -> fleet.Heartbeat:
         kv_usage=stats["kv_usage_perc"] / 100,
         output_tokens_per_s=stats["decode_tokens_per_s"],
         ttft_p50_s=None if ttft is None else ttft / 1000,
+        config=config,
     )
 
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from controlplane.config import Config, Price, build_config, env_overrides
+from controlplane.config import AutopilotSettings, Config, Price, build_config, env_overrides
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.settings import EngineSettings
+from controlplane.store.models import CONFIG_SOURCES
 
 log = logging.getLogger("controlplane.config")
 
-SOURCES = ("default", "file", "env", "api", "tui")
+SOURCES = CONFIG_SOURCES
 # Fields an operator may change on a running daemon. Everything else needs a restart.
 LIVE_FIELDS = frozenset(
     {f"engine.{name}" for name in EngineSettings.live_fields()}
@@ -34,6 +35,7 @@ LIVE_FIELDS = frozenset(
         "jobs.gpu_hourly_usd",
         "jobs.peak_flops",
     }
+    | {f"autopilot.{f.name}" for f in dataclasses.fields(AutopilotSettings)}
 )
 
 
@@ -88,7 +90,7 @@ def _plain(value: Any) -> Any:
 def flatten(cfg: Config) -> dict[str, Any]:
     """Dotted field -> JSON-friendly value, for every field of the config."""
     out: dict[str, Any] = {"data_dir": cfg.data_dir}
-    for section in ("server", "store", "jobs", "fleet", "engine"):
+    for section in ("server", "store", "jobs", "fleet", "autopilot", "engine"):
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             out[f"{section}.{f.name}"] = _plain(getattr(obj, f.name))

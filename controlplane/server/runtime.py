@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
     from controlplane.engine import AsyncEngine, RequestOutput, RequestStream, SamplingParams
     from controlplane.engine.types import StepStats
+    from controlplane.server.autopilot import Autopilot
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
@@ -45,6 +47,9 @@ access_log = logging.getLogger("controlplane.access")
 
 LOADING, READY, DRAINING, STOPPED, DEAD = "loading", "ready", "draining", "stopped", "dead"
 COUNTER_WINDOW_S = 60.0  # /admin/stats: hit and acceptance rates over the last minute
+# StepStats kept (about one a second): the counter window twice over, and the autopilot's
+# widest window (autopilot.max_window_s is at most this).
+HISTORY_S = 600
 
 
 def _first_line(exc: BaseException) -> str:
@@ -86,6 +91,7 @@ class Runtime:
         self.started_at = time.time()
         self.aengine: AsyncEngine | None = None  # set by the daemon once loaded
         self.recorder: Recorder | None = None
+        self.autopilot: Autopilot | None = None  # the daemon's SLO autopilot
         self.db: SQLEngine | None = None  # the store, once open
         self.shutting_down = False  # set by the daemon: a drain can no longer be resumed
         self.shutdown_aborted: set[str] = set()
@@ -100,7 +106,7 @@ class Runtime:
         self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
         # StepStats kept about once a second (pump_metrics) for a minute: the cumulative
         # counters differenced over the last minute (hit rate, acceptance rate).
-        self._history: deque[StepStats] = deque(maxlen=2 * int(COUNTER_WINDOW_S))
+        self._history: deque[StepStats] = deque(maxlen=HISTORY_S)
         # One config change at a time: each is planned, audited, then applied (see
         # change_config), and a second one planned meanwhile would revert the first.
         self._config_lock = asyncio.Lock()
@@ -335,18 +341,36 @@ class Runtime:
             if not self._history or steps[-1].time - self._history[-1].time >= 1.0:
                 self._history.append(steps[-1])
 
+    def check_config(self, changes: Mapping[str, Any], source: str) -> list[FieldChange]:
+        """What `change_config` would change, validated the same way; applies nothing (a fleet
+        change asks every instance this before any applies)."""
+        return list(self.live.plan(changes, source).changes)
+
     async def change_config(
-        self, changes: Mapping[str, Any], source: str, actor: str | None = None
+        self,
+        changes: Mapping[str, Any],
+        source: str,
+        actor: str | None = None,
+        change_id: str | None = None,
+        reason: str | None = None,
     ) -> list[FieldChange]:
         """The one way a running daemon changes its config: validate, write the audit rows
         (and new price rows) in a worker thread, then apply. If the audit write fails, the
-        change is not applied and ConfigAuditError says why."""
+        change is not applied and ConfigAuditError says why. `change_id` goes on every audit
+        row of this change (a fresh one when None), and `reason` too."""
+        change_id = change_id or uuid.uuid4().hex
         async with self._config_lock:
             plan = self.live.plan(changes, source)
             if plan.changes:
                 try:
                     await asyncio.to_thread(
-                        self._write_audit, plan.new, list(plan.changes), source, actor
+                        self._write_audit,
+                        plan.new,
+                        list(plan.changes),
+                        source,
+                        actor,
+                        change_id,
+                        reason,
                     )
                 except ConfigAuditError as exc:
                     if source != "file":  # a reload logs its own rejection
@@ -355,14 +379,23 @@ class Runtime:
             return self.live.commit(plan, source, actor)
 
     def _write_audit(
-        self, new: Config, changes: list[FieldChange], source: str, actor: str | None
+        self,
+        new: Config,
+        changes: list[FieldChange],
+        source: str,
+        actor: str | None,
+        change_id: str,
+        reason: str | None = None,
     ) -> None:
         """Audit rows and price rows in one transaction: both are written or neither."""
         from controlplane.store import sync_prices
         from controlplane.store.audit import ConfigChange, write_changes
 
         when = datetime.now(UTC)
-        entries = [ConfigChange(when, source, actor, c.field, c.old, c.new) for c in changes]
+        entries = [
+            ConfigChange(when, source, actor, c.field, c.old, c.new, change_id, reason)
+            for c in changes
+        ]
         try:
             if self.db is None:
                 raise RuntimeError("the store is not open")
@@ -448,7 +481,9 @@ class Runtime:
         before = self.aengine.stats().kv_blocks_evictable
         change = FieldChange("engine.prefix_cache_reset", before, 0)
         async with self._config_lock:
-            await asyncio.to_thread(self._write_audit, self.cfg, [change], source, actor)
+            await asyncio.to_thread(
+                self._write_audit, self.cfg, [change], source, actor, uuid.uuid4().hex
+            )
             dropped = await self.aengine.call(lambda engine: engine.reset_prefix_cache())
         log.info("prefix cache reset by admin %s: %d blocks dropped", actor, dropped)
         self.broadcast({"type": "cache_reset", "dropped_blocks": dropped, "actor": actor})

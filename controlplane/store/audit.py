@@ -36,6 +36,8 @@ class ConfigChange:
     field: str  # dotted, e.g. "engine.max_num_seqs"
     old_value: Any  # JSON-serialisable
     new_value: Any
+    change_id: str | None = None  # the same on every field of one change (and fleet-wide)
+    reason: str | None = None  # why (the autopilot says)
 
 
 def _jsonable(value: Any) -> Any:
@@ -111,6 +113,8 @@ def write_changes(
                 field=change.field,
                 old_value=old,
                 new_value=new,
+                change_id=change.change_id,
+                reason=change.reason,
             )
         )
     if not rows:
@@ -134,11 +138,13 @@ def history(
     before_id: int | None = None,
     field: str | None = None,
     instance_id: str | None = None,
+    change_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """Audit rows, newest first (by id, i.e. in the order they were written).
 
     Page on with `before_id` = the last row's id. Each dict has id, time (ISO 8601 UTC
-    string), instance_id, source, actor, field, old_value and new_value (decoded JSON).
+    string), instance_id, source, actor, field, old_value and new_value (decoded JSON), and
+    change_id (the same on every row of one change; fleet-wide, on every instance) and reason.
     """
     _check_limit(limit)
     if before_id is not None and (isinstance(before_id, bool) or not isinstance(before_id, int)):
@@ -151,6 +157,8 @@ def history(
         stmt = stmt.where(c.field == field)
     if instance_id is not None:
         stmt = stmt.where(c.instance_id == instance_id)
+    if change_id is not None:
+        stmt = stmt.where(c.change_id == change_id)
     with engine.connect() as conn:
         rows = conn.execute(stmt).mappings().all()
     return [
@@ -163,6 +171,8 @@ def history(
             "field": r["field"],
             "old_value": json.loads(r["old_value"]),
             "new_value": json.loads(r["new_value"]),
+            "change_id": r["change_id"],
+            "reason": r["reason"],
         }
         for r in rows
     ]

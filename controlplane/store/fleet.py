@@ -10,15 +10,20 @@ unreachable, since heartbeat_at + that age. Torch-free: `controlplane fleet ls` 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Engine, func, insert, select, update
 
-from controlplane.store.models import InstanceRow
+from controlplane.store.audit import encode_value
+from controlplane.store.models import CostRollupRow, InstanceRow
 
 INSTANCES = InstanceRow.__table__
+ROLLUPS = CostRollupRow.__table__
 LOADING, SERVING, DRAINING, STOPPED, UNREACHABLE = (
     "loading",
     "serving",
@@ -46,6 +51,7 @@ class Heartbeat:
     kv_usage: float | None = None  # 0-1
     output_tokens_per_s: float | None = None
     ttft_p50_s: float | None = None
+    config: dict[str, Any] | None = None  # its live-tunable settings (config drift)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,7 @@ class Member:
     kv_usage: float | None
     output_tokens_per_s: float | None
     ttft_p50_s: float | None
+    config: dict[str, Any] | None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -81,7 +88,10 @@ class Member:
 def _figures(beat: Heartbeat) -> dict[str, Any]:
     if beat.state not in STATES:
         raise ValueError(f"state: must be one of {', '.join(STATES)}, got {beat.state!r}")
-    return dataclasses.asdict(beat)
+    out = dataclasses.asdict(beat)
+    if beat.config is not None:
+        out["config"] = encode_value(beat.config)
+    return out
 
 
 def register(
@@ -154,5 +164,89 @@ def member(row: dict[str, Any], *, now: datetime, unreachable_after_s: float) ->
             "started_at": row["started_at"].astimezone(UTC),
             "heartbeat_age_s": age,
             "unreachable_since": since,
+            "config": json.loads(row["config"]) if row.get("config") else None,
         }
+    )
+
+
+def config_drift(found: Sequence[Member]) -> dict[str, dict[str, Any]]:
+    """Per live-tunable setting on which the live instances (not stopped) disagree: the
+    majority's value and each instance that differs with its own value (an instance that does
+    not report a setting, an older version, is left out of that setting). A tie goes to the
+    value the lowest instance id has, so every reader names the same odd ones out."""
+    live = sorted((m for m in found if m.state != STOPPED and m.config), key=lambda m: m.id)
+    drift: dict[str, dict[str, Any]] = {}
+    for key in sorted({k for m in live for k in m.config or {}}):
+        # An instance without the key (an older version) has no say on it.
+        values = {m.id: m.config[key] for m in live if m.config and key in m.config}
+        counts = Counter(encode_value(v) for v in values.values())
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        majority = next(v for v in values.values() if counts[encode_value(v)] == top)
+        drift[key] = {
+            "majority": majority,
+            "instances": {i: v for i, v in values.items() if v != majority},
+        }
+    return drift
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """The fleet's headline figures: throughput from the live heartbeats, request rate and
+    cost per hour from the cost rollups of the live instances' last two hour buckets (the
+    rollup job refreshes the current hour every jobs.rollup_interval_s), per second of time
+    each instance was up and sampling."""
+
+    instances: int  # not stopped
+    serving: int
+    unreachable: int
+    output_tokens_per_s: float
+    requests_per_s: float | None  # None: no rollups yet
+    gpu_cost_per_hour_usd: float | None
+    list_cost_per_hour_usd: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def totals(db: Engine, found: Sequence[Member], *, now: datetime) -> Totals:
+    live = [m for m in found if m.state != STOPPED]
+    tok_s = sum(m.output_tokens_per_s or 0.0 for m in live if m.state in (SERVING, DRAINING))
+    rows: Sequence[Any] = []
+    if live:
+        since = (now.astimezone(UTC) - timedelta(hours=1)).strftime("%Y-%m-%dT%H")
+        c = ROLLUPS.c
+        stmt = (
+            select(
+                c.instance_id,
+                c.hour_bucket,
+                func.sum(c.requests_succeeded + c.requests_failed).label("requests"),
+                func.sum(c.gpu_cost_usd).label("gpu"),
+                func.sum(c.list_cost_usd).label("list"),
+                func.max(c.covered_s).label("covered"),  # repeated on each row of the hour
+            )
+            .where(c.hour_bucket >= since, c.instance_id.in_([m.id for m in live]))
+            .group_by(c.instance_id, c.hour_bucket)
+        )
+        with db.connect() as conn:
+            rows = conn.execute(stmt).all()
+    # Each instance's rate over its own covered time; the fleet's is their sum.
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        acc = per.setdefault(r.instance_id, [0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((r.requests, r.gpu, r.list, r.covered)):
+            acc[i] += float(v or 0)
+    rates = [(n / t, gpu / t * 3600, lst / t * 3600) for n, gpu, lst, t in per.values() if t > 0]
+    req_s, gpu_h, list_h = (
+        tuple(sum(col) for col in zip(*rates, strict=True)) if rates else (None, None, None)
+    )
+    return Totals(
+        instances=len(live),
+        serving=sum(m.state == SERVING for m in live),
+        unreachable=sum(m.state == UNREACHABLE for m in live),
+        output_tokens_per_s=tok_s,
+        requests_per_s=req_s,
+        gpu_cost_per_hour_usd=gpu_h,
+        list_cost_per_hour_usd=list_h,
     )

@@ -7,6 +7,8 @@ find them the same way: through the package.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -20,6 +22,9 @@ import controlplane.migrations
 from controlplane.store.db import make_engine, normalize_url, sqlite_path
 
 MIGRATIONS_DIR = Path(controlplane.migrations.__file__).resolve().parent
+# PostgreSQL advisory lock key held while migrating (migrations/env.py): any fixed 64-bit
+# number no other application on the database uses; this one spells "cpmigrat".
+MIGRATION_LOCK_ID = 0x63706D6967726174
 
 
 def alembic_config(url: str | URL | None = None) -> Config:
@@ -42,7 +47,31 @@ def head() -> str:
 
 
 def upgrade(url: str | URL, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url), revision)
+    """Migrate to `revision`. Safe to run from several processes at once (a fleet starting on
+    an empty database): one migrates, the others wait and then find nothing to do."""
+    with _sqlite_lock(url):
+        command.upgrade(alembic_config(url), revision)
+
+
+@contextlib.contextmanager
+def _sqlite_lock(url: str | URL) -> Iterator[None]:
+    """An exclusive lock on a file beside a SQLite database while it migrates (PostgreSQL
+    takes an advisory lock in migrations/env.py instead)."""
+    path = sqlite_path(url)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, as before
+        fcntl = None
+    if path is None or fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".migrate-lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def downgrade(url: str | URL, revision: str) -> None:

@@ -53,8 +53,9 @@ STATUSES = ("running", "success", "error", "aborted", "interrupted")
 FINAL_STATUSES = frozenset(STATUSES) - {"running"}
 # cost_rollups.api_key_name of the line that carries an hour's idle GPU time.
 IDLE_KEY = "(idle)"
-# Where a configuration change came from (config_changes.source).
-CONFIG_SOURCES = ("default", "file", "env", "api", "tui")
+# Where a configuration change came from (config_changes.source); "fleet": a fleet-wide change
+# (`controlplane fleet apply`, PATCH ?scope=fleet), which carries one change id per instance.
+CONFIG_SOURCES = ("default", "file", "env", "api", "tui", "fleet", "autopilot")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -179,6 +180,7 @@ class ConfigChangeRow(Base):
     __table_args__ = (
         Index("ix_config_changes_time", "time"),
         Index("ix_config_changes_field", "field"),
+        Index("ix_config_changes_change_id", "change_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -189,6 +191,12 @@ class ConfigChangeRow(Base):
     field: Mapped[str] = mapped_column(String(255))  # dotted, e.g. "engine.max_num_seqs"
     old_value: Mapped[str] = mapped_column(Text)  # JSON
     new_value: Mapped[str] = mapped_column(Text)  # JSON
+    # One id per change (all the fields of one PATCH); a fleet change has the same id on every
+    # instance. None on rows written before migration 0007.
+    change_id: Mapped[str | None] = mapped_column(String(64))
+    # Why, where the source says (the autopilot: "itl_p99 142 ms > 80 ms target: ..."); None
+    # otherwise and on rows written before migration 0008.
+    reason: Mapped[str | None] = mapped_column(Text)
 
     def __repr__(self) -> str:
         return (
@@ -333,6 +341,8 @@ class InstanceRow(Base):
     kv_usage: Mapped[float | None]  # 0-1
     output_tokens_per_s: Mapped[float | None]
     ttft_p50_s: Mapped[float | None]
+    # Its live-tunable settings as JSON ({"engine.max_num_seqs": 32, ...}): config drift.
+    config: Mapped[str | None] = mapped_column(Text)
 
     def __repr__(self) -> str:
         return f"InstanceRow(id={self.id!r}, state={self.state!r}, url={self.advertise_url!r})"

@@ -30,7 +30,7 @@ def resolve_token(token: str | None, env: dict[str, str] | None = None) -> str |
 def _cmd_tui(args: argparse.Namespace) -> int:
     from controlplane.tui.app import DashboardApp
 
-    DashboardApp(args.url, resolve_token(args.token)).run()
+    DashboardApp(args.url, resolve_token(args.token), fleet=args.fleet).run()
     return 0
 
 
@@ -40,9 +40,15 @@ def add_tui_parser(subparsers: Any) -> None:
         "tui",
         help="terminal dashboard for on-call operators (talks to the admin API)",
         description="Live dashboard of a running daemon: throughput, batch, KV cache, latency, "
-        "cost, live requests and config changes; tune, abort, drain and resume. Token: --token, "
-        "CONTROLPLANE_ADMIN_TOKEN, or <data_dir>/admin_token.",
+        "cost, live requests and config changes; tune, abort, drain and resume; the fleet of "
+        "daemons on the same database (f, or --fleet). Token: --token, "
+        "CONTROLPLANE_ADMIN_TOKEN, or <data_dir>/admin_token (one token for the whole fleet).",
     )
     p.add_argument("--url", default=DEFAULT_URL, help=f"daemon URL (default {DEFAULT_URL})")
     p.add_argument("--token", help="admin token (default: env or token file)")
+    p.add_argument(
+        "--fleet",
+        action="store_true",
+        help="open on the fleet screen: every daemon sharing this one's database, worst first",
+    )
     p.set_defaults(func=_cmd_tui)

@@ -14,7 +14,8 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer
 
-from controlplane.tui.client import AdminClient, APIError, ClientError
+from controlplane.admin_client import AdminClient, APIError, ClientError
+from controlplane.tui.fleet import FleetScreen
 from controlplane.tui.history import StatsHistory
 from controlplane.tui.screens import ConfirmScreen, HelpScreen, TuneScreen
 from controlplane.tui.widgets import (
@@ -30,6 +31,8 @@ from controlplane.tui.widgets import (
 )
 
 KEYS = [
+    ("f", "the fleet: every instance on this database, worst first (enter opens one)"),
+    ("escape", "back to the fleet screen (once it has been opened)"),
     ("t", "tune the engine: batch, chunk, preemption, speculation, prefix caching"),
     ("c", "reset the prefix cache: drop every unused cached block (asks first)"),
     ("a", "abort the selected live request (asks first)"),
@@ -52,13 +55,16 @@ class _Gone:
 
 
 class DashboardApp(App[None]):
-    """`DashboardApp(url, token)`: pass `client=` (same async methods as `AdminClient`) and
-    `clock=` to feed it deterministic data in tests."""
+    """`DashboardApp(url, token)`: pass `client_for=` (url -> an object with `AdminClient`'s
+    async methods; `client=` for the first URL only) and `clock=` to feed it deterministic data
+    in tests. `fleet=True` opens on the fleet screen."""
 
     CSS_PATH = "dashboard.tcss"
     TITLE = "controlplane"
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (140, "-wide")]
     BINDINGS: ClassVar[list[Binding]] = [
+        Binding("f", "fleet", "Fleet"),
+        Binding("escape", "back_to_fleet", "Fleet", show=False),
         Binding("t", "tune", "Tune"),
         Binding("a", "abort", "Abort"),
         Binding("d", "drain", "Drain"),
@@ -77,16 +83,24 @@ class DashboardApp(App[None]):
         token: str | None,
         *,
         client: Any = None,
+        client_for: Callable[[str], Any] | None = None,
         clock: Callable[[], float] | None = None,
+        fleet: bool = False,
+        fleet_interval: float = 2.0,
         events_interval: float = 0.5,
         requests_interval: float = 1.0,
         reports_interval: float = 30.0,
         reconnect_max_s: float = 5.0,
     ) -> None:
         super().__init__()
-        self.url = url.rstrip("/")
-        self.client = client if client is not None else AdminClient(self.url, token)
-        self._own_client = client is None
+        self.url = self.home_url = url.rstrip("/")
+        self._client_for = client_for or (lambda u: AdminClient(u, token))
+        # One client per instance URL, kept while the app runs (switching back is instant).
+        self._clients: dict[str, Any] = {self.url: client} if client is not None else {}
+        self.client = self.client_at(self.url)
+        self.fleet_mode = fleet  # escape on the dashboard goes to the fleet screen
+        self.fleet_interval = fleet_interval
+        self.last_fleet: dict[str, Any] | None = None
         self.clock = clock or time.time
         self.events_interval = events_interval
         self.requests_interval = requests_interval
@@ -128,10 +142,64 @@ class DashboardApp(App[None]):
         self.poll_requests()
         self.poll_reports()
         self.load_config()
+        if self.fleet_mode:
+            self.action_fleet()
 
     async def on_unmount(self) -> None:
-        if self._own_client:
-            await self.client.aclose()
+        await asyncio.gather(*(c.aclose() for c in self._clients.values()))
+
+    def client_at(self, url: str) -> Any:
+        url = url.rstrip("/")
+        if url not in self._clients:
+            self._clients[url] = self._client_for(url)
+        return self._clients[url]
+
+    # -- the fleet ---------------------------------------------------------------------------
+    def fleet_clients(self) -> list[Any]:
+        """Where to read the fleet from: the instance the app started on, then the others the
+        last list named, live ones first."""
+        urls = [self.home_url, self.url]
+        for m in (self.last_fleet or {}).get("instances") or []:
+            if m.get("state") in ("serving", "draining", "loading"):
+                urls.append(str(m.get("advertise_url")).rstrip("/"))
+        return [self.client_at(u) for u in dict.fromkeys(urls)]
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """On the fleet screen the dashboard's own keys (tune, abort, drain...) are off and
+        out of the footer: they would act on an instance the screen does not show."""
+        on_fleet = isinstance(self.screen, FleetScreen)
+        return not on_fleet or action in ("quit", "toggle_theme")
+
+    def action_fleet(self) -> None:
+        self.fleet_mode = True
+        if not isinstance(self.screen, FleetScreen):
+            self.push_screen(FleetScreen(self.fleet_interval))
+
+    def action_back_to_fleet(self) -> None:
+        if self.fleet_mode:
+            self.action_fleet()
+
+    def open_instance(self, url: str) -> None:
+        """Show `url`'s dashboard: leave the fleet screen and follow that daemon instead."""
+        if isinstance(self.screen, FleetScreen):
+            self.pop_screen()
+        url = url.rstrip("/")
+        if url == self.url:
+            return
+        self.url, self.client = url, self.client_at(url)
+        self.history.clear()
+        self.stats, self.fields, self.changes = None, {}, []
+        self.costs = self.util = None
+        self.connected, self.down_state, self.note, self.reconnects = False, "connecting", "", 0
+        self.refresh_header()
+        self.w(ChangesTable).show([])
+        self.w(RequestsTable).show([])
+        self.w(CostPanel).show(None, None)
+        # Exclusive workers: each call replaces the one that followed the previous daemon.
+        self.stream_events()
+        self.poll_requests()
+        self.poll_reports()
+        self.load_config()
 
     def w(self, cls: type[Any]) -> Any:
         """A dashboard widget, whatever modal screen is on top.

@@ -11,7 +11,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
-from controlplane.tui.client import APIError, ClientError
+from controlplane.admin_client import APIError, ClientError
 
 # The live engine knobs the form edits: integers as text inputs, the rest as choices.
 TUNABLE = (

@@ -1,4 +1,5 @@
-"""The dashboard's only way to the daemon: the admin REST API and its SSE stream (httpx).
+"""A daemon's admin REST API and its SSE stream (httpx): the dashboard's only way to a daemon,
+and how fleet actions reach each instance. Torch-free.
 
 Every method is async and raises `APIError` for an HTTP error answer (with the API's message
 and param) or `Unreachable` when the daemon cannot be reached; nothing else escapes.
@@ -12,7 +13,9 @@ from typing import Any
 
 import httpx
 
-SOURCE_HEADER = {"X-Controlplane-Source": "tui"}
+SOURCE_HEADER = "X-Controlplane-Source"
+# The change id a fleet change carries to every instance (one id in every audit log).
+CHANGE_ID_HEADER = "X-Controlplane-Change-Id"
 
 
 class ClientError(Exception):
@@ -34,11 +37,15 @@ class APIError(ClientError):
 
 
 class AdminClient:
-    """Async client for `/admin/*` and `/health` of one daemon."""
+    """Async client for `/admin/*` and `/health` of one daemon; `source` is what its writes
+    say they came from in the audit log ("tui" or "fleet")."""
 
-    def __init__(self, url: str, token: str | None, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self, url: str, token: str | None, *, timeout: float = 10.0, source: str = "tui"
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._source = {SOURCE_HEADER: source}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
 
     async def aclose(self) -> None:
@@ -85,21 +92,44 @@ class AdminClient:
     async def utilization(self, since: str = "1h") -> dict[str, Any]:
         return await self._request("GET", "/admin/utilization", params={"since": since})
 
+    async def fleet(self) -> dict[str, Any]:
+        return await self._request("GET", "/admin/fleet")
+
     # -- writes ------------------------------------------------------------------------------
-    async def patch_config(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._request("PATCH", "/admin/config", json=body, headers=SOURCE_HEADER)
+    async def patch_config(
+        self, body: dict[str, Any], *, change_id: str | None = None, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """Change live settings; `dry_run`: only validate (what would change)."""
+        headers = dict(self._source)
+        if change_id is not None:
+            headers[CHANGE_ID_HEADER] = change_id
+        params = {"dry_run": "true"} if dry_run else None
+        return await self._request(
+            "PATCH", "/admin/config", json=body, headers=headers, params=params
+        )
+
+    async def patch_fleet_config(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A fleet-wide change through this daemon (PATCH ?scope=fleet)."""
+        return await self._request(
+            "PATCH",
+            "/admin/config",
+            json=body,
+            headers=self._source,
+            params={"scope": "fleet"},
+            timeout=60.0,
+        )
 
     async def abort(self, request_id: str) -> dict[str, Any]:
         return await self._request("POST", f"/admin/requests/{request_id}/abort")
 
     async def drain(self) -> dict[str, Any]:
-        return await self._request("POST", "/admin/drain", headers=SOURCE_HEADER)
+        return await self._request("POST", "/admin/drain", headers=self._source)
 
     async def resume(self) -> dict[str, Any]:
-        return await self._request("POST", "/admin/resume", headers=SOURCE_HEADER)
+        return await self._request("POST", "/admin/resume", headers=self._source)
 
     async def cache_reset(self) -> dict[str, Any]:
-        return await self._request("POST", "/admin/cache/reset", headers=SOURCE_HEADER)
+        return await self._request("POST", "/admin/cache/reset", headers=self._source)
 
     # -- stream ------------------------------------------------------------------------------
     async def events(self, interval: float = 0.5) -> AsyncIterator[tuple[str, dict[str, Any]]]:
