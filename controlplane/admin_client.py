@@ -92,6 +92,12 @@ class AdminClient:
     async def utilization(self, since: str = "1h") -> dict[str, Any]:
         return await self._request("GET", "/admin/utilization", params={"since": since})
 
+    async def autopilot(self) -> dict[str, Any]:
+        return await self._request("GET", "/admin/autopilot")
+
+    async def patch_autopilot(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._request("PATCH", "/admin/autopilot", json=body, headers=self._source)
+
     async def fleet(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/fleet")
 

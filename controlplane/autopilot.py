@@ -32,9 +32,11 @@ KNOBS = (
     "speculative_max_batch_size",
 )
 LATENCY, THROUGHPUT = "latency", "throughput"
-# A step is "prefill-heavy" when at least this share of the window's scheduled tokens were
-# prompt tokens: then prefill chunks, not batch size, are what stretch the decode gaps.
+# Prefill chunks, not the batch size, are what stretch the decode gaps when at least this share
+# of the window's scheduled tokens were prompt tokens and a step carried at least half a chunk
+# of them on average (short prompts never fill a chunk: a smaller one would change nothing).
 PREFILL_HEAVY = 0.3
+CHUNK_BOUND = 0.5
 # Slots (or the token budget) "limit" the batch when used this full on average.
 FULL = 0.9
 
@@ -60,6 +62,7 @@ class Window:
     prefill_share: float  # prompt tokens / all tokens the window's steps scheduled
     batch_fill: float  # mean running / max_num_seqs
     token_fill: float  # mean scheduled tokens / max_num_batched_tokens
+    prefill_tokens_per_step: float = 0.0  # mean over the window's steps
     speculating: bool = False
 
 
@@ -170,7 +173,11 @@ def decide(
         if ttft_missed:
             why = f"both missed (ttft_p99 {_fmt(window.ttft_p99_ms)} > {_fmt(targets.ttft_p99_ms)}), {why}; running requests first"
         # Prefill chunks riding in decode steps stretch the gaps; otherwise the batch does.
-        if window.prefill_share >= PREFILL_HEAVY:
+        chunk = knobs.get("prefill_chunk_size", 0)
+        if (
+            window.prefill_share >= PREFILL_HEAVY
+            and window.prefill_tokens_per_step >= CHUNK_BOUND * chunk
+        ):
             cands = ["prefill_chunk_size", "max_num_seqs"]
         else:
             cands = ["max_num_seqs", "prefill_chunk_size"]

@@ -55,11 +55,19 @@ CASES = [
     ),
     (
         "itl missed, prefill-heavy steps: smaller prefill chunks first",
-        w(itl_p99_ms=142, prefill_share=0.5),
+        w(itl_p99_ms=142, prefill_share=0.5, prefill_tokens_per_step=400),
         BOTH,
         {},
         ("prefill_chunk_size", 384, LATENCY),
         "prefill_chunk_size 512 -> 384",
+    ),
+    (
+        "itl missed, many short prompts (chunks never half full): fewer sequences",
+        w(itl_p99_ms=142, prefill_share=0.5, prefill_tokens_per_step=40),
+        BOTH,
+        {},
+        ("max_num_seqs", 24, LATENCY),
+        "max_num_seqs 32 -> 24",
     ),
     (
         "itl missed while speculating, other knobs at their floors: fewer draft tokens",

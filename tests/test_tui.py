@@ -312,6 +312,7 @@ def fake_stats(i: int) -> dict[str, Any]:
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,
         "max_queue_len": 256,
+        "autopilot": {"state": "holding", "ttft_p99_ms": 2000.0, "itl_p99_ms": 80.0},
         "memory": {
             "weights_bytes": 142_606_336,
             "kv_cache_bytes": 1 << 30,
@@ -347,6 +348,8 @@ class FakeClient:
                 "engine.speculative_num_tokens": f(3),
                 "engine.speculative_max_batch_size": f(8),
                 "engine.enable_prefix_caching": f(True),
+                "autopilot.ttft_p99_ms": f(2000.0, "api"),
+                "autopilot.itl_p99_ms": f(80.0, "api"),
             }
         }
 

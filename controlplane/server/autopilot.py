@@ -96,6 +96,7 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
         preemptions=(latest.num_preemptions - first.num_preemptions) if steps else 0,
         output_tokens_per_s=decode / elapsed if steps else 0.0,
         prefill_share=prefill / (prefill + decode) if prefill + decode else 0.0,
+        prefill_tokens_per_step=prefill / steps if steps else 0.0,
         batch_fill=per_step("running_total", s.max_num_seqs),
         token_fill=per_step("batched_tokens_total", s.max_num_batched_tokens),
         speculating=bool(latest and latest.speculation == "active"),
@@ -146,6 +147,15 @@ class Autopilot:
             return OFF
         last = self.decisions[-1] if self.decisions else None
         return ADJUSTING if last is not None and last.applied else HOLDING
+
+    def brief(self) -> dict[str, Any]:
+        """For /admin/stats (and the TUI's header): state and targets."""
+        a = self.runtime.cfg.autopilot
+        return {
+            "state": self.state,
+            "ttft_p99_ms": a.ttft_p99_ms or None,
+            "itl_p99_ms": a.itl_p99_ms or None,
+        }
 
     def describe(self) -> dict[str, Any]:
         a = self.runtime.cfg.autopilot

@@ -149,7 +149,10 @@ class Daemon:
                 "time": datetime.now(UTC).isoformat(),
                 "source": source,
                 "actor": actor,
-                "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in changes],
+                "changes": [
+                    {"field": c.field, "old": c.old, "new": c.new, "reason": c.reason}
+                    for c in changes
+                ],
             }
         )
 

@@ -60,6 +60,7 @@ class FieldChange:
     field: str
     old: Any
     new: Any
+    reason: str | None = None  # why, where the source says (the autopilot)
 
 
 @dataclass(frozen=True, slots=True)

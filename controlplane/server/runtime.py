@@ -290,6 +290,7 @@ class Runtime:
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_queue_len=self.cfg.server.max_queue_len,
             memory=self.memory(),
+            autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
         return body
 
@@ -361,6 +362,9 @@ class Runtime:
         change_id = change_id or uuid.uuid4().hex
         async with self._config_lock:
             plan = self.live.plan(changes, source)
+            if reason is not None:  # carried to the listeners (the events the TUI shows)
+                with_reason = tuple(dataclasses.replace(c, reason=reason) for c in plan.changes)
+                plan = dataclasses.replace(plan, changes=with_reason)
             if plan.changes:
                 try:
                     await asyncio.to_thread(

@@ -34,6 +34,7 @@ KEYS = [
     ("f", "the fleet: every instance on this database, worst first (enter opens one)"),
     ("escape", "back to the fleet screen (once it has been opened)"),
     ("t", "tune the engine: batch, chunk, preemption, speculation, prefix caching"),
+    ("p", "switch the SLO autopilot on or off (asks first; targets in the tuning form)"),
     ("c", "reset the prefix cache: drop every unused cached block (asks first)"),
     ("a", "abort the selected live request (asks first)"),
     ("d", "drain: stop admitting new requests (asks first)"),
@@ -70,6 +71,7 @@ class DashboardApp(App[None]):
         Binding("d", "drain", "Drain"),
         Binding("r", "resume", "Resume"),
         Binding("c", "cache_reset", "Reset cache", show=False),
+        Binding("p", "autopilot", "Autopilot", show=False),
         Binding("o", "sort", "Sort"),
         Binding("g", "refresh", "Refresh", show=False),
         Binding("l", "toggle_theme", "Theme"),
@@ -272,6 +274,16 @@ class DashboardApp(App[None]):
 
     def apply_config_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
+        if kind == "autopilot":  # its changes come as config events (with their reasons)
+            if self.stats is not None and self.stats.get("autopilot"):
+                self.stats = {
+                    **self.stats,
+                    "autopilot": {**self.stats["autopilot"], "state": event.get("state")},
+                }
+            self.refresh_header()
+            if event.get("state") == "off" and event.get("reason"):
+                self.notify(f"autopilot turned itself off: {event['reason']}", severity="warning")
+            return
         if kind == "state":
             if self.stats is not None:
                 self.stats = {**self.stats, "state": event.get("state")}
@@ -297,6 +309,7 @@ class DashboardApp(App[None]):
                 "field": c.get("field"),
                 "old": c.get("old"),
                 "new": c.get("new"),
+                "reason": c.get("reason"),
             }
             for c in event.get("changes") or []
         ]
@@ -325,6 +338,7 @@ class DashboardApp(App[None]):
                 "field": e.get("field"),
                 "old": e.get("old_value"),
                 "new": e.get("new_value"),
+                "reason": e.get("reason"),
             }
             for e in entries
         ]
@@ -423,6 +437,34 @@ class DashboardApp(App[None]):
             "cache_reset",
             "prefix cache reset",
         )
+
+    def action_autopilot(self) -> None:
+        pilot = (self.stats or {}).get("autopilot")
+        if not pilot:
+            self.notify("no autopilot state yet (is the daemon reachable?)", severity="warning")
+            return
+        on = pilot["state"] != "off"
+        goals = ", ".join(
+            f"{name} p99 ≤ {pilot[key]:g} ms"
+            for name, key in (("ITL", "itl_p99_ms"), ("TTFT", "ttft_p99_ms"))
+            if pilot.get(key)
+        )
+        question = (
+            "Turn the autopilot [b]off[/]? The knobs keep their current values."
+            if on
+            else f"Turn the autopilot [b]on[/] ({goals or 'no target set yet: t sets them'})? "
+            "It will move max_num_seqs, the token budget and the chunk size by itself."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.run_call(
+                    self.client.patch_autopilot,
+                    {"enabled": not on},
+                    done=f"autopilot {'off' if on else 'on'}",
+                )
+
+        self.push_screen(ConfirmScreen(question), answered)
 
     def action_resume(self) -> None:
         self._confirm_call("Resume admitting new requests?", "resume", "resumed")

@@ -13,19 +13,41 @@ from textual.widgets import Button, Input, Label, Select, Static
 
 from controlplane.admin_client import APIError, ClientError
 
-# The live engine knobs the form edits: integers as text inputs, the rest as choices.
+# The live settings the form edits: numbers as text inputs, the rest as choices. A bare name is
+# an engine knob (engine.<name>); the autopilot's targets are in milliseconds (0: none).
 TUNABLE = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "prefill_chunk_size",
     "speculative_num_tokens",
     "speculative_max_batch_size",
+    "autopilot.ttft_p99_ms",
+    "autopilot.itl_p99_ms",
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     "preemption_mode": ("recompute", "swap"),
     "speculative_method": ("off", "ngram", "draft"),
     "enable_prefix_caching": ("on", "off"),
 }
+
+
+def _key(name: str) -> str:
+    """The config field a form row edits."""
+    return name if "." in name else f"engine.{name}"
+
+
+def _dom_id(name: str) -> str:
+    return name.replace(".", "-")
+
+
+def _number(raw: str) -> Any:
+    """An input's text as an int or float; the text itself when neither (the API says why)."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def _choice(value: Any) -> Any:
@@ -83,19 +105,23 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
         self.result: dict[str, Any] | None = None
 
     def current(self, name: str) -> Any:
-        return (self.fields.get(f"engine.{name}") or {}).get("value")
+        return (self.fields.get(_key(name)) or {}).get("value")
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="tune-box", classes="modal-box"):
-            yield Static("[b]Tune the engine[/] (live, applied at the next step)", id="tune-title")
+            yield Static(
+                "[b]Tune the engine[/] (live, applied at the next step) and the autopilot's "
+                "p99 targets in ms (0: none)",
+                id="tune-title",
+            )
             with Grid(id="tune-grid"):
                 for name in TUNABLE:
                     yield Label(name, classes="field-label")
                     yield Input(
-                        value="" if self.current(name) is None else str(self.current(name)),
-                        id=f"in-{name}",
+                        value="" if self.current(name) is None else f"{self.current(name):g}",
+                        id=f"in-{_dom_id(name)}",
                     )
-                    yield Static("", id=f"err-{name}", classes="field-error")
+                    yield Static("", id=f"err-{_dom_id(name)}", classes="field-error")
                 for name, choices in CHOICES.items():
                     yield Label(name, classes="field-label")
                     value = _choice(self.current(name))
@@ -111,24 +137,21 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
                 yield Button("Close (esc)", id="close")
 
     def on_mount(self) -> None:
-        first = self.query_one(f"#in-{TUNABLE[0]}", Input)
+        first = self.query_one(f"#in-{_dom_id(TUNABLE[0])}", Input)
         first.focus()
         first.select_all()  # typing replaces the current value
 
     def changes(self) -> dict[str, Any]:
         body: dict[str, Any] = {}
         for name in TUNABLE:
-            raw = self.query_one(f"#in-{name}", Input).value.strip()
-            try:
-                value: Any = int(raw)
-            except ValueError:
-                value = raw  # the API says what is wrong with it
+            value = _number(self.query_one(f"#in-{_dom_id(name)}", Input).value.strip())
             if value != self.current(name):
-                body[name] = value
+                body[_key(name)] = value
         for name in CHOICES:
             value = self.query_one(f"#in-{name}", Select).value
             if isinstance(value, str) and value != _choice(self.current(name)):
-                body[name] = value == "on" if isinstance(self.current(name), bool) else value
+                on_off = isinstance(self.current(name), bool)
+                body[_key(name)] = value == "on" if on_off else value
         return body
 
     @on(Input.Submitted)
@@ -148,10 +171,10 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
     async def apply(self, body: dict[str, Any]) -> None:
         status = self.query_one("#tune-status", Static)
         try:
-            answer = await self.client.patch_config({"engine": body})
+            answer = await self.client.patch_config(body)
         except APIError as exc:
             name = (exc.param or "").removeprefix("engine.")
-            target = self.query(f"#err-{name}") if name else None
+            target = self.query(f"#err-{_dom_id(name)}") if name else None
             if target:
                 target.first(Static).update(f"[b red]{exc.message}[/]")
                 status.update(f"[red]rejected ({exc.status}), nothing changed[/]")
@@ -163,7 +186,7 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
             return
         self.fields = answer.get("fields") or self.fields
         self.result = answer
-        effective = ", ".join(f"{n} = {self.current(n)}" for n in body)
+        effective = ", ".join(f"{k.removeprefix('engine.')} = {self.current(k)}" for k in body)
         status.update(f"[b green]applied[/]: now {effective}")
         on_applied = getattr(self.app, "config_applied", None)
         if on_applied is not None:

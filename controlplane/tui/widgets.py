@@ -33,6 +33,9 @@ STATE_STYLE = {
 }
 
 
+AUTOPILOT_STYLE = {"off": "dim", "holding": "bold green", "adjusting": "bold yellow"}
+
+
 def display_state(state: str | None) -> str:
     return {"ready": "serving", None: "unreachable"}.get(state, state or "unreachable")
 
@@ -62,6 +65,17 @@ class HeaderBar(Static):
                 t.append(f" {quant}", style="bold")
             t.append("  up ", style="dim")
             t.append(fmt_duration(stats.get("uptime_s")))
+            pilot = stats.get("autopilot")
+            if pilot:
+                t.append("  autopilot ", style="dim")
+                t.append(pilot["state"], style=AUTOPILOT_STYLE.get(pilot["state"], ""))
+                goals = [
+                    f"{name} ≤ {pilot[key]:g} ms"
+                    for name, key in (("ITL", "itl_p99_ms"), ("TTFT", "ttft_p99_ms"))
+                    if pilot.get(key)
+                ]
+                if goals and pilot["state"] != "off":
+                    t.append(f" (p99 {', '.join(goals)})", style="dim")
         if note and connected:
             t.append(f"  {note}", style="yellow")
         elif note:  # its own line: the reason must fit at 80 columns
@@ -342,13 +356,16 @@ class ChangesTable(DataTable):
             self.add_column(label, key=label)
 
     def show(self, entries: list[dict[str, Any]]) -> None:
-        """Entries newest first: {time, source, actor, field, old, new}."""
+        """Entries newest first: {time, source, actor, field, old, new, reason}."""
         self.clear()
         for e in entries[: self.MAX_ROWS]:
+            change = f"{fmt_value(e.get('old'))} → {fmt_value(e.get('new'))}"
+            if e.get("reason"):  # the autopilot says why; the operator reads it here
+                change += f"  ({e['reason']})"
             self.add_row(
                 fmt_time(e.get("time")),
                 str(e.get("source") or "–"),
                 str(e.get("actor") or "–"),
                 str(e.get("field")),
-                f"{fmt_value(e.get('old'))} → {fmt_value(e.get('new'))}",
+                change,
             )
