@@ -8,8 +8,9 @@ ramp of streaming completions several times: Poisson arrivals at the rates of ``
 ``--prompt-len`` random token ids, ``--output-len`` output tokens (EOS ignored). Runs:
 
 * ``default``: the engine's default knobs, fixed;
-* ``max_num_seqs=N`` for each N of ``--grid``: a small grid search over the knob the autopilot
-  moves most, the rest at their defaults;
+* each setting of ``--grid`` (``;``-separated, each ``knob=value,knob=value``), fixed: a small
+  grid search over the knobs the autopilot moves (batch size and prefill chunk), the rest at
+  their defaults;
 * ``autopilot``: from the defaults, with ``[autopilot]`` on (interval ``--interval`` s).
 
 For each: goodput (requests that met both targets per second of the run, from the first send
@@ -25,7 +26,7 @@ Figures to read, never timed assertions: the load generator runs on the daemon's
 How to run
 ----------
     python benchmarks/autopilot.py                            # ~20 minutes on 2 cores
-    python benchmarks/autopilot.py --phases 0.5:20,2:20,0.5:20 --grid 4,16   # smoke
+    python benchmarks/autopilot.py --phases 0.5:20,2:20,0.5:20 --grid max_num_seqs=4  # smoke
 """
 
 from __future__ import annotations
@@ -195,7 +196,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--phases", default="0.3:60,1.2:60,0.3:60", help="rate:seconds,...")
-    p.add_argument("--grid", default="4,8,16,32", help="max_num_seqs values to try fixed")
+    p.add_argument(
+        "--grid",
+        default="max_num_seqs=8;prefill_chunk_size=64;max_num_seqs=8,prefill_chunk_size=64;"
+        "max_num_seqs=16,prefill_chunk_size=128",
+        help="fixed settings to try: knob=value[,knob=value][;...]",
+    )
     p.add_argument("--ttft-ms", type=float, default=5000.0)
     p.add_argument("--itl-ms", type=float, default=200.0)
     p.add_argument("--interval", type=float, default=5.0, help="autopilot.interval_s")
@@ -225,9 +231,9 @@ def main() -> int:
             # Operator changes between runs must not pin the knobs for the autopilot run.
             admin.patch("/admin/autopilot", json={"operator_hold_s": 0}).raise_for_status()
             runs = [("default", {})]
-            runs += [
-                (f"max_num_seqs={n}", {"engine.max_num_seqs": int(n)}) for n in args.grid.split(",")
-            ]
+            for setting in args.grid.split(";"):
+                pairs = dict(kv.split("=") for kv in setting.split(","))
+                runs.append((setting, {f"engine.{k}": int(v) for k, v in pairs.items()}))
             runs.append(("autopilot", {}))
             report: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "runs": {}}
             for name, settings in runs:
@@ -250,6 +256,8 @@ def main() -> int:
                 print(f"{name}: running the ramp ({args.phases}) ...", flush=True)
                 results, wall = asyncio.run(ramp(d.url, model, args))
                 row = score(results, wall, args.ttft_ms, args.itl_ms)
+                # Per request, so other targets can be scored from the same run (--json).
+                row["per_request"] = [[r["phase"], r["ttft_s"], r["itl_p99_s"]] for r in results]
                 if name == "autopilot":
                     state = admin.get("/admin/autopilot").json()
                     edges = [began]
@@ -262,7 +270,8 @@ def main() -> int:
                         if k in defaults
                     }
                 report["runs"][name] = row
-                print(f"{name}: {json.dumps(row)}", flush=True)
+                shown = {k: v for k, v in row.items() if k != "per_request"}
+                print(f"{name}: {json.dumps(shown)}", flush=True)
         finally:
             admin.close()
             d.stop(120)
@@ -277,7 +286,7 @@ def main() -> int:
     )
     for name, row in report["runs"].items():
         print(
-            f"{name:>18}: goodput {row['goodput_rps']:.3f} req/s, attainment "
+            f"{name:>40}: goodput {row['goodput_rps']:.3f} req/s, attainment "
             f"{row['attainment']:.0%} (TTFT {row['ttft_attainment']:.0%}, ITL "
             f"{row['itl_attainment']:.0%}), TTFT p99 {row['ttft_p99_ms']:.0f} ms, "
             f"ITL p99 {row['itl_p99_ms']:.0f} ms"

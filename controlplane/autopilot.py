@@ -6,9 +6,13 @@ What each knob trades (the seeds' reasoning, and what the branches below act on)
   * max_num_seqs: more sequences per step is more throughput, but every decode step takes
     longer, so inter-token latency (ITL) grows; fewer slots make requests queue (TTFT).
   * prefill_chunk_size: a bigger prefill chunk reaches the first token sooner (TTFT), but the
-    decode steps it rides along with stall, so ITL grows.
+    decode steps it rides along with stall, so ITL grows. It is blamed for ITL when the steps
+    that carry prompt tokens take STALL times as long as decode-only steps; it is then set
+    below what those steps actually carry (a smaller chunk than any prompt changes nothing).
   * max_num_batched_tokens: the token budget of one step; when it, not the slots, limits the
-    batch, raising it admits more work per step.
+    batch, raising it admits more work per step; lowering it bounds how many prompt tokens
+    ride along with the decodes of one step (several prompts arriving together stall the
+    decodes however small each one's chunk is).
   * speculative_num_tokens: more draft tokens make each verification step longer.
 
 One knob moves per decision, by a bounded step (down: x0.75, up: x1.25, at least 1), never past
@@ -32,11 +36,9 @@ KNOBS = (
     "speculative_max_batch_size",
 )
 LATENCY, THROUGHPUT = "latency", "throughput"
-# Prefill chunks, not the batch size, are what stretch the decode gaps when at least this share
-# of the window's scheduled tokens were prompt tokens and a step carried at least half a chunk
-# of them on average (short prompts never fill a chunk: a smaller one would change nothing).
-PREFILL_HEAVY = 0.3
-CHUNK_BOUND = 0.5
+# Prefill chunks, not the batch size, stretch the decode gaps when the steps that carry prompt
+# tokens take this many times as long as the decode-only steps.
+STALL = 1.5
 # Slots (or the token budget) "limit" the batch when used this full on average.
 FULL = 0.9
 
@@ -62,7 +64,12 @@ class Window:
     prefill_share: float  # prompt tokens / all tokens the window's steps scheduled
     batch_fill: float  # mean running / max_num_seqs
     token_fill: float  # mean scheduled tokens / max_num_batched_tokens
-    prefill_tokens_per_step: float = 0.0  # mean over the window's steps
+    # Step durations: median of decode-only steps, p90 of steps carrying prompt tokens, and the
+    # mean prompt tokens such a step carried (None: no such step in the window).
+    decode_step_ms: float | None = None
+    prefill_step_ms: float | None = None
+    prefill_tokens_per_prefill_step: float | None = None
+    tokens_per_prefill_step: float | None = None  # prompt and decode tokens of those steps
     speculating: bool = False
 
 
@@ -107,8 +114,12 @@ def _move(
     pinned: frozenset[str],
     ceilings: Mapping[str, int],
     policy: Policy,
+    in_effect: Mapping[str, float] | None = None,
+    floors: Mapping[str, int] | None = None,
 ) -> Decision:
-    """The first candidate that can move in `direction`; a hold that says why none can."""
+    """The first candidate that can move in `direction`; a hold that says why none can.
+    `in_effect`: a knob's value as the engine feels it, where less than its setting (a chunk
+    larger than any prompt acts as the prompt's size); a step down starts from there."""
     blocked = []
     for knob in candidates:
         if knob not in knobs or knob not in bounds:
@@ -118,7 +129,18 @@ def _move(
         if knob in pinned:
             blocked.append(f"{knob} pinned by an operator")
             continue
-        new = _step(old, lo, hi, direction, policy, ceilings.get(knob))
+        start = old
+        if direction == LATENCY and in_effect and knob in in_effect:
+            start = max(1, min(old, math.ceil(in_effect[knob])))
+        if knob == "max_num_batched_tokens":  # every running sequence decodes in each step
+            lo = max(lo, knobs.get("max_num_seqs", 1))
+        if direction == LATENCY and floors and knob in floors and old <= floors[knob]:
+            blocked.append(f"{knob} held at {old}: lowering it made things worse")
+            continue
+        new = _step(start, lo, hi, direction, policy, ceilings.get(knob))
+        if start < old and new >= start:  # its floor is above what the steps carry
+            blocked.append(f"{knob} cannot go below what the steps carry ({start}) within {lo}")
+            continue
         if (
             new == old
             or (direction == LATENCY and new > old)
@@ -145,9 +167,12 @@ def decide(
     *,
     pinned: frozenset[str] = frozenset(),
     ceilings: Mapping[str, int] | None = None,
+    floors: Mapping[str, int] | None = None,
     policy: Policy = Policy(),
 ) -> Decision:
-    """One decision for the last window: which knob to move, or why nothing moves."""
+    """One decision for the last window: which knob to move, or why nothing moves.
+    `ceilings` / `floors`: values not to climb back to / go below again (the runner learns
+    them from changes that missed a target or made things worse)."""
     ceilings = ceilings or {}
     if targets.ttft_p99_ms is None and targets.itl_p99_ms is None:
         return Decision("no target set (autopilot.ttft_p99_ms, autopilot.itl_p99_ms): holding")
@@ -165,20 +190,37 @@ def decide(
 
     itl_missed = missed(targets.itl_p99_ms, window.itl_p99_ms)
     ttft_missed = missed(targets.ttft_p99_ms, window.ttft_p99_ms)
+    in_effect = {
+        knob: value
+        for knob, value in (
+            ("prefill_chunk_size", window.prefill_tokens_per_prefill_step),
+            ("max_num_batched_tokens", window.tokens_per_prefill_step),
+        )
+        if value
+    }
     move = lambda cands, direction, why: _move(  # noqa: E731
-        cands, direction, why, knobs, bounds, pinned, ceilings, policy
+        cands, direction, why, knobs, bounds, pinned, ceilings, policy, in_effect, floors
     )
     if itl_missed:
         why = f"itl_p99 {_fmt(window.itl_p99_ms)} > {_fmt(targets.itl_p99_ms)} target"
         if ttft_missed:
             why = f"both missed (ttft_p99 {_fmt(window.ttft_p99_ms)} > {_fmt(targets.ttft_p99_ms)}), {why}; running requests first"
         # Prefill chunks riding in decode steps stretch the gaps; otherwise the batch does.
-        chunk = knobs.get("prefill_chunk_size", 0)
-        if (
-            window.prefill_share >= PREFILL_HEAVY
-            and window.prefill_tokens_per_step >= CHUNK_BOUND * chunk
-        ):
-            cands = ["prefill_chunk_size", "max_num_seqs"]
+        stall = (
+            window.prefill_step_ms is not None
+            and window.decode_step_ms is not None
+            and window.prefill_step_ms >= STALL * window.decode_step_ms
+        )
+        if stall:
+            why += (
+                f" (steps with prompt tokens {_fmt(window.prefill_step_ms)}, "
+                f"decode-only {_fmt(window.decode_step_ms)})"
+            )
+            cands = ["max_num_batched_tokens", "prefill_chunk_size"]
+            # A smaller batch shortens only the decode part of a stalled step: worth it only
+            # when that part is a real share of the target.
+            if (window.decode_step_ms or 0) >= 0.5 * (targets.itl_p99_ms or 0):
+                cands.append("max_num_seqs")
         else:
             cands = ["max_num_seqs", "prefill_chunk_size"]
         if window.speculating:

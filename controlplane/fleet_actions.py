@@ -28,9 +28,8 @@ from controlplane.store.fleet import DRAINING, LOADING, SERVING, UNREACHABLE, Me
 
 TARGET_STATES = (SERVING, DRAINING)
 # Outcomes, per instance.
-APPLIED, VALID, NOT_APPLIED, INVALID, FAILED, SKIPPED = (
+APPLIED, NOT_APPLIED, INVALID, FAILED, SKIPPED = (
     "applied",
-    "valid",
     "not_applied",
     "invalid",
     "failed",
@@ -43,7 +42,7 @@ class Outcome:
     instance: str
     url: str
     outcome: str  # one of the outcomes above, or "unreachable"
-    detail: str | None = None  # why, for anything but applied / valid
+    detail: str | None = None  # why, for anything but applied
     param: str | None = None  # the field an instance refused
     changed: list[dict[str, Any]] | None = None  # [{"field", "old", "new"}] where applied
 
@@ -155,7 +154,7 @@ def fleet_summary(result: FleetChange) -> str:
         head = "no instance is serving: nothing applied"
     else:
         head = f"change {result.change_id} applied on no instance"
-    bad = [o for o in result.instances if o.outcome not in (APPLIED, VALID, NOT_APPLIED)]
+    bad = [o for o in result.instances if o.outcome not in (APPLIED, NOT_APPLIED)]
     why = "; ".join(
         f"{o.instance} {o.outcome} ({o.param + ': ' if o.param else ''}{o.detail})" for o in bad
     )

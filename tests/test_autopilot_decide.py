@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 
 import pytest
 
-from controlplane.autopilot import LATENCY, THROUGHPUT, Targets, Window, decide
+from controlplane.autopilot import LATENCY, THROUGHPUT, Decision, Targets, Window, decide
 
 KNOBS = {
     "max_num_seqs": 32,
@@ -54,16 +55,56 @@ CASES = [
         "itl_p99 142 ms > 80 ms target: max_num_seqs 32 -> 24",
     ),
     (
-        "itl missed, prefill-heavy steps: smaller prefill chunks first",
-        w(itl_p99_ms=142, prefill_share=0.5, prefill_tokens_per_step=400),
+        "itl missed, steps with prompt tokens stall decodes: a smaller step budget first",
+        w(
+            itl_p99_ms=142,
+            decode_step_ms=50,
+            prefill_step_ms=400,
+            prefill_tokens_per_prefill_step=600,
+            tokens_per_prefill_step=632,
+        ),
+        BOTH,
+        {},
+        ("max_num_batched_tokens", 474, LATENCY),
+        "(steps with prompt tokens 400 ms, decode-only 50 ms): max_num_batched_tokens 1024 -> 474",
+    ),
+    (
+        "stalls, budget pinned: the chunk goes below what the steps actually carry",
+        w(
+            itl_p99_ms=142,
+            decode_step_ms=50,
+            prefill_step_ms=400,
+            prefill_tokens_per_prefill_step=200,
+        ),
+        BOTH,
+        {"pinned": frozenset({"max_num_batched_tokens"})},
+        ("prefill_chunk_size", 150, LATENCY),
+        "prefill_chunk_size 512 -> 150",
+    ),
+    (
+        "stalls, steps carry fewer tokens than the budget's floor: the chunk instead",
+        w(itl_p99_ms=142, decode_step_ms=50, prefill_step_ms=400, tokens_per_prefill_step=40),
         BOTH,
         {},
         ("prefill_chunk_size", 384, LATENCY),
         "prefill_chunk_size 512 -> 384",
     ),
     (
-        "itl missed, many short prompts (chunks never half full): fewer sequences",
-        w(itl_p99_ms=142, prefill_share=0.5, prefill_tokens_per_step=40),
+        "stalls, nothing left to lower: hold, saying why each knob cannot move",
+        w(itl_p99_ms=142, decode_step_ms=50, prefill_step_ms=400, tokens_per_prefill_step=40),
+        BOTH,
+        {"knobs": {**KNOBS, "prefill_chunk_size": 64, "max_num_seqs": 4}},
+        None,
+        "max_num_batched_tokens cannot go below what the steps carry (40) within 256",
+    ),
+    (
+        "itl missed, prompt steps no slower than decode steps: fewer sequences",
+        w(
+            itl_p99_ms=142,
+            decode_step_ms=100,
+            prefill_step_ms=120,
+            prefill_tokens_per_prefill_step=40,
+        ),
         BOTH,
         {},
         ("max_num_seqs", 24, LATENCY),
@@ -266,3 +307,95 @@ def test_steady_load_does_not_oscillate() -> None:
     changes = sum(a != b for a, b in itertools.pairwise(history))
     assert itl(history[-1]) <= 80  # the target is held
     assert changes <= 6 and len(set(history[-30:])) == 1  # settled: no sawtooth
+
+
+# -- the runner's own state (a real Runtime and store, no engine) ------------------------------
+
+
+def runner(engine=None):
+    from controlplane.admin_api.auth import AdminAuth
+    from controlplane.config import build_config
+    from controlplane.server.autopilot import Autopilot
+    from controlplane.server.live_config import LiveConfig
+    from controlplane.server.runtime import Runtime
+
+    cfg = build_config({"autopilot": {"enabled": True, "itl_p99_ms": 80, "give_up_after": 3}})
+    runtime = Runtime(LiveConfig(cfg, {}, {}), "ap", AdminAuth([]))
+    runtime.db = engine
+    return runtime, Autopilot(runtime)
+
+
+def test_changes_that_improve_nothing_are_counted_and_a_better_one_resets():
+    _, ap = runner()
+    change = Decision("x", "max_num_seqs", 32, 24, LATENCY)
+
+    def judged(metric: str, before: float, window: Window) -> int:
+        ap._judging = (metric, before, change)  # what the last change aimed at, and before
+        ap._judge(window, now=0.0)
+        return ap.fruitless
+
+    assert judged("itl_p99_ms", 150, w(itl_p99_ms=150)) == 1  # no better
+    assert judged("itl_p99_ms", 150, w(itl_p99_ms=160)) == 2  # worse (within noise)
+    assert judged("itl_p99_ms", 150, w(itl_p99_ms=90)) == 0  # better: the count starts over
+    assert judged("output_tokens_per_s", 500, w(output_tokens_per_s=480)) == 1
+    assert judged("output_tokens_per_s", 500, w(output_tokens_per_s=620)) == 0
+
+
+def test_a_change_that_made_things_worse_is_undone_and_not_tried_again(engine):
+    runtime, ap = runner(engine)
+    asyncio.run(runtime.change_config({"engine.max_num_seqs": 24}, "autopilot", "autopilot"))
+    change = Decision("itl ...: max_num_seqs 32 -> 24", "max_num_seqs", 32, 24, LATENCY)
+    ap._judging = ("itl_p99_ms", 200.0, change)
+    assert ap._judge(w(itl_p99_ms=215), now=1000.0) is None  # worse, but within 10%: kept
+    ap._judging = ("itl_p99_ms", 200.0, change)
+    undo = ap._judge(w(itl_p99_ms=290), now=1000.0)
+    assert (undo.knob, undo.old, undo.new, undo.direction) == ("max_num_seqs", 24, 32, THROUGHPUT)
+    assert undo.reason == (
+        "reverting: max_num_seqs 32 -> 24 made itl_p99 worse (200 -> 290 ms): max_num_seqs 24 -> 32"
+    )
+    assert ap.floors["max_num_seqs"][0] == 32
+    # With that floor the next latency decision leaves the knob alone and moves another.
+    d = decide(w(itl_p99_ms=142), KNOBS, BOUNDS, BOTH, floors={"max_num_seqs": 32})
+    assert d.knob == "prefill_chunk_size"
+    held = decide(
+        w(itl_p99_ms=142), {**KNOBS, "prefill_chunk_size": 64}, BOUNDS, BOTH,
+        floors={"max_num_seqs": 32},
+    )  # fmt: skip
+    assert (
+        not held.changes and "max_num_seqs held at 32: lowering it made things worse" in held.reason
+    )
+    # An operator set the knob since: nothing to undo.
+    asyncio.run(runtime.change_config({"engine.max_num_seqs": 20}, "api", "ops"))
+    ap._judging = ("itl_p99_ms", 200.0, change)
+    assert ap._judge(w(itl_p99_ms=290), now=1000.0) is None
+
+
+def test_operator_changes_pin_knobs_and_turning_off_is_audited(engine):
+    runtime, ap = runner(engine)
+
+    async def main() -> None:
+        await runtime.change_config({"engine.max_num_seqs": 12}, "api", "ops")
+        assert set(ap.pins) == {"max_num_seqs"}  # an operator's knob: left alone
+        await runtime.change_config({"engine.prefill_chunk_size": 256}, "autopilot", "autopilot")
+        assert set(ap.pins) == {"max_num_seqs"}  # its own changes pin nothing
+        await ap.turn_off("its last 3 changes improved nothing (autopilot.give_up_after)")
+
+    asyncio.run(main())
+    assert ap.state == "off" and not runtime.cfg.autopilot.enabled
+    from controlplane.store.audit import history
+
+    (row,) = history(engine, field="autopilot.enabled")
+    assert (row["source"], row["old_value"], row["new_value"]) == ("autopilot", True, False)
+    assert (
+        row["reason"] == "turned off: its last 3 changes improved nothing (autopilot.give_up_after)"
+    )
+    # Switched on again by an operator: a fresh start.
+    asyncio.run(runtime.change_config({"autopilot.enabled": True}, "api", "ops"))
+    assert ap.state == "holding" and ap.off_reason is None
+
+
+def test_turning_off_holds_even_when_the_audit_log_is_down():
+    _, ap = runner(engine=None)  # no store: the audited change cannot be written
+    asyncio.run(ap.turn_off("the daemon is draining"))
+    assert ap.state == "off" and ap.off_reason == "the daemon is draining"
+    assert ap.describe()["enabled"] is False

@@ -12,10 +12,9 @@ from controlplane.store import make_engine
 from controlplane.store.fleet import Heartbeat, register
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.fleet import FleetScreen, FleetTable
-from tests.daemon_util import InProcessDaemon, write_config
+from tests.daemon_util import InProcessDaemon
+from tests.test_fleet import TOKEN, fleet_config
 from tests.test_tui import T0, FakeClient, screen_text, wait_until
-
-TOKEN = "fleet-tui-token-0123456789abcdef"
 
 
 def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> None:
@@ -37,16 +36,7 @@ def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> 
     db.dispose()
     daemons = {}
     for name, seqs in (("alpha", 8), ("beta", 4)):
-        path = write_config(
-            tmp_path / f"{name}.toml",
-            tmp_path / name,
-            tiny_model_dir,
-            server={"instance_id": name},
-            store={"url": pg_url, "flush_interval_s": 0.1},
-            fleet={"heartbeat_s": 0.3, "unreachable_after_s": 3},
-            engine={"max_num_seqs": seqs, "max_model_len": 256, "num_kv_blocks": 64},
-            admin_tokens=[{"name": "ops", "token": TOKEN}],
-        )
+        path = fleet_config(tmp_path, name, tiny_model_dir, pg_url, max_num_seqs=seqs)
         daemons[name] = InProcessDaemon(load_config(path, env={}), config_path=path).start()
     urls = {n: d.url for n, d in daemons.items()}
     app = DashboardApp(

@@ -401,13 +401,12 @@ class Metrics:
         self,
         knob: str | None,
         direction: str | None,
-        enabled: bool,
         attainment: Mapping[str, float | None] | None = None,
     ) -> None:
-        """One autopilot decision (a change when `knob` is set) and its current figures."""
+        """One autopilot decision (a change when `knob` is set) and the window's attainment.
+        `autopilot_enabled` is set where the metrics are pumped (Runtime.pump_metrics)."""
         if knob is not None and direction is not None:
             self._autopilot_decisions.labels(self.model_name, knob, direction).inc()
-        self.autopilot_enabled.set(1.0 if enabled else 0.0)
         for target, value in (attainment or {}).items():
             if value is not None:
                 self._slo_attainment.labels(self.model_name, target).set(value)

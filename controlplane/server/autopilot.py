@@ -21,7 +21,16 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from controlplane.autopilot import KNOBS, LATENCY, Decision, Policy, Targets, Window, decide
+from controlplane.autopilot import (
+    KNOBS,
+    LATENCY,
+    THROUGHPUT,
+    Decision,
+    Policy,
+    Targets,
+    Window,
+    decide,
+)
 from controlplane.common import percentile
 
 if TYPE_CHECKING:
@@ -35,6 +44,9 @@ SOURCE = "autopilot"
 CEILING_HOLD_S = 900.0
 OPERATOR_SOURCES = ("api", "tui", "file", "env", "fleet")
 OFF, HOLDING, ADJUSTING = "off", "holding", "adjusting"
+# A change after which what it aimed at got this much worse (x1.1 latency, /1.1 throughput)
+# is undone.
+WORSE = 1.1
 
 
 @dataclass(slots=True)
@@ -79,6 +91,13 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
     decode = (latest.decode_tokens_total - first.decode_tokens_total) if steps else 0
     elapsed = max(1e-9, (latest.time - first.time) if latest and first else 0.0)
 
+    # Step by step (the engine's ring of recent steps): how long decode-only steps take, and
+    # the steps carrying prompt tokens (the stalls a prefill chunk causes).
+    ring = runtime.aengine.recent_steps() if runtime.aengine else []
+    recent = [x for x in ring if x.time > start]
+    decode_only = [1000 * x.step_duration for x in recent if not x.num_prefill_tokens]
+    with_prompt = [x for x in recent if x.num_prefill_tokens]
+
     def per_step(total: str, cap: int) -> float:
         if not steps or cap <= 0:
             return 0.0
@@ -96,7 +115,20 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
         preemptions=(latest.num_preemptions - first.num_preemptions) if steps else 0,
         output_tokens_per_s=decode / elapsed if steps else 0.0,
         prefill_share=prefill / (prefill + decode) if prefill + decode else 0.0,
-        prefill_tokens_per_step=prefill / steps if steps else 0.0,
+        decode_step_ms=percentile(decode_only, 50) if decode_only else None,
+        prefill_step_ms=(
+            percentile([1000 * x.step_duration for x in with_prompt], 90) if with_prompt else None
+        ),
+        prefill_tokens_per_prefill_step=(
+            sum(x.num_prefill_tokens for x in with_prompt) / len(with_prompt)
+            if with_prompt
+            else None
+        ),
+        tokens_per_prefill_step=(
+            sum(x.num_prefill_tokens + x.num_decode_tokens for x in with_prompt) / len(with_prompt)
+            if with_prompt
+            else None
+        ),
         batch_fill=per_step("running_total", s.max_num_seqs),
         token_fill=per_step("batched_tokens_total", s.max_num_batched_tokens),
         speculating=bool(latest and latest.speculation == "active"),
@@ -131,9 +163,10 @@ class Autopilot:
         self.decisions: deque[Record] = deque(maxlen=50)
         self.pins: dict[str, float] = {}  # knob -> pinned until (time.time())
         self.ceilings: dict[str, tuple[int, float]] = {}  # knob -> (missed at, until)
+        self.floors: dict[str, tuple[int, float]] = {}  # knob -> (worse below, until)
         self.last_change: float | None = None
-        # The change being judged: (metric name, its value before) for "did it improve?".
-        self._judging: tuple[str, float] | None = None
+        # The change being judged ("did it improve?"): what it aimed at, the value before.
+        self._judging: tuple[str, float, Decision] | None = None
         self.fruitless = 0  # changes in a row that improved nothing
         self.off_reason: str | None = None
         # Off until switched on again, even where the audited turn-off could not be written.
@@ -168,6 +201,7 @@ class Autopilot:
             "bounds": {k: list(v) for k, v in a.bounds().items()},
             "pinned": {k: round(t - now, 1) for k, t in self.pins.items() if t > now},
             "ceilings": {k: v for k, (v, until) in self.ceilings.items() if until > now},
+            "floors": {k: v for k, (v, until) in self.floors.items() if until > now},
             "off_reason": self.off_reason,
             "attainment": attainment(self.runtime, now, max(a.window_s, 60.0)),
             "decisions": [r.to_dict() for r in reversed(self.decisions)],
@@ -205,19 +239,20 @@ class Autopilot:
         window = measure(rt, now, since=self.last_change)
         knobs = {k: getattr(rt.cfg.engine, k) for k in KNOBS}
         targets = Targets(a.ttft_p99_ms or None, a.itl_p99_ms or None)
-        self._judge(window)
+        revert = self._judge(window, now)
         if self.fruitless >= a.give_up_after:
             await self.turn_off(
                 f"its last {self.fruitless} changes improved nothing (autopilot.give_up_after)"
             )
             return None
-        decision = decide(
+        decision = revert or decide(
             window,
             knobs,
             a.bounds(),
             targets,
             pinned=frozenset(k for k, until in self.pins.items() if until > now),
             ceilings={k: v for k, (v, until) in self.ceilings.items() if until > now},
+            floors={k: v for k, (v, until) in self.floors.items() if until > now},
             policy=Policy(min_requests=a.min_requests, headroom=a.headroom),
         )
         record = Record(
@@ -238,7 +273,6 @@ class Autopilot:
         rt.metrics.observe_autopilot(
             decision.knob if record.applied else None,
             decision.direction,
-            True,
             attainment(rt, now, window.duration_s),
         )
         rt.broadcast({"type": "autopilot", "state": self.state, "decision": record.to_dict()})
@@ -260,26 +294,48 @@ class Autopilot:
             return False
         log.info("autopilot: %s", decision.reason, extra={"event": "autopilot"})
         self.last_change = now
+        if decision.reason.startswith("reverting"):
+            return True  # judged already: it undoes a change that made things worse
         if decision.direction == LATENCY:
             self.ceilings[decision.knob] = (decision.old, now + CEILING_HOLD_S)
             metric = "itl_p99_ms" if decision.reason.startswith(("itl", "both")) else "ttft_p99_ms"
         else:
             metric = "output_tokens_per_s"
         value = getattr(window, metric)
-        self._judging = (metric, value) if value is not None else None
+        self._judging = (metric, value, decision) if value is not None else None
         return True
 
-    def _judge(self, window: Window) -> None:
-        """Did the last change improve what it aimed at? (Latency down, throughput up.)"""
+    def _judge(self, window: Window, now: float) -> Decision | None:
+        """Did the last change improve what it aimed at (latency down, throughput up)? One
+        that made it more than WORSE worse is undone (the decision returned), and the value it
+        left is not tried again for CEILING_HOLD_S."""
         if self._judging is None:
-            return
-        metric, before = self._judging
+            return None
+        metric, before, change = self._judging
         self._judging = None
         after = getattr(window, metric)
-        if after is None:
-            return
-        better = after > before if metric == "output_tokens_per_s" else after < before
+        if after is None or change.knob is None or change.new is None or change.old is None:
+            return None
+        higher_is_better = metric == "output_tokens_per_s"
+        better = after > before if higher_is_better else after < before
         self.fruitless = 0 if better else self.fruitless + 1
+        worse = after < before / WORSE if higher_is_better else after > before * WORSE
+        if not worse or getattr(self.runtime.cfg.engine, change.knob) != change.new:
+            return None  # within noise, or an operator has set the knob since
+        if change.direction == LATENCY:
+            self.floors[change.knob] = (change.old, now + CEILING_HOLD_S)
+            self.ceilings.pop(change.knob, None)
+        else:
+            self.ceilings[change.knob] = (change.new, now + CEILING_HOLD_S)
+        unit = "" if higher_is_better else " ms"
+        return Decision(
+            f"reverting: {change.knob} {change.old} -> {change.new} made {metric.removesuffix('_ms')} "
+            f"worse ({before:.0f} -> {after:.0f}{unit}): {change.knob} {change.new} -> {change.old}",
+            change.knob,
+            change.new,
+            change.old,
+            THROUGHPUT if change.direction == LATENCY else LATENCY,
+        )
 
     async def turn_off(self, why: str) -> None:
         """Switch `autopilot.enabled` off through the audited path, and say so everywhere."""
@@ -292,5 +348,4 @@ class Autopilot:
             log.error("autopilot could not record turning itself off (%s); off anyway", exc)
         log.warning("autopilot turned itself off: %s", why, extra={"event": "autopilot_off"})
         self.decisions.append(Record(time.time(), f"turned off: {why}"))
-        self.runtime.metrics.observe_autopilot(None, None, False)
         self.runtime.broadcast({"type": "autopilot", "state": OFF, "reason": why})

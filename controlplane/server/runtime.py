@@ -333,6 +333,8 @@ class Runtime:
             queue.put_nowait(event)
 
     def pump_metrics(self) -> None:
+        if self.autopilot is not None:  # however it was switched (API, file, itself)
+            self.metrics.autopilot_enabled.set(float(self.autopilot.state != "off"))
         if self.aengine is None:
             return
         steps = self.aengine.recent_steps(self._metrics_step)
