@@ -384,7 +384,9 @@ def test_events_stream_snapshots_and_config_change(admin):
     )
     change = got["config"][0]
     assert change["source"] == "api" and change["actor"] == "ops"
-    assert change["changes"] == [{"field": "server.max_queue_len", "old": old, "new": 99}]
+    assert change["changes"] == [
+        {"field": "server.max_queue_len", "old": old, "new": 99, "reason": None}
+    ]
     c.patch("/admin/config", json={"server": {"max_queue_len": old}})
 
 

@@ -198,9 +198,9 @@ def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
             form.query_one("#in-speculative_num_tokens").value = "5"
             form.query_one("#in-enable_prefix_caching").value = "off"
             assert form.changes() == {
-                "speculative_num_tokens": 5,
-                "speculative_method": "ngram",
-                "enable_prefix_caching": False,
+                "engine.speculative_num_tokens": 5,
+                "engine.speculative_method": "ngram",
+                "engine.enable_prefix_caching": False,
             }
             await pilot.press("ctrl+s")
             status = form.query_one("#tune-status")

@@ -64,8 +64,14 @@ def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> 
                 "three instances",
             )
             assert rows()[0]["id"] == "ghost"  # worst first
-            text = screen_text(app)
-            assert "unreachable since" in text and "2 serving" in text and "1 unreachable" in text
+            # The rows are in; the screen shows them at its next refresh.
+            text = await wait_until(
+                pilot,
+                lambda: "unreachable since" in (t := screen_text(app)) and "beta = 4" in t and t,
+                10,
+                "the rows and the drift on screen",
+            )
+            assert "2 serving" in text and "1 unreachable" in text
             # alpha and the ghost have 8 sequences, beta 4: beta is the odd one out.
             assert "engine.max_num_seqs: most have 8; beta = 4" in text
             await pilot.press("o")  # sort by instance id

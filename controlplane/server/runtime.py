@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
     from controlplane.engine import AsyncEngine, RequestOutput, RequestStream, SamplingParams
     from controlplane.engine.types import StepStats
-    from controlplane.server.autopilot import Autopilot
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
@@ -91,7 +90,9 @@ class Runtime:
         self.started_at = time.time()
         self.aengine: AsyncEngine | None = None  # set by the daemon once loaded
         self.recorder: Recorder | None = None
-        self.autopilot: Autopilot | None = None  # the daemon's SLO autopilot
+        # The daemon's SLO autopilot (controlplane.server.autopilot.Autopilot; not imported
+        # here, even for typing: it is built on this module, not the other way round).
+        self.autopilot: Any = None
         self.db: SQLEngine | None = None  # the store, once open
         self.shutting_down = False  # set by the daemon: a drain can no longer be resumed
         self.shutdown_aborted: set[str] = set()
