@@ -73,7 +73,7 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
     a = runtime.cfg.autopilot
     floor = now - a.max_window_s if since is None else max(since, now - a.max_window_s)
     start = max(floor, now - a.window_s)
-    done = [x for x in runtime._latencies if x[0] > floor]
+    done = runtime.finished_since(floor)
     if sum(1 for x in done if x[0] > start) < a.min_requests:
         # Widen back to the min_requests-th most recent finish (or the floor).
         times = sorted((x[0] for x in done), reverse=True)
@@ -81,8 +81,9 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
     done = [x for x in done if x[0] > start]
     ttfts = [t for _, t, _ in done if t is not None]
     gaps = [g for _, _, gs in done for g in gs]
-    snaps = [h for h in runtime._history if h.time > start]
-    before = [h for h in runtime._history if h.time <= start]
+    history = runtime.snapshots()
+    snaps = [h for h in history if h.time > start]
+    before = [h for h in history if h.time <= start]
     s = runtime.cfg.engine
     latest = runtime.stats()
     first = before[-1] if before else (snaps[0] if snaps else latest)
@@ -140,7 +141,7 @@ def attainment(runtime: Runtime, now: float, window_s: float) -> dict[str, float
     meets the ITL target when its own p99 inter-token gap does); None: no target or none
     finished."""
     a = runtime.cfg.autopilot
-    done = [x for x in runtime._latencies if x[0] > now - window_s]
+    done = runtime.finished_since(now - window_s)
     out: dict[str, float | None] = {"ttft": None, "itl": None}
     if not done:
         return out

@@ -253,7 +253,7 @@ class Runtime:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
         )
-        recent = [item for item in self._latencies if item[0] > now - 60.0]
+        recent = self.finished_since(now - 60.0)
         ttfts = [t for _, t, _ in recent if t is not None]
         gaps = [g for _, _, gs in recent for g in gs]
 
@@ -294,6 +294,14 @@ class Runtime:
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
         return body
+
+    def finished_since(self, since: float) -> list[tuple[float, float | None, list[float]]]:
+        """(finish time, TTFT s, inter-token gaps s) of the requests finished after `since`."""
+        return [item for item in self._latencies if item[0] > since]
+
+    def snapshots(self) -> list[StepStats]:
+        """The engine's StepStats kept about once a second (HISTORY_S of them), oldest first."""
+        return list(self._history)
 
     def stats_json(self, max_age_s: float = 0.1) -> str:
         """stats_payload as JSON, shared by every /admin/events subscriber: computed at most
