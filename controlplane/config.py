@@ -59,6 +59,10 @@ class ServerSettings:
     # Special-token text (`<|eot_id|>`) inside chat messages: "escape" tokenizes it as plain
     # text, so a message cannot forge the template's control tokens; "allow" parses it.
     chat_special_tokens: str = "escape"
+    # Structured outputs: the largest JSON schema / regex / grammar a request may send (bytes
+    # of its text), and how long compiling it may take before the request gets a 400.
+    max_grammar_bytes: int = 64 * 1024
+    grammar_compile_timeout_s: float = 10.0
     # The URL other fleet members and operators reach this daemon's admin API at (the
     # instances table); default http://<host, or the hostname when listening on all
     # interfaces>:<port>.
@@ -298,6 +302,11 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError(
             "server.max_body_bytes", f"must be in [1024, {1 << 30}], got {s.max_body_bytes}"
         )
+    if not 16 <= s.max_grammar_bytes <= 1 << 24:
+        raise InvalidSettingError(
+            "server.max_grammar_bytes", f"must be in [16, {1 << 24}], got {s.max_grammar_bytes}"
+        )
+    _in_range("server.grammar_compile_timeout_s", s.grammar_compile_timeout_s, 0.01, 600)
     if s.chat_special_tokens not in ("escape", "allow"):
         raise InvalidSettingError(
             "server.chat_special_tokens",

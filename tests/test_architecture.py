@@ -30,6 +30,7 @@ ENGINE_PUBLIC = {
     "controlplane.engine.types",  # torch-free RequestOutput, StepStats, RequestMetrics...
     "controlplane.engine.settings",  # EngineSettings and its checks (the config file)
     "controlplane.engine.sampling_params",  # SamplingParams (the /v1 request parser)
+    "controlplane.engine.structured",  # StructuredOutput (the /v1 request parser)
     "controlplane.engine.gguf.known",  # model catalog: default model paths and names
     "controlplane.engine.demo_model",  # `controlplane demo-model` and the default model
 }

@@ -277,10 +277,10 @@ def test_logprobs(client):
         # Unknown fields are ignored (tests/test_real_clients.py); known, unsupported ones are not.
         ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),
         (
-            {"prompt": "x", "response_format": {"type": "json_object"}},
+            {"prompt": "x", "response_format": {"type": "xml"}},
             400,
-            "response_format",
-            "only {'type': 'text'}",
+            "response_format.type",
+            "must be text, json_object or json_schema",
         ),
         ({"prompt": [1] * 600}, 400, "prompt", "limit is 511"),
         ({"prompt": [1] * 500, "max_tokens": 100}, 400, "max_tokens", "max_model_len (512)"),

@@ -170,20 +170,24 @@ def test_ignored_field_labels_are_bounded() -> None:
 @pytest.mark.parametrize(
     ("path", "extra", "param", "words"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools", "not supported"),
-        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "not supported"),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function"}]},
+            "tools[0].function",
+            "must be a function object",
+        ),
         (
             "/v1/chat/completions",
             {"response_format": {"type": "json_schema", "json_schema": {}}},
-            "response_format",
-            "only {'type': 'text'}",
+            "response_format.json_schema.schema",
+            "is required",
         ),
         ("/v1/chat/completions", {"n": 17}, "n", "at most 16 (server.max_n)"),
         ("/v1/completions", {"best_of": 3, "stream": True}, "best_of", "stream"),
         ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ],
 )
-def test_known_unsupported_fields_are_400_naming_them(served, path, extra, param, words) -> None:
+def test_known_fields_misused_are_400_naming_them(served, path, extra, param, words) -> None:
     d, _ = served
     body = {"model": MODEL, "max_tokens": 1, **extra}
     body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user"}]})

@@ -35,7 +35,14 @@ and histograms are not listed):
   ``controlplane:config_changes_total{source}``, ``controlplane:records_dropped_total`` and
   ``controlplane:records_buffered`` (read from the SQL recorder at scrape time),
   ``controlplane:ignored_request_fields_total{field}`` (/v1 request fields the server does not
-  read and ignored; label values bounded, see `Metrics.ignored_request_fields`).
+  read and ignored; label values bounded, see `Metrics.ignored_request_fields`);
+- structured outputs: ``controlplane:structured_requests_total{type}`` (json_schema,
+  json_object, regex, choice, grammar, tools), the histogram
+  ``controlplane:grammar_compile_seconds`` (cache misses), counters
+  ``controlplane:grammar_cache_hits_total``, ``controlplane:grammar_compiles_total``,
+  ``controlplane:grammar_mask_seconds_total`` (computing and applying token masks) and
+  ``controlplane:grammar_mask_wait_seconds_total`` (steps waiting for masks after their
+  forward), gauge ``controlplane:grammar_states``.
 
 prometheus_client appends ``_total`` to counter names itself, so counters are created without
 it (``Counter("controlplane:prompt_tokens", ...)`` renders ``controlplane:prompt_tokens_total``).
@@ -140,6 +147,26 @@ ENGINE_COUNTERS = (
         "spec_decode_num_accepted_tokens_total",
         "Number of accepted tokens.",
     ),
+    (
+        "grammar_cache_hits",
+        "grammar_cache_hits_total",
+        "Structured outputs: requests whose grammar was found compiled in the cache.",
+    ),
+    (
+        "grammar_compiles",
+        "grammar_compiles_total",
+        "Structured outputs: grammars compiled (cache misses).",
+    ),
+    (
+        "grammar_mask_seconds",
+        "grammar_mask_s_total",
+        "Structured outputs: seconds spent computing and applying token masks.",
+    ),
+    (
+        "grammar_mask_wait_seconds",
+        "grammar_mask_wait_s_total",
+        "Structured outputs: seconds steps waited for their masks after the forward pass.",
+    ),
 )
 ENGINE_GAUGES = (
     (
@@ -152,7 +179,16 @@ ENGINE_GAUGES = (
         "kv_blocks_evictable",
         "Cached KV blocks no request holds: reused after the free ones.",
     ),
+    (
+        "grammar_states",
+        "grammar_states",
+        "Structured outputs: live grammar states (one per constrained sequence).",
+    ),
 )
+# structured_requests_total's `type` label: what constrained the output.
+STRUCTURED_TYPES = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
+# Grammar compile times: from a cached-lexer JSON schema (~1 ms) to the compile timeout.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 SPECULATION_STATES = ("off", "active", "paused")
 
 
@@ -354,6 +390,19 @@ class Metrics:
             registry=reg,
         )
         self.autopilot_enabled = gauge("autopilot_enabled", "1 while the SLO autopilot is on.")
+        self._structured_requests = Counter(
+            PREFIX + "structured_requests",
+            "Requests whose output was constrained, by what constrained it.",
+            [*labels, "type"],
+            registry=reg,
+        )
+        for kind in STRUCTURED_TYPES:
+            self._structured_requests.labels(m, kind)
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds",
+            "Structured outputs: grammar compile time (cache misses only).",
+            GRAMMAR_COMPILE_BUCKETS,
+        )
         self._slo_attainment = Gauge(
             PREFIX + "slo_attainment",
             "Fraction of requests finished in the autopilot's window within the target.",
@@ -410,6 +459,13 @@ class Metrics:
         for target, value in (attainment or {}).items():
             if value is not None:
                 self._slo_attainment.labels(self.model_name, target).set(value)
+
+    def observe_structured(self, kind: str, compile_s: float | None) -> None:
+        """One admitted constrained request; `compile_s` when its grammar was compiled for it
+        (None: found in the cache)."""
+        self._structured_requests.labels(self.model_name, kind).inc()
+        if compile_s is not None:
+            self.grammar_compile_time.observe(compile_s)
 
     # -- engine steps ---------------------------------------------------------------------
     def observe_steps(self, steps: Iterable[StepStats]) -> None:

@@ -14,11 +14,14 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from controlplane.engine.engine import Engine, RequestOutput, StepStats
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from controlplane.engine.structured import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         validated: bool = False,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
         """Validate here (raising ValueError naming the field), then queue for the step thread.
 
@@ -138,12 +142,15 @@ class AsyncEngine:
         )
         if not validated:
             self.engine.validate_request(prompt_ids, params)
+            if params.structured is not None and grammar is None:
+                # Errors reach the caller here (the HTTP front compiles off the loop instead).
+                grammar = self.engine.grammars.compile(params.structured)
         request_id = request_id or f"areq-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         stream = RequestStream(request_id, self, params.n)
         self._streams[request_id] = stream
-        self._commands.put(("add", (prompt_ids, params, request_id)))
+        self._commands.put(("add", (prompt_ids, params, request_id, grammar)))
         return stream
 
     async def generate(
@@ -242,10 +249,12 @@ class AsyncEngine:
             cmd, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
             while True:
                 if cmd == "add":
-                    prompt_ids, params, request_id = arg
+                    prompt_ids, params, request_id, grammar = arg
                     try:
                         # Checked in add_request above, on the event loop, already.
-                        self.engine.add_request(prompt_ids, params, request_id, validated=True)
+                        self.engine.add_request(
+                            prompt_ids, params, request_id, validated=True, grammar=grammar
+                        )
                     except Exception as exc:  # that request fails; the engine goes on
                         if not isinstance(exc, ValueError):
                             log.exception("request %s failed at admission", request_id)

@@ -21,6 +21,7 @@ from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.gguf.known import resolve_model_path
+from controlplane.engine.grammar_mask import MaskBatch, MaskJob
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from controlplane.engine.loader import load_model, load_tokenizer
 from controlplane.engine.model.config import load_model_config
@@ -38,6 +39,7 @@ from controlplane.engine.settings import (
     validate_changes,
 )
 from controlplane.engine.spec_decode import ngram_propose, verify
+from controlplane.engine.structured import CompiledGrammar, Grammars
 from controlplane.engine.types import RequestMetrics, RequestOutput, StepStats, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,14 @@ class Engine:
             self.model, self.kv_cache, TorchPagedAttention(self.kv_cache), self.device
         )
         self.sampler = Sampler(s.seed, self.device)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, s.grammar_cache_size)
+        self.masks = MaskBatch(cfg.vocab_size)
+        # Structured outputs: live grammar states (one per constrained choice), and cumulative
+        # mask work: seconds computing masks (worker thread), seconds the step waited for
+        # them after the forward, steps that had constrained rows, rows masked.
+        self._grammar_states = 0
+        self._mask_s = self._mask_wait_s = 0.0
+        self._mask_steps = self._masked_rows = 0
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -205,6 +215,7 @@ class Engine:
             self._settings = new
             self.scheduler.settings = new
             self.block_pool.enable_caching = new.enable_prefix_caching
+            self.grammars.capacity = new.grammar_cache_size
 
     # -- requests -------------------------------------------------------------------------
     def validate_request(
@@ -259,12 +270,15 @@ class Engine:
         arrival_time: float | None = None,
         *,
         validated: bool = False,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
         """Queue a request; InvalidSettingError (naming the field) if it cannot run.
 
         `validated=True`: the caller ran `validate_request` on exactly these ids and params
         already (the HTTP front does, once, before queueing) and the check is skipped here.
-        Python API users (`LLM`, `Engine`, `AsyncEngine`) leave it False and are checked."""
+        Python API users (`LLM`, `Engine`, `AsyncEngine`) leave it False and are checked.
+        `grammar`: params.structured compiled already (the HTTP front compiles off the step
+        thread); else it is compiled here, or found in the cache."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -277,6 +291,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidSettingError("request_id", f"{request_id!r} is already in flight")
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         metrics = RequestMetrics(arrival_time or time.time(), num_prompt_tokens=len(prompt_ids))
         group: list[Sequence] = []  # the request's choices; one unless params.n > 1
         for index in range(params.n):
@@ -298,6 +314,9 @@ class Engine:
             )
         for seq in group:
             seq.group = group
+            if grammar is not None:  # one grammar state per choice
+                seq.matcher = grammar.new_state()
+                self._grammar_states += 1
         self.requests[request_id] = group[0]
         self.scheduler.add(group[0])
         return request_id
@@ -343,9 +362,11 @@ class Engine:
         sampled = 0
         prefill, decode = sched.num_prefill_tokens, sched.num_decode_tokens
         if not sched.is_empty:
+            job = self._start_masks(sched)  # computed while the forward runs
             try:
                 logits, seqs = self.runner.execute(sched)
             except Exception as exc:
+                self.masks.finish(job)  # the worker must be done with the matchers
                 outputs = self._fail_step(sched, exc)
                 seqs, prefill, decode = [], 0, 0  # nothing was computed
             else:
@@ -354,6 +375,9 @@ class Engine:
                     item.seq.num_computed_tokens += item.num_new_tokens
                     if not item.seq.draft_token_ids:  # else once verified (see _verify)
                         self.scheduler.cache_blocks(item.seq)
+                if job.rows:
+                    outputs += self._apply_masks(logits, job)
+                # After masking: forked choices copy choice 0's masked row (equal states).
                 logits, seqs = self._fork(logits, seqs)
             if seqs:
                 offsets = self._row_offsets(seqs)
@@ -387,6 +411,38 @@ class Engine:
         self._drafted = []
         self._step += 1
         self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
+        return outputs
+
+    # -- structured outputs ---------------------------------------------------------------------
+    def _start_masks(self, sched: SchedulerOutput) -> MaskJob:
+        """Hand this step's constrained sampling rows to the mask worker."""
+        rows: list[tuple[Sequence, int]] = []
+        at = 0
+        for seq in ModelRunner.sampling_sequences(sched):
+            if seq.matcher is not None:
+                rows.append((seq, at))
+            at += 1 + len(seq.draft_token_ids)
+        return self.masks.start(rows, at)
+
+    def _apply_masks(self, logits: torch.Tensor, job: MaskJob) -> list[RequestOutput]:
+        """Wait for the masks and apply them; a sequence whose grammar failed fails."""
+        self._mask_wait_s += self.masks.finish(job)
+        self._mask_s += job.compute_s
+        self._mask_steps += 1
+        row_map = [-1] * logits.shape[0]
+        outputs: list[RequestOutput] = []
+        now = time.time()
+        for seq, at in job.rows:
+            error = job.errors.get(id(seq))
+            if error is not None:
+                outputs += self._fail(seq, error, now)
+                continue
+            for r in range(at, at + 1 + len(seq.draft_token_ids)):
+                row_map[r] = r
+        t0 = time.perf_counter()
+        self.masks.apply(logits, job, row_map)
+        self._mask_s += time.perf_counter() - t0
+        self._masked_rows += sum(r >= 0 for r in row_map)
         return outputs
 
     def _fork(
@@ -451,6 +507,12 @@ class Engine:
         if seqs and self.draft is not None:
             self.draft.propose(seqs, ks, self.sampler.generator)
             self._drafted = seqs
+        for seq in running:
+            if seq.matcher is not None and seq.draft_token_ids:
+                # Drafts the grammar refuses are dropped before verification: the target
+                # could never accept them (their masked probability is 0).
+                keep = seq.matcher.validate_tokens(seq.draft_token_ids)
+                del seq.draft_token_ids[keep:]
 
     def _verify(self, seq: Sequence, rows: torch.Tensor, now: float) -> list[RequestOutput]:
         """Accept or reject seq's draft tokens against the target's rows, emit the accepted
@@ -563,6 +625,9 @@ class Engine:
     def _end(self, seq: Sequence) -> None:
         """Take one choice out of the scheduler; the request ends with its last choice."""
         self.scheduler.remove(seq)
+        if seq.matcher is not None:
+            seq.matcher = None  # the grammar state goes with the sequence
+            self._grammar_states -= 1
         if not self._unfinished(seq):
             del self.requests[seq.request_id]
             self._num_finished += 1
@@ -580,6 +645,13 @@ class Engine:
             seq.cumulative_logprob += lp.logprob
         reason = None
         stop_string = False
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+            # Complete (nothing but EOS could follow): stop now rather than spend a step on
+            # sampling that EOS.
+            grammar_done = seq.matcher.is_stopped()
         if token in p.stop_token_ids or (
             not p.ignore_eos and token in self.tokenizer.eos_token_ids
         ):
@@ -589,6 +661,8 @@ class Engine:
             seq.output_text += piece
             if p.stop and self._truncate_at_stop(seq, len(piece)):
                 reason, stop_string = "stop", True
+            elif grammar_done:
+                reason = "stop"
         if reason is None and (
             len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -677,6 +751,14 @@ class Engine:
                 self._spec_per_pos[: self._settings.speculative_num_tokens]
             ),
             "speculation": self._speculation,
+            "grammar_states": self._grammar_states,
+            "grammar_compiles_total": self.grammars.stats.compiles,
+            "grammar_cache_hits_total": self.grammars.stats.cache_hits,
+            "grammar_compile_s_total": self.grammars.stats.compile_s_total,
+            "grammar_mask_s_total": self._mask_s,
+            "grammar_mask_wait_s_total": self._mask_wait_s,
+            "grammar_mask_steps_total": self._mask_steps,
+            "grammar_masked_rows_total": self._masked_rows,
         }
 
     def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:

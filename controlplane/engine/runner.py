@@ -23,6 +23,16 @@ class ModelRunner:
         # of every step, prefill-chunk rows included; None in production (no extra work).
         self.trace: list[tuple[str, list[int], torch.Tensor]] | None = None
 
+    @staticmethod
+    def sampling_sequences(step: SchedulerOutput) -> list[Sequence]:
+        """The sequences of `step` that sample (or verify) this step, in logits-row order:
+        those whose chunk reaches the end of their known tokens."""
+        return [
+            item.seq
+            for item in step.scheduled
+            if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
+        ]
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns logits (float32) and the sequences they belong to: one row per sequence,

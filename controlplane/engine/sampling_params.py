@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
@@ -47,6 +48,8 @@ class SamplingParams:
     # Parallel sampling: this many sequences (choices) from one prompt, sharing its KV blocks.
     # Choice i of a seeded request draws from a generator seeded from (seed, i).
     n: int = 1
+    # Structured outputs: the grammar every choice's output must match (None: free text).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +132,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _int("n", self.n, 1, MAX_N)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidSettingError("structured", "must be a StructuredOutput")
 
 
 def _int(name: str, value: object, lo: int, hi: int | None, what: str = "") -> None:

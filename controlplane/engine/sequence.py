@@ -78,6 +78,9 @@ class Sequence:
     # token_ids it holds.
     draft_block_table: list[int] = field(default_factory=list)
     draft_num_computed: int = 0
+    # Structured outputs: this choice's grammar state (an llguidance matcher, advanced by
+    # every token appended), None when unconstrained or once the sequence has ended.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

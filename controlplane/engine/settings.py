@@ -101,6 +101,11 @@ class EngineSettings:
     )
     speculative_ngram_min: int = _live("ngram: shortest suffix matched.", 2)
     speculative_ngram_max: int = _live("ngram: longest suffix matched (tried first).", 4)
+    grammar_cache_size: int = _live(
+        "Structured outputs: compiled grammars kept (LRU, by schema text); a request whose "
+        "schema is cached skips the compile.",
+        256,
+    )
     enable_prefix_caching: bool = _live(
         "Reuse the KV blocks of prompt prefixes computed before (full blocks, matched by a "
         "chained hash of their tokens). Off: no matching and no new entries; nothing in use "
@@ -190,6 +195,7 @@ def check(settings: EngineSettings) -> EngineSettings:
     _int("speculative_max_batch_size", s.speculative_max_batch_size, 1, 4096)
     _int("speculative_ngram_min", s.speculative_ngram_min, 1, 64)
     _int("speculative_ngram_max", s.speculative_ngram_max, 1, 64)
+    _int("grammar_cache_size", s.grammar_cache_size, 0, 100_000)
     if s.speculative_ngram_max < s.speculative_ngram_min:
         raise InvalidSettingError(
             "speculative_ngram_max",

@@ -325,7 +325,12 @@ class Tokenizer:
             raise ValueError(f"chat template: {e}") from e
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, *, escape: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        escape: bool = True,
+        **extra: Any,
     ) -> list[int]:
         """Token ids of the rendered chat template (which holds any bos token itself).
 
@@ -334,12 +339,15 @@ class Tokenizer:
         tokens (end its turn, open a system turn); only the template's own special tokens are
         control tokens. Without it, the rendered text is encoded as a whole (transformers'
         behaviour). Template errors come out as ValueError, as in `apply_chat_template`.
+        `extra`: more template variables (`tools`), escaped like the messages.
         """
         if not escape or not self.special_token_texts:
-            text = self.apply_chat_template(messages, add_generation_prompt)
+            text = self.apply_chat_template(messages, add_generation_prompt, **extra)
             return self.encode(text, add_special_tokens=False)
-        marks = _Marks(self.special_token_texts, [messages, self.chat_template])
-        text = self.apply_chat_template(marks.hide(messages), add_generation_prompt)
+        marks = _Marks(self.special_token_texts, [messages, extra, self.chat_template])
+        text = self.apply_chat_template(
+            marks.hide(messages), add_generation_prompt, **marks.hide(extra)
+        )
         return self._encode_marked(text, marks)
 
     def _encode_marked(self, text: str, marks: _Marks) -> list[int]:

@@ -30,10 +30,12 @@ from controlplane.server.errors import (
     invalid,
     unavailable,
 )
+from controlplane.server.tools import ToolCallStream, ToolRequest, parse_auto, parse_constrained
 from controlplane.store.records import RequestRecord
 
 if TYPE_CHECKING:
     from controlplane.engine import RequestOutput, RequestStream, SamplingParams
+    from controlplane.engine.structured import CompiledGrammar
     from controlplane.server.runtime import Runtime
 
 
@@ -299,6 +301,7 @@ class InferenceAPI:
         prompts_ids: list[list[int]],
         endpoint: str,
         keys: tuple[str | None, str | None],
+        grammar: CompiledGrammar | None = None,
     ) -> Batch:
         """Validate every prompt, then queue one engine request (and write one running row)
         per prompt: a request with one bad prompt queues nothing."""
@@ -324,7 +327,7 @@ class InferenceAPI:
             for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
                 row_id = response_id if n == 1 else f"{response_id}-{i}"
                 # Validated above (once, here at the front): the engine does not check again.
-                stream = d.add_validated(ids, p, row_id)
+                stream = d.add_validated(ids, p, row_id, grammar)
                 rec = RequestRecord(
                     id=row_id,
                     instance_id=d.instance_id,
@@ -338,6 +341,12 @@ class InferenceAPI:
                     end_user=parsed.user,
                     x_request_id=rid.value,
                 )
+                if grammar is not None:
+                    kind = structured_type(parsed)
+                    compile_s = None if grammar.cached else grammar.compile_s
+                    rec.structured = kind
+                    rec.grammar_compile_ms = round((compile_s or 0.0) * 1000, 3)
+                    d.metrics.observe_structured(kind, compile_s)
                 d.record(rec)
                 flight = Flight(d, stream, rec, self._remember, batch.outputs, i, p.n)
                 batch.flights.append(flight)
@@ -347,6 +356,26 @@ class InferenceAPI:
             raise
         self._spawn(batch.watch(request.receive))
         return batch
+
+    async def _grammar(self, parsed: protocol.ParsedRequest) -> CompiledGrammar | None:
+        """The request's compiled grammar (None: unconstrained), compiled off the event loop
+        and the step thread; 400 naming the field when it is too large, cannot be compiled,
+        or takes longer than server.grammar_compile_timeout_s."""
+        out = parsed.structured
+        if out is None:
+            return None
+        server = self.runtime.cfg.server
+        size = len(out.spec.encode())
+        if size > server.max_grammar_bytes:
+            raise invalid(
+                out.field,
+                f"is {size} bytes; the limit is {server.max_grammar_bytes} "
+                "(server.max_grammar_bytes)",
+            )
+        try:
+            return await self.runtime.compile_grammar(out, server.grammar_compile_timeout_s)
+        except InvalidSettingError as exc:
+            raise invalid(exc.field, exc.message) from None
 
     def _note_ignored(self, fields: tuple[str, ...]) -> None:
         """Count the request's ignored fields; log each field name the first time (a debug
@@ -367,7 +396,7 @@ class InferenceAPI:
         batch: Batch,
         obj: str,
         render_final: Callable[[int, list[RequestOutput], RequestOutput], dict[str, Any]],
-        render_chunk: Callable[[int, RequestOutput], dict[str, Any] | None],
+        render_chunk: Callable[[int, RequestOutput], dict[str, Any] | list[dict[str, Any]] | None],
         first_chunk: Callable[[int], dict[str, Any]] | None = None,
     ) -> Response:
         """The response: one JSON body with a choice per flight, or SSE chunks (each carrying
@@ -402,8 +431,8 @@ class InferenceAPI:
                             yield chunk([{"index": i, **first_chunk(i)}])
                 async for index, out in batch:
                     choice = render_chunk(index, out)
-                    if choice is not None:
-                        yield chunk([{"index": index, **choice}])
+                    for c in [choice] if isinstance(choice, dict) else choice or ():
+                        yield chunk([{"index": index, **c}])
                 usage = batch.usage()
                 if parsed.include_usage and usage is not None:
                     yield chunk([], usage=usage)
@@ -461,9 +490,10 @@ class InferenceAPI:
 
         size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
         prompts_ids = await self._off_loop(size, tokenize)
+        grammar = await self._grammar(parsed)
         # Admission again: the queue may have filled (or a drain begun) while tokenizing.
         keys = self._admit(request, parsed.model, incoming=n)
-        batch = self._start(request, parsed, prompts_ids, "completions", keys)
+        batch = self._start(request, parsed, prompts_ids, "completions", keys, grammar)
         want_lp = parsed.params.logprobs is not None
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
@@ -510,14 +540,18 @@ class InferenceAPI:
         # "escape": special-token text typed into a message is plain text, not control tokens.
         escape = self.runtime.cfg.server.chat_special_tokens == "escape"
         size = len(await request.body())  # read once, kept by Litestar
+        tools = parsed.tools
         try:
             prompt_ids = await self._off_loop(
-                size, self.runtime.tokenize_chat, parsed.messages, True, escape
+                size, self.runtime.tokenize_chat, parsed.messages, True, escape, tools
             )
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
+        grammar = await self._grammar(parsed)
         keys = self._admit(request, parsed.model, incoming=parsed.params.n)
-        batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys)
+        batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys, grammar)
+        calling = tools is not None and tools.choice.mode != "none"
+        streams: dict[int, ToolCallStream] = {}
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
             if not parsed.chat_logprobs:
@@ -540,13 +574,17 @@ class InferenceAPI:
             return {"content": content}
 
         def final(_: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
-            return {
-                "message": {"role": "assistant", "content": last.text},
-                "logprobs": logprobs(outs),
-                "finish_reason": last.finish_reason,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": last.text}
+            reason = last.finish_reason
+            if calling and reason == "stop":
+                assert tools is not None
+                message, reason = tool_message(last.text, tools)
+            return {"message": message, "logprobs": logprobs(outs), "finish_reason": reason}
 
-        def chunk(_: int, out: RequestOutput) -> dict[str, Any] | None:
+        def chunk(index: int, out: RequestOutput) -> list[dict[str, Any]] | dict[str, Any] | None:
+            if calling:
+                assert tools is not None
+                return tool_chunks(streams, index, out, tools, logprobs([out]))
             if not out.delta_text and not out.finished and not parsed.chat_logprobs:
                 return None
             delta = {"content": out.delta_text} if out.delta_text else {}
@@ -580,6 +618,58 @@ class InferenceAPI:
                 }
             )
         return {"object": "list", "data": data}
+
+
+def structured_type(parsed: protocol.ParsedRequest) -> str:
+    """What constrained a request (its rows' `structured`, the metrics' `type` label)."""
+    out = parsed.structured
+    assert out is not None
+    return "tools" if out.field == "tool_choice" else out.kind
+
+
+def tool_message(text: str, tools: ToolRequest) -> tuple[dict[str, Any], str]:
+    """A finished chat choice's message and finish reason when tools were offered: tool calls
+    parsed from the text (constrained: always, unless cut short; auto: in the formats the
+    README lists), or the text itself. Never raises: a malformed call is text."""
+    if tools.choice.mode in ("named", "required"):
+        calls = parse_constrained(text, tools) or []
+        content = None if calls else text
+    else:
+        content, calls = parse_auto(text, tools.tools)
+    if not calls:
+        return {"role": "assistant", "content": text}, "stop"
+    message = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [c.to_openai() for c in calls],
+    }
+    return message, "tool_calls"
+
+
+def tool_chunks(
+    streams: dict[int, ToolCallStream],
+    index: int,
+    out: RequestOutput,
+    tools: ToolRequest,
+    logprobs: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """One output of a streamed chat choice with tools: its deltas in OpenAI's shape (tool-call
+    headers, then argument pieces; or content)."""
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = ToolCallStream(tools, tools.tools)
+    deltas = stream.feed(out.delta_text) if out.delta_text else []
+    reason = None
+    if out.finished:
+        rest, called = stream.finish()
+        deltas += rest
+        reason = "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+    chunks = [{"delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if logprobs is not None and chunks:
+        chunks[0]["logprobs"] = logprobs
+    if out.finished:
+        chunks.append({"delta": {}, "logprobs": None, "finish_reason": reason})
+    return chunks
 
 
 def create_app(runtime: Runtime) -> Litestar:

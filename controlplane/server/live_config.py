@@ -29,6 +29,7 @@ SOURCES = CONFIG_SOURCES
 LIVE_FIELDS = frozenset(
     {f"engine.{name}" for name in EngineSettings.live_fields()}
     | {"server.max_queue_len", "server.max_n", "server.drain_timeout_s", "prices"}
+    | {"server.max_grammar_bytes", "server.grammar_compile_timeout_s"}
     | {
         "jobs.utilization_interval_s",
         "jobs.rollup_interval_s",

@@ -17,7 +17,14 @@ from typing import Any
 
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from controlplane.engine.structured import StructuredOutput
 from controlplane.server.errors import invalid, printable
+from controlplane.server.tools import (
+    ToolRequest,
+    constrained_schema,
+    parse_tools,
+    validate_history,
+)
 from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHARS
 
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
@@ -46,6 +53,13 @@ _COMMON = {
     "logit_bias",
     "skip_special_tokens",
     "response_format",
+    # vLLM's structured-output fields (so clients written for vLLM work unchanged).
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "structured_outputs",
 }
 # The fields each endpoint reads (or accepts at their default only, with a 400 naming the field
 # otherwise). Any other field is ignored, as vLLM does (see `ParsedRequest.ignored_fields`):
@@ -154,8 +168,19 @@ _COMMON_SCHEMA: dict[str, Any] = {
         "description": "end-user id, stored in the request row (reports group by it)",
     },
     "logit_bias": {"type": "object", "description": "not supported: must be empty"},
-    # Accepted for compatibility; formats other than text are refused with a 400.
-    "response_format": {"type": "object"},
+    "response_format": {
+        "type": "object",
+        "description": "text, json_object, or json_schema ({name, schema, strict}): the output "
+        "is constrained to the schema (strict or not)",
+    },
+    "guided_json": {"description": "vLLM: a JSON schema the output must match"},
+    "guided_regex": {"type": "string", "description": "vLLM: a regex the output must match"},
+    "guided_choice": {"type": "array", "items": {"type": "string"}},
+    "guided_grammar": {"type": "string", "description": "vLLM: a Lark or GBNF grammar"},
+    "structured_outputs": {
+        "type": "object",
+        "description": "vLLM's newer form: one of json, regex, choice, grammar, json_object",
+    },
 }
 _PROMPT_TEXT = {"type": "string", "minLength": 1}
 _PROMPT_IDS = {"type": "array", "items": _INT, "minItems": 1}
@@ -215,8 +240,7 @@ CHAT_SCHEMA: dict[str, Any] = {
         "max_completion_tokens": _INT,
         "logprobs": {"type": "boolean"},
         "top_logprobs": _INT,
-        # Accepted for compatibility; tools and functions are refused with a 400.
-        "tools": {"type": "array"},
+        "tools": {"type": "array", "description": "functions the model may call"},
         "tool_choice": {},
         "functions": {"type": "array"},
         "function_call": {},
@@ -265,6 +289,11 @@ class ParsedRequest:
     n: int = 1
     best_of: int | None = None
     ignored_fields: tuple[str, ...] = ()  # top-level fields this endpoint does not read
+    tools: ToolRequest | None = None  # chat: the tools offered, tool_choice, parallel calls
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        return self.params.structured
 
 
 def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
@@ -278,6 +307,92 @@ def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
 def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str, default: Any) -> Any:
     value = body.get(name)
     return default if value is None else _type(name, value, types, what)
+
+
+def _schema(value: Any, name: str) -> StructuredOutput:
+    if isinstance(value, str):  # vLLM accepts the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise invalid(name, f"is not valid JSON ({exc})") from None
+    if not isinstance(value, dict | bool):
+        raise invalid(name, "must be a JSON schema (an object)")
+    return StructuredOutput.json_schema(value, name)
+
+
+def _response_format(fmt: Any) -> StructuredOutput | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("response_format", "must be an object with a `type`")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid(
+                "response_format.json_schema", "must be an object with `name` and `schema`"
+            )
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise invalid("response_format.json_schema.name", "must be a string")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise invalid("response_format.json_schema.strict", "must be a boolean")
+        if "schema" not in spec:
+            raise invalid("response_format.json_schema.schema", "is required (a JSON schema)")
+        return _schema(spec["schema"], "response_format.json_schema.schema")
+    raise invalid("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+
+
+def _vllm_structured(name: str, kind: str, value: Any) -> StructuredOutput:
+    """vLLM's guided_* fields and the members of its `structured_outputs` object."""
+    if kind == "json":
+        return _schema(value, name)
+    if kind == "json_object":
+        if value is not True:
+            raise invalid(name, "must be true")
+        return StructuredOutput("json_object", "", name)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise invalid(name, "must be a non-empty array of non-empty strings")
+        return StructuredOutput("choice", json.dumps(value), name)
+    if not isinstance(value, str) or not value:
+        raise invalid(name, "must be a non-empty string")
+    return StructuredOutput("regex" if kind == "regex" else "grammar", value, name)
+
+
+_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
+    """The request's output constraint: `response_format`, vLLM's `guided_json` /
+    `guided_regex` / `guided_choice` / `guided_grammar`, or its `structured_outputs` object
+    (one kind). At most one of them may constrain the request."""
+    found: list[StructuredOutput] = []
+    fmt = _response_format(body.get("response_format"))
+    if fmt is not None:
+        found.append(fmt)
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = body.get(f"guided_{kind}")
+        if value is not None:
+            found.append(_vllm_structured(f"guided_{kind}", kind, value))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise invalid("structured_outputs", "must be an object")
+        given = [k for k in _VLLM_KINDS if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise invalid("structured_outputs", f"must set exactly one of {', '.join(_VLLM_KINDS)}")
+        kind = given[0]
+        found.append(_vllm_structured(f"structured_outputs.{kind}", kind, so[kind]))
+    if len(found) > 1:
+        names = " and ".join(f.field for f in found)
+        raise invalid(found[1].field, f"only one output constraint per request ({names} given)")
+    return found[0] if found else None
 
 
 def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -312,6 +427,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
             ignore_eos=_opt(body, "ignore_eos", (bool,), "a boolean", False),
             logprobs=logprobs,
             skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
+            structured=structured_output(body),
         )
     except InvalidSettingError as exc:
         raise invalid(exc.field, exc.message) from None
@@ -352,9 +468,6 @@ def _common(body: Any, allowed: set[str]) -> _Common:
     include_usage = _type(
         "stream_options.include_usage", options.get("include_usage", False), (bool,), "a boolean"
     )
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise invalid("response_format", "only {'type': 'text'} is supported")
     ignored = tuple(key for key in body if key not in allowed)
     return _Common(model, stream, include_usage, _user(body), ignored)
 
@@ -449,12 +562,8 @@ def parse_chat(body: Any) -> ParsedRequest:
         elif not isinstance(content, str):
             raise invalid(f"messages[{i}].content", "must be a string or an array of text parts")
         parsed.append({**m, "content": content})
-    if body.get("tools"):
-        raise invalid("tools", "tool calling is not supported")
-    if body.get("functions"):
-        raise invalid("functions", "function calling is not supported")
-    if body.get("function_call") not in (None, "none", "auto"):
-        raise invalid("function_call", "function calling is not supported")
+    validate_history(parsed)
+    tools = parse_tools(body)
     mt = _opt(body, "max_completion_tokens", (int,), "an integer", None)
     if mt is None:
         mt = _opt(body, "max_tokens", (int,), "an integer", None)
@@ -463,6 +572,17 @@ def parse_chat(body: Any) -> ParsedRequest:
     if top is not None and not want:
         raise invalid("top_logprobs", "requires logprobs: true")
     params = _sampling(body, mt, (top or 0) if want else None)
+    schema = constrained_schema(tools) if tools is not None else None
+    if schema is not None:
+        if params.structured is not None:
+            raise invalid(
+                params.structured.field,
+                f"cannot be combined with tool_choice {tools.choice.mode!r} (the output is "
+                "constrained to the tool call)",
+            )
+        params = dataclasses.replace(
+            params, structured=StructuredOutput.json_schema(schema, "tool_choice")
+        )
     return ParsedRequest(
         common.model,
         params,
@@ -474,6 +594,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         user=common.user,
         n=params.n,
         ignored_fields=common.ignored,
+        tools=tools,
     )
 
 

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +32,16 @@ from controlplane.admin_api.metrics import Metrics
 from controlplane.admin_api.stats import cache_and_speculation, summarize
 from controlplane.common import percentile
 from controlplane.config import ApiKey, Config
+from controlplane.engine.errors import InvalidSettingError
 from controlplane.server.live_config import ConfigAuditError, FieldChange, LiveConfig
+from controlplane.server.tools import ToolRequest, has_tools_variable, render_messages
 from controlplane.store.records import RequestRecord, hash_api_key
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine as SQLEngine
 
     from controlplane.engine import AsyncEngine, RequestOutput, RequestStream, SamplingParams
+    from controlplane.engine.structured import CompiledGrammar, StructuredOutput
     from controlplane.engine.types import StepStats
     from controlplane.store.recorder import Recorder
 
@@ -100,6 +104,9 @@ class Runtime:
         self._keys = [(k, hash_api_key(k.key)) for k in live.effective.api_keys]
         self.metrics = Metrics(model_name or "loading")
         self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
+        # Grammar compiles (structured outputs) run here: off the event loop and the step
+        # thread. Two workers: one slow schema does not hold up every other compile.
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._event_queues: set[asyncio.Queue] = set()
         self._metrics_step = -1
         # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
@@ -448,11 +455,41 @@ class Runtime:
     def tokenize(self, text: str) -> list[int]:
         return self._engine.engine.tokenizer.encode(text)
 
-    def tokenize_chat(self, messages: Any, add_generation_prompt: bool, escape: bool) -> list[int]:
-        """A chat's prompt tokens (its template); ValueError for messages it cannot render."""
-        return self._engine.engine.tokenizer.encode_chat(
-            messages, add_generation_prompt, escape=escape
+    def tokenize_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool,
+        escape: bool,
+        tools: ToolRequest | None = None,
+    ) -> list[int]:
+        """A chat's prompt tokens (its template); ValueError for messages it cannot render.
+        Tools go to the template's `tools` variable where it has one, else into the system
+        message in the default format (controlplane.server.tools)."""
+        tok = self._engine.engine.tokenizer
+        messages, extra = render_messages(
+            messages, tools, has_tools_variable(tok.chat_template or "")
         )
+        return tok.encode_chat(messages, add_generation_prompt, escape=escape, **extra)
+
+    async def compile_grammar(self, output: StructuredOutput, timeout_s: float) -> Any:
+        """Compile (or find cached) a request's grammar in a worker thread, never on the
+        step thread or the event loop. InvalidSettingError naming the field when it cannot be
+        compiled or takes longer than `timeout_s` (the compile then finishes in the
+        background and is cached)."""
+        grammars = self._engine.engine.grammars
+        hit = grammars.cached(output)
+        if hit is not None:
+            return hit
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._grammar_pool, grammars.compile, output)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), timeout_s)
+        except TimeoutError:
+            raise InvalidSettingError(
+                output.field,
+                f"compiling its grammar took longer than {timeout_s:g} s "
+                "(server.grammar_compile_timeout_s); simplify the schema",
+            ) from None
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs)."""
@@ -466,10 +503,16 @@ class Runtime:
         self._engine.engine.validate_request(prompt_ids, params, check_params=False)
 
     def add_validated(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestStream:
         """Queue a request `validate` has accepted: the engine does not check it again."""
-        return self._engine.add_request(prompt_ids, params, request_id, validated=True)
+        return self._engine.add_request(
+            prompt_ids, params, request_id, validated=True, grammar=grammar
+        )
 
     def abort(self, request_id: str) -> None:
         if self.aengine is not None:

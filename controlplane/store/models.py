@@ -24,6 +24,7 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -164,6 +165,10 @@ class RequestRow(Base):
     end_user: Mapped[str | None] = mapped_column(String(MAX_END_USER_CHARS))
     # X-Request-Id: the client's (not unique) or the generated one; indexed for look-ups.
     x_request_id: Mapped[str | None] = mapped_column(String(MAX_X_REQUEST_ID_CHARS))
+    # Structured outputs (migration 0009): what constrained the output (NULL: free text) and
+    # the grammar compile time in ms (0 when the grammar was cached).
+    structured: Mapped[str | None] = mapped_column(String(16))
+    grammar_compile_ms: Mapped[float | None] = mapped_column(Float)
 
     def __repr__(self) -> str:
         return f"RequestRow(id={self.id!r}, status={self.status!r}, model={self.model!r})"

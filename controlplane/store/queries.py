@@ -49,6 +49,8 @@ REQUEST_FIELDS = (
     "cost_usd",
     "end_user",
     "x_request_id",
+    "structured",
+    "grammar_compile_ms",
 )
 _TIME_FIELDS = frozenset({"arrival_time", "first_token_time", "finish_time"})
 # What the API accepts as an X-Request-Id (anything else cannot be in a row).

@@ -46,6 +46,11 @@ class RequestRecord:
     # The HTTP request's X-Request-Id: the client's (not unique: clients may reuse one) or the
     # generated one. Several rows share it when one request carried several prompts.
     x_request_id: str | None = None
+    # Structured outputs: what constrained the output (json_schema, json_object, regex,
+    # choice, grammar, tools; None: free text) and the grammar's compile time in ms (0.0 when
+    # it came from the cache).
+    structured: str | None = None
+    grammar_compile_ms: float | None = None
 
     @property
     def is_final(self) -> bool:

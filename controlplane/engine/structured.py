@@ -1,0 +1,176 @@
+"""Structured outputs: grammars that constrain what a request may sample.
+
+A request's `StructuredOutput` (a JSON schema, any JSON object, a regex, a choice of strings
+or a Lark / GBNF grammar) is compiled once by llguidance into a matcher over the model's
+vocabulary; compiled grammars are kept in a bounded LRU cache (`Grammars`), keyed by the
+spec's text. Each sequence gets its own copy of the matcher (its grammar state), which
+follows the sequence through preemption, swapping and speculation, and is dropped when the
+sequence ends.
+
+Torch-free (the /v1 parser builds StructuredOutput); the per-step masks are in
+controlplane.engine.grammar_mask. Why llguidance and not xgrammar: README "Structured outputs".
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from controlplane.engine.errors import InvalidSettingError
+
+if TYPE_CHECKING:
+    from controlplane.engine.tokenizer import Tokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON output without free whitespace: a sampled model at temperature 1 could otherwise pad
+# forever; these separators are the ones models write (Python's json.dumps defaults).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's own bounds on grammar work (it reports an error instead of running away); the
+# compile timeout at the HTTP front bounds the wall time on top of these.
+PARSER_LIMITS = {"max_grammar_size": 200_000, "step_lexer_fuel": 200_000}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a request's output must match. `spec` is text: the schema as JSON, the regex, the
+    choices as a JSON array, or the grammar; `field` names the request field it came from (for
+    errors: "response_format", "guided_json", "tool_choice", ...)."""
+
+    kind: str
+    spec: str
+    field: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidSettingError("structured", f"kind must be one of {', '.join(KINDS)}")
+        if not isinstance(self.spec, str):
+            raise InvalidSettingError(self.field, "the grammar spec must be text")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool, field: str = "response_format") -> Any:
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), field)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.spec
+
+
+@dataclass(slots=True)
+class CompiledGrammar:
+    """A compiled grammar: a matcher in its start state, copied for each sequence."""
+
+    output: StructuredOutput
+    template: Any  # llguidance.LLMatcher, never advanced
+    compile_s: float
+    cached: bool = False  # this handle came from the cache (the compile happened earlier)
+
+    def new_state(self) -> Any:
+        return self.template.deep_copy()
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_s_total: float = 0.0
+    evictions: int = 0
+
+
+def _grammar_text(out: StructuredOutput) -> str:
+    import llguidance
+
+    m = llguidance.LLMatcher
+    if out.kind == "json_schema":
+        return m.grammar_from_json_schema(out.spec, overrides=JSON_OPTIONS)
+    if out.kind == "json_object":
+        return m.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
+    if out.kind == "regex":
+        return m.grammar_from_regex(out.spec)
+    if out.kind == "choice":
+        return llguidance.grammar_from("choice", out.spec)
+    return llguidance.grammar_from("grammar", out.spec)  # Lark, or GBNF converted to Lark
+
+
+class Grammars:
+    """The compiler and its LRU cache. Thread-safe: the HTTP front compiles in worker threads
+    while the engine thread looks grammars up."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, capacity: int = 256) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self.capacity = capacity
+        self._lltok: Any = None
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tok_lock = threading.Lock()
+        self.stats = GrammarStats()
+
+    def _llg_tokenizer(self) -> Any:
+        # Built on first use (about 1 s for a 49k vocabulary): servers that never see a
+        # constrained request never pay it.
+        with self._tok_lock:
+            if self._lltok is None:
+                import llguidance
+
+                tok = self._tokenizer
+                self._lltok = llguidance.LLTokenizer(
+                    tok.backend.to_str(),
+                    n_vocab=self._vocab_size,
+                    eos_token=list(tok.eos_token_ids) or None,
+                )
+            return self._lltok
+
+    def cached(self, out: StructuredOutput) -> CompiledGrammar | None:
+        with self._lock:
+            hit = self._cache.get(out.key)
+            if hit is not None:
+                self._cache.move_to_end(out.key)
+                self.stats.cache_hits += 1
+                return CompiledGrammar(hit.output, hit.template, hit.compile_s, cached=True)
+        return None
+
+    def compile(self, out: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar, from the cache or compiled now (InvalidSettingError naming
+        out.field if llguidance refuses it)."""
+        hit = self.cached(out)
+        if hit is not None:
+            return hit
+        import llguidance
+
+        lltok = self._llg_tokenizer()
+        t0 = time.perf_counter()
+        try:
+            text = _grammar_text(out)
+            matcher = llguidance.LLMatcher(
+                lltok, text, log_level=0, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
+            )
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise InvalidSettingError(
+                out.field, f"cannot be compiled: {short_error(exc)}"
+            ) from None
+        if matcher.is_error():
+            raise InvalidSettingError(
+                out.field, f"cannot be compiled: {short_error(matcher.get_error())}"
+            )
+        compiled = CompiledGrammar(out, matcher, time.perf_counter() - t0)
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_s_total += compiled.compile_s
+            self._cache[out.key] = compiled
+            self._cache.move_to_end(out.key)
+            while len(self._cache) > max(self.capacity, 0):
+                self._cache.popitem(last=False)
+                self.stats.evictions += 1
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def short_error(exc: object, limit: int = 300) -> str:
+    text = str(exc).strip().replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
