@@ -306,7 +306,7 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError(
             "server.max_grammar_bytes", f"must be in [16, {1 << 24}], got {s.max_grammar_bytes}"
         )
-    _in_range("server.grammar_compile_timeout_s", s.grammar_compile_timeout_s, 0.01, 600)
+    _in_range("server.grammar_compile_timeout_s", s.grammar_compile_timeout_s, 0.001, 600)
     if s.chat_special_tokens not in ("escape", "allow"):
         raise InvalidSettingError(
             "server.chat_special_tokens",

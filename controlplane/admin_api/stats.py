@@ -182,3 +182,37 @@ def cache_and_speculation(latest: StepStats | None, base: StepStats | None) -> d
         "spec_mean_accepted_len": accepted / drafts + 1 if drafts > 0 else None,
         "spec_drafts_in_window": drafts,
     }
+
+
+def structured_outputs(
+    latest: StepStats | None, base: StepStats | None, constrained: int, finished: int
+) -> dict[str, Any]:
+    """Structured-output figures for ``GET /admin/stats``: ``structured_share`` (constrained /
+    finished requests in the latency window, None when none finished), ``grammar_states`` (a
+    gauge), and over the counter window (`base` as in `cache_and_speculation`): mask work per
+    step that had constrained rows (``grammar_mask_ms_per_step``: computing and applying;
+    ``grammar_mask_wait_ms_per_step``: the step waiting for the masks after its forward,
+    what the overlap did not hide) and ``grammar_cache_hit_rate`` (None without requests)."""
+    out: dict[str, Any] = {
+        "structured_share": constrained / finished if finished else None,
+        "structured_in_window": constrained,
+        "grammar_states": latest.grammar_states if latest else 0,
+        "grammar_mask_ms_per_step": None,
+        "grammar_mask_wait_ms_per_step": None,
+        "grammar_cache_hit_rate": None,
+    }
+    if latest is None:
+        return out
+
+    def delta(name: str) -> float:
+        return getattr(latest, name) - (getattr(base, name) if base is not None else 0)
+
+    steps = delta("grammar_mask_steps_total")
+    if steps > 0:
+        out["grammar_mask_ms_per_step"] = round(1000 * delta("grammar_mask_s_total") / steps, 3)
+        wait = delta("grammar_mask_wait_s_total")
+        out["grammar_mask_wait_ms_per_step"] = round(1000 * wait / steps, 3)
+    hits, compiles = delta("grammar_cache_hits_total"), delta("grammar_compiles_total")
+    if hits + compiles > 0:
+        out["grammar_cache_hit_rate"] = hits / (hits + compiles)
+    return out

@@ -14,6 +14,7 @@ controlplane.engine.grammar_mask. Why llguidance and not xgrammar: README "Struc
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -25,13 +26,15 @@ from controlplane.engine.errors import InvalidSettingError
 if TYPE_CHECKING:
     from controlplane.engine.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON output without free whitespace: a sampled model at temperature 1 could otherwise pad
 # forever; these separators are the ones models write (Python's json.dumps defaults).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # llguidance's own bounds on grammar work (it reports an error instead of running away); the
 # compile timeout at the HTTP front bounds the wall time on top of these.
-PARSER_LIMITS = {"max_grammar_size": 200_000, "step_lexer_fuel": 200_000}
+PARSER_LIMITS = {"max_grammar_size": 200_000, "step_lexer_fuel": 200_000, "verbose_errors": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,12 @@ class Grammars:
                 )
             return self._lltok
 
+    def warm(self) -> None:
+        try:
+            self._llg_tokenizer()
+        except Exception:  # the first constrained request will say what is wrong
+            log.warning("structured outputs: building the grammar tokenizer failed", exc_info=True)
+
     def cached(self, out: StructuredOutput) -> CompiledGrammar | None:
         with self._lock:
             hit = self._cache.get(out.key)
@@ -152,10 +161,20 @@ class Grammars:
             raise InvalidSettingError(
                 out.field, f"cannot be compiled: {short_error(exc)}"
             ) from None
-        if matcher.is_error():
-            raise InvalidSettingError(
-                out.field, f"cannot be compiled: {short_error(matcher.get_error())}"
-            )
+        # The first mask and the tokens the grammar forces too: llguidance builds parts of a
+        # grammar lazily, and some schemas (hundreds of optional properties) fail only there,
+        # as "parser too complex"; better a 400 now than a failed request later.
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        forced = lltok.tokenize_bytes(probe.compute_ff_bytes())
+        if forced:
+            probe.consume_tokens(forced)
+            probe.compute_bitmask()
+        for m in (matcher, probe):
+            if m.is_error():
+                raise InvalidSettingError(
+                    out.field, f"cannot be compiled: {short_error(m.get_error())}"
+                )
         compiled = CompiledGrammar(out, matcher, time.perf_counter() - t0)
         with self._lock:
             self.stats.compiles += 1
@@ -172,5 +191,5 @@ class Grammars:
 
 
 def short_error(exc: object, limit: int = 300) -> str:
-    text = str(exc).strip().replace("\n", " ")
+    text = str(exc).replace("<non-verbose/>", "").strip().replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."

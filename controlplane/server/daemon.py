@@ -321,6 +321,7 @@ class Daemon:
             await self._stop(server, server_task)
             return 1
         self.aengine.start()
+        self.runtime.warm_grammars()
         # Now that the model's name is known.
         self.runtime.metrics = Metrics(self.runtime.model_name)
         self.runtime.metrics.set_config(self.live.live_values())

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.admin_api.auth import AdminAuth, match_bearer
 from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import cache_and_speculation, summarize
+from controlplane.admin_api.stats import cache_and_speculation, structured_outputs, summarize
 from controlplane.common import percentile
 from controlplane.config import ApiKey, Config
 from controlplane.engine.errors import InvalidSettingError
@@ -112,6 +112,8 @@ class Runtime:
         # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
         # percentiles over the last minute for /admin/stats.
         self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
+        # (finish time, whether its output was constrained): the structured share.
+        self._constrained: deque[tuple[float, bool]] = deque(maxlen=10_000)
         # StepStats kept about once a second (pump_metrics) for a minute: the cumulative
         # counters differenced over the last minute (hit rate, acceptance rate).
         self._history: deque[StepStats] = deque(maxlen=HISTORY_S)
@@ -169,6 +171,7 @@ class Runtime:
             self.metrics.observe_request(reason, out.metrics, token_times)
             gaps = [b - a for a, b in itertools.pairwise(token_times)]
             self._latencies.append((time.time(), out.metrics.ttft, gaps))
+            self._constrained.append((time.time(), final.structured is not None))
 
     def final_record(
         self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
@@ -280,6 +283,12 @@ class Runtime:
         older = [h for h in self._history if h.time < now - COUNTER_WINDOW_S]
         body.update(
             cache_and_speculation(steps[-1] if steps else None, older[-1] if older else None)
+        )
+        done = [c for t, c in self._constrained if t > now - 60.0]
+        body.update(
+            structured_outputs(
+                steps[-1] if steps else None, older[-1] if older else None, sum(done), len(done)
+            )
         )
         body.update(
             counter_window_s=COUNTER_WINDOW_S,
@@ -470,6 +479,11 @@ class Runtime:
             messages, tools, has_tools_variable(tok.chat_template or "")
         )
         return tok.encode_chat(messages, add_generation_prompt, escape=escape, **extra)
+
+    def warm_grammars(self) -> None:
+        """Build the grammar engine's view of the vocabulary now, in the background (0.4 s for
+        SmolLM2's 49k tokens), rather than in the first constrained request."""
+        self._grammar_pool.submit(self._engine.engine.grammars.warm)
 
     async def compile_grammar(self, output: StructuredOutput, timeout_s: float) -> Any:
         """Compile (or find cached) a request's grammar in a worker thread, never on the

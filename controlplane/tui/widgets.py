@@ -125,8 +125,24 @@ class BatchPanel(Panel):
             f"tokens/step [b]{fmt_pct(stats.get('batch_fill_tokens'))}[/] of "
             f"{fmt_value(stats.get('max_num_batched_tokens'))}\n"
             f"queue [b]{fmt_value(stats.get('queue_length'))}[/]  "
-            f"swapped {fmt_value(stats.get('num_swapped'))}\n" + speculation_line(stats)
+            f"swapped {fmt_value(stats.get('num_swapped'))}\n"
+            + speculation_line(stats)
+            + "\n"
+            + structured_line(stats)
         )
+
+
+def structured_line(stats: dict[str, Any]) -> str:
+    """Structured outputs: the share of constrained requests (last minute) and the mask work
+    per constrained step (and how much of it the step waited for)."""
+    share = stats.get("structured_share")
+    if not share and not stats.get("grammar_states"):
+        return "[dim]structured outputs: none[/]"
+    return (
+        f"structured [b]{fmt_pct(share)}[/] of requests  "
+        f"mask [b]{fmt_num(stats.get('grammar_mask_ms_per_step'), 1)}[/] ms/step "
+        f"(wait {fmt_num(stats.get('grammar_mask_wait_ms_per_step'), 1)})"
+    )
 
 
 def speculation_line(stats: dict[str, Any]) -> str:

