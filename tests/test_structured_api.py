@@ -256,6 +256,35 @@ def test_openai_client_streams_tool_call_deltas(client) -> None:
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
+def test_legacy_functions_answer_in_the_function_call_shape(served) -> None:
+    d, _ = served
+    body = {
+        "messages": ASK,
+        "functions": [WEATHER["function"]],
+        "function_call": {"name": "get_weather"},
+        "max_tokens": 60,
+        "temperature": 0,
+    }
+    out = _post(d, "/v1/chat/completions", body).json()["choices"][0]
+    assert out["finish_reason"] == "function_call" and "tool_calls" not in out["message"]
+    call = out["message"]["function_call"]
+    assert call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+    streamed, finish = "", None
+    with httpx.stream(
+        "POST",
+        d.url + "/v1/chat/completions",
+        json={"model": MODEL, **body, "stream": True},
+        timeout=120,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                finish = choice["finish_reason"] or finish
+                streamed += (choice["delta"].get("function_call") or {}).get("arguments", "")
+    assert finish == "function_call" and streamed == call["arguments"]
+
+
 def test_tool_messages_in_the_conversation_are_accepted(client) -> None:
     messages = [
         *ASK,

@@ -638,12 +638,24 @@ def tool_message(text: str, tools: ToolRequest) -> tuple[dict[str, Any], str]:
         content, calls = parse_auto(text, tools.tools)
     if not calls:
         return {"role": "assistant", "content": text}, "stop"
+    if tools.legacy:  # `functions` asked: the deprecated shape, one call
+        call = calls[0].to_openai()["function"]
+        return {"role": "assistant", "content": content, "function_call": call}, "function_call"
     message = {
         "role": "assistant",
         "content": content,
         "tool_calls": [c.to_openai() for c in calls],
     }
     return message, "tool_calls"
+
+
+def _legacy_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call delta in the deprecated `function_call` shape (one call: index 0)."""
+    calls = delta.get("tool_calls")
+    if not calls:
+        return delta
+    fn = calls[0]["function"]
+    return {"function_call": {k: v for k, v in fn.items() if k in ("name", "arguments")}}
 
 
 def tool_chunks(
@@ -663,7 +675,10 @@ def tool_chunks(
     if out.finished:
         rest, called = stream.finish()
         deltas += rest
-        reason = "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+        called_reason = "function_call" if tools.legacy else "tool_calls"
+        reason = called_reason if called and out.finish_reason == "stop" else out.finish_reason
+    if tools.legacy:
+        deltas = [_legacy_delta(d) for d in deltas]
     chunks = [{"delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
     if logprobs is not None and chunks:
         chunks[0]["logprobs"] = logprobs
