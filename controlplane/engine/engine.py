@@ -173,11 +173,11 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, s.grammar_cache_size)
         self.masks = MaskBatch(cfg.vocab_size)
         # Structured outputs: live grammar states (one per constrained choice), and cumulative
-        # mask work: seconds computing masks (worker thread), seconds the step waited for
-        # them after the forward, steps that had constrained rows, rows masked.
+        # mask work: seconds computing and applying masks, seconds the step waited for the
+        # worker after the forward, steps that had constrained rows.
         self._grammar_states = 0
         self._mask_s = self._mask_wait_s = 0.0
-        self._mask_steps = self._masked_rows = 0
+        self._mask_steps = 0
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -416,6 +416,8 @@ class Engine:
     # -- structured outputs ---------------------------------------------------------------------
     def _start_masks(self, sched: SchedulerOutput) -> MaskJob:
         """Hand this step's constrained sampling rows to the mask worker."""
+        if not self._grammar_states:  # no constrained request: nothing to look through
+            return self.masks.start([], 0)
         rows: list[tuple[Sequence, int]] = []
         at = 0
         for seq in ModelRunner.sampling_sequences(sched):
@@ -441,7 +443,6 @@ class Engine:
         t0 = time.perf_counter()
         self.masks.apply(logits, job, rows)
         self._mask_s += time.perf_counter() - t0
-        self._masked_rows += len(rows)
         return outputs
 
     def _fork(
@@ -753,11 +754,9 @@ class Engine:
             "grammar_states": self._grammar_states,
             "grammar_compiles_total": self.grammars.stats.compiles,
             "grammar_cache_hits_total": self.grammars.stats.cache_hits,
-            "grammar_compile_s_total": self.grammars.stats.compile_s_total,
             "grammar_mask_s_total": self._mask_s,
             "grammar_mask_wait_s_total": self._mask_wait_s,
             "grammar_mask_steps_total": self._mask_steps,
-            "grammar_masked_rows_total": self._masked_rows,
         }
 
     def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:

@@ -7,8 +7,14 @@ import torch
 from controlplane.engine.attention import AttentionBackend, SeqSpan
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
-from controlplane.engine.scheduler import SchedulerOutput
+from controlplane.engine.scheduler import ScheduledSeq, SchedulerOutput
 from controlplane.engine.sequence import Sequence
+
+
+def samples(item: ScheduledSeq) -> bool:
+    """Whether a scheduled chunk reaches the end of what is known of its sequence: then its
+    last row predicts a new token."""
+    return item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
 
 
 class ModelRunner:
@@ -25,13 +31,8 @@ class ModelRunner:
 
     @staticmethod
     def sampling_sequences(step: SchedulerOutput) -> list[Sequence]:
-        """The sequences of `step` that sample (or verify) this step, in logits-row order:
-        those whose chunk reaches the end of their known tokens."""
-        return [
-            item.seq
-            for item in step.scheduled
-            if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
-        ]
+        """The sequences of `step` that sample (or verify) this step, in logits-row order."""
+        return [item.seq for item in step.scheduled if samples(item)]
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
@@ -55,9 +56,7 @@ class ModelRunner:
             input_ids += (seq.token_ids + drafts if drafts else seq.token_ids)[start : start + n]
             positions += range(start, start + n)
             spans.append(SeqSpan(n, start + n, seq.block_table))
-            if start + n >= seq.num_tokens:
-                # The chunk reaches the end of what is known: its last row predicts a new token
-                # (and each draft token's row verifies the next draft).
+            if samples(item):  # each draft token's row verifies the next draft too
                 logits_rows += range(len(input_ids) - 1 - len(drafts), len(input_ids))
                 samplers.append(seq)
         meta = self.backend.prepare(spans, self.device)

@@ -102,15 +102,13 @@ class StepStats:
     # Structured outputs: live grammar states (a gauge: one per constrained choice still
     # running); grammars compiled and cache hits; seconds of mask work (computing, in the
     # worker, and applying) and of the step waiting for the worker after its forward; steps
-    # with constrained rows and rows masked. Cumulative but the gauge.
+    # with constrained rows. Cumulative but the gauge.
     grammar_states: int = 0
     grammar_compiles_total: int = 0
     grammar_cache_hits_total: int = 0
-    grammar_compile_s_total: float = 0.0
     grammar_mask_s_total: float = 0.0
     grammar_mask_wait_s_total: float = 0.0
     grammar_mask_steps_total: int = 0
-    grammar_masked_rows_total: int = 0
 
     @property
     def kv_usage(self) -> float:

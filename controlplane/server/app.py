@@ -633,7 +633,7 @@ def tool_message(text: str, tools: ToolRequest) -> tuple[dict[str, Any], str]:
     README lists), or the text itself. Never raises: a malformed call is text."""
     if tools.choice.mode in ("named", "required"):
         calls = parse_constrained(text, tools) or []
-        content = None if calls else text
+        content = None
     else:
         content, calls = parse_auto(text, tools.tools)
     if not calls:

@@ -170,8 +170,9 @@ class Runtime:
             reason = out.finish_reason if out.finished and out.finish_reason else "abort"
             self.metrics.observe_request(reason, out.metrics, token_times)
             gaps = [b - a for a, b in itertools.pairwise(token_times)]
-            self._latencies.append((time.time(), out.metrics.ttft, gaps))
-            self._constrained.append((time.time(), final.structured is not None))
+            now = time.time()
+            self._latencies.append((now, out.metrics.ttft, gaps))
+            self._constrained.append((now, final.structured is not None))
 
     def final_record(
         self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
