@@ -570,9 +570,28 @@ def test_migration_0003_with_views(db_url: str) -> None:
     check(db_url)  # the views are not in the metadata and are no drift
 
 
+def test_migration_0010_view_columns(db_url: str) -> None:
+    def columns(view: str) -> set[str]:
+        return {c["name"] for c in inspect(eng).get_columns(view)}
+
+    upgrade(db_url)
+    eng = make_engine(db_url)
+    try:
+        assert "cache_savings_usd" in columns("daily_cost_by_model_key")
+        assert "mean_spec_acceptance_rate" in columns("hourly_utilization")
+        downgrade(db_url, "0009")
+        assert "cache_savings_usd" not in columns("daily_cost_by_model_key")
+        assert "mean_queue_length" not in columns("hourly_utilization")
+        assert "gpu_cost_usd" in columns("daily_cost_by_model_key")  # 0003's view is back
+    finally:
+        eng.dispose()
+    upgrade(db_url)
+    check(db_url)
+
+
 def test_views_match_reports(engine: Engine) -> None:
     seed(engine)
-    add_sample(engine, at(12, 40), 900, 0.5, instance="inst-b", kv_usage=0.5, batch_fill_seqs=0.25, prefill_tokens_per_s=100.0, decode_tokens_per_s=10.0)  # fmt: skip
+    add_sample(engine, at(12, 40), 900, 0.5, instance="inst-b", kv_usage=0.5, batch_fill_seqs=0.25, prefill_tokens_per_s=100.0, decode_tokens_per_s=10.0, queue_length=3, num_running=5, prefix_cache_hit_rate=0.8, spec_acceptance_rate=0.6)  # fmt: skip
     run_rollup(engine, "inst-a", now=NOW, **GPU)
     run_rollup(engine, "inst-b", now=NOW, **GPU)
     since, until = DAY, DAY + timedelta(days=1)
@@ -592,7 +611,9 @@ def test_views_match_reports(engine: Engine) -> None:
         "completion_tokens",
         "list_cost_usd",
         "gpu_cost_usd",
+        "cache_savings_usd",
     )
+    assert math.fsum(float(v["cache_savings_usd"]) for v in daily) > 0  # r1, r3 hit the cache
     for v in daily:
         r = by_key[(v["day_bucket"], v["model"], v["api_key_name"])]
         for name in summed:
@@ -616,6 +637,10 @@ def test_views_match_reports(engine: Engine) -> None:
             "mean_batch_fill_tokens",
             "mean_prefill_tokens_per_s",
             "mean_decode_tokens_per_s",
+            "mean_queue_length",
+            "mean_num_running",
+            "mean_prefix_cache_hit_rate",
+            "mean_spec_acceptance_rate",
         ):
             if r[name] is None:
                 assert v[name] is None, name
@@ -624,6 +649,11 @@ def test_views_match_reports(engine: Engine) -> None:
     # inst-b at 12:00: busy (0.5 x 3600 + 0.5 x 900) / 4500; kv only on the 900 s sample
     b12 = by_hour[("2026-03-01T12", "inst-b")]
     assert (b12["mean_busy_fraction"], b12["mean_kv_usage"], b12["samples"]) == (0.5, 0.5, 2)
+    # Only the 12:40 sample carries the readings 0010 added to the view.
+    (v12,) = (
+        v for v in hourly if (v["hour_bucket"], v["instance_id"]) == ("2026-03-01T12", "inst-b")
+    )
+    assert (v12["mean_prefix_cache_hit_rate"], v12["mean_num_running"]) == (0.8, 5)
     assert util.totals["samples"] == sum(v["samples"] for v in hourly) == 9
 
 
