@@ -39,11 +39,12 @@ def test_sigkill_five_times_loses_and_doubles_no_row():
     run_drill("sigkill_restarts", "--rounds", "5", "--load-seconds", "3")
 
 
-# Not met yet, and said so rather than hidden: measured -9.3% (by hand) and -11.5% (CI run)
+# Not met yet, and said so rather than hidden: measured -9.3% (by hand), -11.5% (CI run) and
+# -20% to -25% (a slower AVX2-only machine)
 # against the 10% target on the tiny model, whose event loop is the bottleneck (README Drills).
 # The drill still runs and must not crash or lose a stream; a pass is reported as XPASS.
 @pytest.mark.xfail(
-    reason="500 event streams cost 9-12% of throughput on the tiny model; target 10%"
+    reason="500 event streams cost 9-25% of throughput on the tiny model; target 10%"
 )
 def test_idle_event_streams_cost_under_ten_percent():
     run_drill("idle_connections", "--requests", "300", "--repeats", "7")
