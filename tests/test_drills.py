@@ -40,7 +40,7 @@ def test_sigkill_five_times_loses_and_doubles_no_row():
 
 
 # Not met yet, and said so rather than hidden: measured -9.3% (by hand), -11.5% (CI run) and
-# -20% to -25% (a slower AVX2-only machine)
+# -10% to -25% (four runs on a slower AVX2-only machine)
 # against the 10% target on the tiny model, whose event loop is the bottleneck (README Drills).
 # The drill still runs and must not crash or lose a stream; a pass is reported as XPASS.
 @pytest.mark.xfail(
