@@ -28,6 +28,18 @@ PERSON = {
     "additionalProperties": False,
 }
 
+# Compiles, and its first tokens are cheap (the compile-time probe passes), but the object
+# after "x" needs more parser work than llguidance allows: the grammar gives up part-way.
+FAILS_LATER = {
+    "type": "object",
+    "properties": {
+        "x": {"type": "string", "maxLength": 5},
+        "a": {"type": "object", "properties": {f"p{i}": {} for i in range(3000)}},
+    },
+    "required": ["x", "a"],
+    "additionalProperties": False,
+}
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
@@ -277,4 +289,19 @@ def test_a_failing_mask_worker_fails_its_requests_not_the_engine(llm: LLM, monke
     assert constrained.finish_reason == "error"
     assert "grammar mask failed" in constrained.error and "injected" in constrained.error
     assert free.finish_reason == "length" and len(free.token_ids) == 4
+    assert_released(llm)
+
+
+def test_grammar_failing_part_way_ends_that_request_naming_its_field(llm: LLM) -> None:
+    prompt = chat(llm, "Describe a person as JSON.")
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput.json_schema(s))
+        for s in (FAILS_LATER, PERSON)
+    ] + [SamplingParams(max_tokens=12, temperature=0)]
+    failed, person, free = llm.generate([prompt] * 3, params, use_tqdm=False)
+    assert failed.finish_reason == "error" and failed.error_param == "response_format"
+    assert "could not follow this grammar" in failed.error and "Parser Error" in failed.error
+    assert failed.text.startswith('{"x": "')  # it got past the compile-time probe
+    check_json(person, PERSON)  # the others in the batch are served
+    assert person.finish_reason == "stop" and free.finish_reason == "length"
     assert_released(llm)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from controlplane.config import load_config
 from tests.conftest import require_smollm2
 from tests.daemon_util import InProcessDaemon, wait_rows, write_config
-from tests.test_structured import PERSON
+from tests.test_structured import FAILS_LATER, PERSON
 
 TOKEN = "structured-token-0123456789"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -408,6 +408,28 @@ def test_bad_constraints_are_400s_naming_the_field(served, extra, param, words) 
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+
+
+def test_grammar_failing_part_way_is_a_400_naming_the_field_streamed_or_not(served) -> None:
+    d, cfg = served
+    body = {"messages": ASK, "max_tokens": 40, "temperature": 0, "guided_json": FAILS_LATER}
+    r = _post(d, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_json" and error["type"] == "invalid_request_error"
+    assert "could not follow this grammar" in error["message"], error
+    assert _row(cfg, r.headers["x-request-id"])["status"] == "error"
+
+    with httpx.stream(
+        "POST", d.url + "/v1/chat/completions", json={"model": MODEL, **body, "stream": True}
+    ) as resp:
+        assert resp.status_code == 200  # the headers went out before the grammar gave up
+        data = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert data[-1] != "[DONE]"
+    last = json.loads(data[-1])["error"]
+    assert last["param"] == "guided_json" and "could not follow" in last["message"], last
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    _released(d)
 
 
 def test_compile_timeout_is_a_400_and_the_grammar_is_cached_after(served) -> None:

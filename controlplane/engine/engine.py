@@ -19,7 +19,7 @@ import torch
 from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.draft import DraftModel
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 from controlplane.engine.gguf.known import resolve_model_path
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
@@ -39,7 +39,7 @@ from controlplane.engine.settings import (
     validate_changes,
 )
 from controlplane.engine.spec_decode import ngram_propose, verify
-from controlplane.engine.structured import CompiledGrammar, Grammars
+from controlplane.engine.structured import CompiledGrammar, Grammars, grammar_failed
 from controlplane.engine.types import RequestMetrics, RequestOutput, StepStats, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -436,8 +436,10 @@ class Engine:
         now = time.time()
         for seq, at in job.rows:
             error = job.errors.get(id(seq))
-            if error is not None:
-                outputs += self._fail(seq, error, now)
+            if isinstance(error, GrammarFailedError):
+                outputs += self._fail(seq, error.message, now, param=error.field)
+            elif error is not None:  # the mask worker failed
+                outputs += self._fail(seq, str(error), now)
             else:
                 rows += range(at, at + 1 + len(seq.draft_token_ids))
         t0 = time.perf_counter()
@@ -602,15 +604,20 @@ class Engine:
     ) -> list[RequestOutput]:
         try:
             return [self._append(seq, token, lp, now)]
+        except GrammarFailedError as exc:  # the request's grammar, not the engine, failed
+            log.warning("request %s: %s", seq.request_id, exc)
+            return self._fail(seq, exc.message, now, param=exc.field)
         except Exception as exc:
             log.exception(
                 "request %s failed after sampling (stop checks, detokenizer)", seq.request_id
             )
             return self._fail(seq, f"post-processing failed: {exc!r}", now)
 
-    def _fail(self, seq: Sequence, message: str, now: float) -> list[RequestOutput]:
+    def _fail(
+        self, seq: Sequence, message: str, now: float, param: str | None = None
+    ) -> list[RequestOutput]:
         """Finish seq's request (every unfinished choice) with reason `error`, whatever state
-        its failure left it in."""
+        its failure left it in; `param`: the request field at fault, if the request's own."""
         outputs = []
         for c in self._unfinished(seq) or [seq]:  # [seq]: it finished before it failed
             c.finish_reason = "error"
@@ -618,7 +625,7 @@ class Engine:
             if c.status is not SequenceStatus.FINISHED:
                 self._end(c)
             out = self._output(c, [], [], now, finished=True)
-            out.error = message
+            out.error, out.error_param = message, param
             outputs.append(out)
         return outputs
 
@@ -637,6 +644,9 @@ class Engine:
     ) -> RequestOutput:
         p = seq.params
         m = seq.metrics
+        # Before the token is taken: a token the grammar refuses is not part of the output.
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise grammar_failed(seq.params.structured, seq.matcher, len(seq.output_token_ids))
         if m.first_token_time is None:
             m.first_token_time = now
         seq.append_token(token)
@@ -647,8 +657,6 @@ class Engine:
         stop_string = False
         grammar_done = False
         if seq.matcher is not None:
-            if not seq.matcher.consume_token(token):
-                raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
             # Complete (nothing but EOS could follow): stop now rather than spend a step on
             # sampling that EOS.
             grammar_done = seq.matcher.is_stopped()

@@ -13,3 +13,8 @@ class InvalidSettingError(ValueError):
         # Both halves kept: callers re-home the field (a prompt index, "engine." prefix) or
         # answer with the message alone, without parsing str(exc) back apart.
         self.field, self.message = field, message
+
+
+class GrammarFailedError(InvalidSettingError):
+    """A request's grammar gave up part-way through its output (a parser limit first reached
+    deep inside the schema): that request's fault, named by the field its constraint came from."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from controlplane.engine.structured import short_error
+from controlplane.engine.structured import grammar_failed
 
 if TYPE_CHECKING:
     from controlplane.engine.sequence import Sequence
@@ -34,7 +34,8 @@ class MaskJob:
     future: Future | None = None
     bitmask: torch.Tensor | None = None
     compute_s: float = 0.0
-    errors: dict[int, str] = field(default_factory=dict)  # id(seq) -> message
+    # id(seq) -> why it fails: GrammarFailedError (its grammar gave up), else the worker's.
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 class MaskBatch:
@@ -78,7 +79,9 @@ class MaskBatch:
             )
         for seq, _ in job.rows:
             if seq.matcher.is_error():
-                job.errors[id(seq)] = f"grammar error: {short_error(seq.matcher.get_error())}"
+                job.errors[id(seq)] = grammar_failed(
+                    seq.params.structured, seq.matcher, len(seq.output_token_ids)
+                )
         job.bitmask = mask
         job.compute_s = time.perf_counter() - t0
 
@@ -93,7 +96,7 @@ class MaskBatch:
             job.future.result()
         except Exception as exc:
             for seq, _ in job.rows:
-                job.errors.setdefault(id(seq), f"grammar mask failed: {exc!r}")
+                job.errors.setdefault(id(seq), RuntimeError(f"grammar mask failed: {exc!r}"))
         return time.perf_counter() - t0
 
     def allowed(self, bitmask: torch.Tensor) -> torch.Tensor:

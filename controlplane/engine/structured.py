@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 
 if TYPE_CHECKING:
     from controlplane.engine.tokenizer import Tokenizer
@@ -181,6 +181,15 @@ class Grammars:
             while len(self._cache) > max(self.capacity, 0):
                 self._cache.popitem(last=False)
         return compiled
+
+
+def grammar_failed(output: StructuredOutput, matcher: Any, num_tokens: int) -> GrammarFailedError:
+    """What to raise when a request's grammar gives up after `num_tokens` output tokens."""
+    return GrammarFailedError(
+        output.field,
+        f"the output could not follow this grammar after {num_tokens} tokens: "
+        f"{short_error(matcher.get_error())}",
+    )
 
 
 def short_error(exc: object, limit: int = 300) -> str:

@@ -131,6 +131,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None]  # for new_token_ids, when requested
     time: float = 0.0  # when this output was produced (time.time()): per-token latencies
     error: str | None = None  # why, when finish_reason is "error" (the engine kept serving)
+    # The request field at fault when the failure is the request's own (its output could not
+    # follow its grammar): the server answers 400 naming it rather than 500.
+    error_param: str | None = None
     # Parallel sampling (SamplingParams.n > 1): outputs of one request come per choice; `index`
     # says which, `finished` means that choice is done (the request is done when all n are).
     # `metrics` is the request's, shared by its choices (output tokens summed over them).

@@ -62,7 +62,10 @@ def envelope(
 
 
 def _request_failed(out: RequestOutput) -> APIError:
-    """One request failed inside the engine (its row says why); everyone else is served."""
+    """One request failed inside the engine (its row says why); everyone else is served. A
+    failure of the request's own making (its grammar) is a 400 naming the field, not a 500."""
+    if out.error_param is not None:
+        return APIError(400, f"{out.error_param}: {out.error}", param=out.error_param)
     return APIError(500, f"request failed in the engine: {out.error}", type="server_error")
 
 
@@ -438,7 +441,7 @@ class InferenceAPI:
                     yield chunk([], usage=usage)
                 yield "[DONE]"
             except EngineFailure as exc:  # say so in-band, then stop (no [DONE])
-                yield _sse(APIError(500, exc.error.message, type="server_error").body())
+                yield _sse(exc.error.body())
             finally:
                 # A body that stops early (cancelled, closed) aborts; after the end, a no-op.
                 # A body that never started is covered by Batch.watch.
