@@ -522,7 +522,7 @@ def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder)
         _rec("a1", "alice"),
         _rec("a2", "alice", hour=1, ttft_s=1.5, e2e_latency_s=3.0, api_key_name="k1"),
         _rec("a3", "alice", status="error", completion_tokens=0, ttft_s=None),
-        _rec("b1", "bob", completion_tokens=20),
+        _rec("b1", "bob", completion_tokens=20, cached_prompt_tokens=40),
         _rec("n1", None),
         _rec("r1", "alice", status="running"),  # not final: not reported
         _rec("late", "alice", hour=30),  # outside the window
@@ -543,9 +543,12 @@ def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder)
     assert alice["mean_ttft_s"] == pytest.approx(1.0)  # a3 has none: (0.5 + 1.5) / 2
     assert alice["mean_e2e_latency_s"] == pytest.approx((1.0 + 3.0 + 1.0) / 3)
     assert by_user["bob"]["completion_tokens"] == 20
+    assert (by_user["bob"]["cached_share"], alice["cached_share"]) == (0.4, 0.0)
     totals = report["totals"]
     assert totals["requests_succeeded"] + totals["requests_failed"] == 5
-    assert totals["list_cost_usd"] == pytest.approx((130 * 3 + 100 + 160) / 1e6)
+    # bob: 60 prompt tokens at 1.0, 40 cached at 0.5, 20 completion at 3.0.
+    assert totals["list_cost_usd"] == pytest.approx((130 * 3 + 100 + 140) / 1e6)
+    assert totals["cached_share"] == pytest.approx(40 / 500)  # from the sums, not the rows
 
     both = requests_report(
         engine, since=T0, until=T0 + timedelta(hours=2), group_by="hour,api_key,user"

@@ -25,10 +25,10 @@ their covered seconds.
 Request reports read the request rows themselves (final rows only, by their arrival hour), so
 they can group by what the hourly rollups do not keep: `user` (the requests' OpenAI `user`
 field, `requests.end_user`), besides day|hour, model and api_key. Per group: requests
-succeeded / failed, tokens, list cost (the sum of the rows' `cost_usd`, priced at ingest) and
-mean TTFT and end-to-end latency (over the rows that have one). No GPU cost: that is shared out
-per hour by the rollup, which is not kept per user (users are chosen by clients, unbounded, and
-rollups are kept forever). Request rows are pruned after `jobs.request_retention_days`, so a
+succeeded / failed, tokens, the cached share of prompt tokens, list cost (the sum of the rows'
+`cost_usd`, priced at ingest) and mean TTFT and end-to-end latency (over the rows that have
+one). No GPU cost: that is shared out per hour by the rollup, which is not kept per user (users
+are chosen by clients, unbounded, and rollups are kept forever). Request rows are pruned after `jobs.request_retention_days`, so a
 request report reaches back that far at most.
 
 Utilization reports read `utilization_samples` and `gpu_samples`. Means are time-weighted (by
@@ -99,6 +99,7 @@ REQUEST_METRICS = (
     "requests_failed",
     "prompt_tokens",
     "cached_prompt_tokens",
+    "cached_share",
     "completion_tokens",
     "list_cost_usd",
     "mean_ttft_s",
@@ -452,6 +453,7 @@ def _request_result(sums: Mapping[str, Any]) -> dict[str, Any]:
         "requests_failed": final - succeeded,
         "prompt_tokens": int(sums["prompt_tokens"] or 0),
         "cached_prompt_tokens": int(sums["cached_prompt_tokens"] or 0),
+        "cached_share": _div(sums["cached_prompt_tokens"], sums["prompt_tokens"]),
         "completion_tokens": int(sums["completion_tokens"] or 0),
         # Money is stored with 12 decimals: no float noise beyond that.
         "list_cost_usd": round(float(sums["cost"] or 0.0), 12),
