@@ -53,6 +53,13 @@ TIME = {
         },
     },
 }
+BAD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bad",
+        "parameters": {"type": "object", "properties": {"a": {"type": "x"}}},
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
 
 
@@ -389,6 +396,17 @@ def test_client_disconnect_and_admin_abort_release_grammar_states(served) -> Non
             "tool_choice",
             "known: get_weather",
         ),
+        (
+            # A tool's parameters that cannot be compiled: the error names that tool...
+            {
+                "tools": [WEATHER, BAD_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "bad"}},
+            },
+            "tools[1].function.parameters",
+            "cannot be compiled: Invalid type: x",
+        ),
+        # ... or, with `required` (any tool's schema may be at fault), the list.
+        ({"tools": [WEATHER, BAD_TOOL], "tool_choice": "required"}, "tools", "Invalid type: x"),
         (
             {"guided_json": PERSON, "response_format": {"type": "json_object"}},
             "guided_json",

@@ -106,6 +106,18 @@ def test_tool_choice_forms(choice: Any, expected: ToolChoice) -> None:
     assert req.parallel is False
 
 
+def test_schema_field_names_what_a_grammar_error_is_about() -> None:
+    search = {"type": "function", "function": {"name": "search"}}
+    named = parse_tools({"tools": TOOLS_BODY, "tool_choice": search})
+    required = parse_tools({"tools": TOOLS_BODY, "tool_choice": "required"})
+    functions = [t["function"] for t in TOOLS_BODY]
+    legacy = parse_tools({"functions": functions, "function_call": {"name": "search"}})
+    assert named is not None and required is not None and legacy is not None
+    assert named.schema_field == "tools[1].function.parameters"
+    assert required.schema_field == "tools"
+    assert legacy.schema_field == "functions[1].parameters"
+
+
 def test_legacy_functions_map_onto_tools() -> None:
     functions = [t["function"] for t in TOOLS_BODY]
     req = parse_tools({"functions": functions, "function_call": {"name": "get_weather"}})

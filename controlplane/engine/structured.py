@@ -41,7 +41,7 @@ PARSER_LIMITS = {"max_grammar_size": 200_000, "step_lexer_fuel": 200_000, "verbo
 class StructuredOutput:
     """What a request's output must match. `spec` is text: the schema as JSON, the regex, the
     choices as a JSON array, or the grammar; `field` names the request field it came from (for
-    errors: "response_format", "guided_json", "tool_choice", ...)."""
+    errors: "response_format", "guided_json", "tools[0].function.parameters", ...)."""
 
     kind: str
     spec: str

@@ -627,7 +627,8 @@ def structured_type(parsed: protocol.ParsedRequest) -> str:
     """What constrained a request (its rows' `structured`, the metrics' `type` label)."""
     out = parsed.structured
     assert out is not None
-    return "tools" if out.field == "tool_choice" else out.kind
+    forced = parsed.tools is not None and parsed.tools.choice.mode in ("required", "named")
+    return "tools" if forced else out.kind  # a forced call is the request's only constraint
 
 
 def tool_message(text: str, tools: ToolRequest) -> tuple[dict[str, Any], str]:

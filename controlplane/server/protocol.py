@@ -582,7 +582,7 @@ def parse_chat(body: Any) -> ParsedRequest:
                 "constrained to the tool call)",
             )
         params = dataclasses.replace(
-            params, structured=StructuredOutput.json_schema(schema, "tool_choice")
+            params, structured=StructuredOutput.json_schema(schema, tools.schema_field)
         )
     return ParsedRequest(
         common.model,

@@ -95,6 +95,16 @@ class ToolRequest:
     def tool(self, name: str) -> Tool | None:
         return next((t for t in self.tools if t.name == name), None)
 
+    @property
+    def schema_field(self) -> str:
+        """The field an error of the forced call's grammar names: the named function's
+        parameters, or the whole list (with `required`, any tool's schema may be at fault)."""
+        listed = "functions" if self.legacy else "tools"
+        if self.choice.mode != "named":
+            return listed
+        i = next(i for i, t in enumerate(self.tools) if t.name == self.choice.name)
+        return f"{listed}[{i}].parameters" if self.legacy else f"{listed}[{i}].function.parameters"
+
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     """The tools of a chat request body (`tools`, `tool_choice`, `parallel_tool_calls`, or the
