@@ -28,8 +28,8 @@ field, `requests.end_user`), besides day|hour, model and api_key. Per group: req
 succeeded / failed, tokens, the cached share of prompt tokens, list cost (the sum of the rows'
 `cost_usd`, priced at ingest) and mean TTFT and end-to-end latency (over the rows that have
 one). No GPU cost: that is shared out per hour by the rollup, which is not kept per user (users
-are chosen by clients, unbounded, and rollups are kept forever). Request rows are pruned after `jobs.request_retention_days`, so a
-request report reaches back that far at most.
+are chosen by clients, unbounded, and rollups are kept forever). Request rows are pruned after
+`jobs.request_retention_days`, so a request report reaches back that far at most.
 
 Utilization reports read `utilization_samples` and `gpu_samples`. Means are time-weighted (by
 the samples' interval_s) over the samples that carry the reading; GPU means are per GPU;
