@@ -7,6 +7,7 @@ JSON-ready dict out. Nothing here imports torch or needs an engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from controlplane.common import percentile
@@ -136,6 +137,11 @@ def summarize(
     }
 
 
+def _delta(latest: StepStats, base: StepStats | None, name: str) -> Any:
+    """A cumulative counter's growth since `base` (None: since start)."""
+    return getattr(latest, name) - (getattr(base, name) if base is not None else 0)
+
+
 def cache_and_speculation(latest: StepStats | None, base: StepStats | None) -> dict[str, Any]:
     """Prefix cache and speculative decoding figures for ``GET /admin/stats``.
 
@@ -163,10 +169,7 @@ def cache_and_speculation(latest: StepStats | None, base: StepStats | None) -> d
             "spec_mean_accepted_len": None,
             "spec_drafts_in_window": 0,
         }
-
-    def delta(name: str) -> int:
-        return getattr(latest, name) - (getattr(base, name) if base is not None else 0)
-
+    delta = partial(_delta, latest, base)
     queries, hits = delta("prefix_cache_queries_total"), delta("prefix_cache_hits_total")
     drafts = delta("spec_decode_num_drafts_total")
     proposed = delta("spec_decode_num_draft_tokens_total")
@@ -203,10 +206,7 @@ def structured_outputs(
     }
     if latest is None:
         return out
-
-    def delta(name: str) -> float:
-        return getattr(latest, name) - (getattr(base, name) if base is not None else 0)
-
+    delta = partial(_delta, latest, base)
     steps = delta("grammar_mask_steps_total")
     if steps > 0:
         out["grammar_mask_ms_per_step"] = round(1000 * delta("grammar_mask_s_total") / steps, 3)
