@@ -170,6 +170,12 @@ class InProcessDaemon:
         assert self.daemon is not None
         return self.daemon.url
 
+    def openai(self) -> Any:
+        """The openai library's client for this daemon (no retries: a test sees every error)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
     def stop(self, timeout: float = 60) -> None:
         if self.daemon is not None:
             self.loop.call_soon_threadsafe(self.daemon.request_shutdown, "test")

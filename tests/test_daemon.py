@@ -48,8 +48,7 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    d, _ = served
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    return served[0].openai()
 
 
 def test_models_and_health(served, client):
@@ -542,7 +541,7 @@ def test_records_land_in_postgresql(tiny_model_dir, tmp_path, pg_url):
     )
     d = InProcessDaemon(cfg).start()
     try:
-        c = openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+        c = d.openai()
         ids = {}
         for n in (3, 9):
             resp = c.completions.create(

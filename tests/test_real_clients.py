@@ -74,8 +74,7 @@ def served(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factor
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    d, _ = served
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    return served[0].openai()
 
 
 def _post(d: InProcessDaemon, path: str, body: Any, **kw: Any) -> httpx.Response:

@@ -83,8 +83,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    d, _ = served
-    return openai.OpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    return served[0].openai()
 
 
 def _post(d: InProcessDaemon, path: str, body: dict[str, Any]) -> httpx.Response:
