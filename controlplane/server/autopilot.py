@@ -74,13 +74,13 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
     floor = now - a.max_window_s if since is None else max(since, now - a.max_window_s)
     start = max(floor, now - a.window_s)
     done = runtime.finished_since(floor)
-    if sum(1 for x in done if x[0] > start) < a.min_requests:
+    if sum(1 for f in done if f.time > start) < a.min_requests:
         # Widen back to the min_requests-th most recent finish (or the floor).
-        times = sorted((x[0] for x in done), reverse=True)
+        times = sorted((f.time for f in done), reverse=True)
         start = times[a.min_requests - 1] - 1e-6 if len(times) >= a.min_requests else floor
-    done = [x for x in done if x[0] > start]
-    ttfts = [t for _, t, _ in done if t is not None]
-    gaps = [g for _, _, gs in done for g in gs]
+    done = [f for f in done if f.time > start]
+    ttfts = [f.ttft for f in done if f.ttft is not None]
+    gaps = [g for f in done for g in f.gaps]
     history = runtime.snapshots()
     snaps = [h for h in history if h.time > start]
     before = [h for h in history if h.time <= start]
@@ -146,11 +146,11 @@ def attainment(runtime: Runtime, now: float, window_s: float) -> dict[str, float
     if not done:
         return out
     if a.ttft_p99_ms:
-        timed = [t for _, t, _ in done if t is not None]
+        timed = [f.ttft for f in done if f.ttft is not None]
         if timed:
             out["ttft"] = sum(t * 1000 <= a.ttft_p99_ms for t in timed) / len(timed)
     if a.itl_p99_ms:
-        spread = [gs for _, _, gs in done if gs]
+        spread = [f.gaps for f in done if f.gaps]
         if spread:
             out["itl"] = sum(percentile(gs, 99) * 1000 <= a.itl_p99_ms for gs in spread) / len(
                 spread

@@ -80,6 +80,16 @@ def log_access(rec: RequestRecord) -> None:
     access_log.info("%s", text, extra=fields)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finished:
+    """A finished request, as the last minute's latency figures and the autopilot see it."""
+
+    time: float  # when it finished (time.time())
+    ttft: float | None  # seconds; None: no token
+    gaps: list[float]  # inter-token gaps, seconds
+    constrained: bool  # its output had a structured-output constraint
+
+
 class Runtime:
     """One per daemon. `aengine` is None until the model has loaded (state "loading")."""
 
@@ -109,11 +119,9 @@ class Runtime:
         self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._event_queues: set[asyncio.Queue] = set()
         self._metrics_step = -1
-        # (finish time, TTFT s, inter-token gaps s) of recently finished requests: latency
-        # percentiles over the last minute for /admin/stats.
-        self._latencies: deque[tuple[float, float | None, list[float]]] = deque(maxlen=10_000)
-        # (finish time, whether its output was constrained): the structured share.
-        self._constrained: deque[tuple[float, bool]] = deque(maxlen=10_000)
+        # Recently finished requests: latency percentiles and the structured share over the
+        # last minute for /admin/stats, the autopilot's window.
+        self._finished: deque[Finished] = deque(maxlen=10_000)
         # StepStats kept about once a second (pump_metrics) for a minute: the cumulative
         # counters differenced over the last minute (hit rate, acceptance rate).
         self._history: deque[StepStats] = deque(maxlen=HISTORY_S)
@@ -170,9 +178,9 @@ class Runtime:
             reason = out.finish_reason if out.finished and out.finish_reason else "abort"
             self.metrics.observe_request(reason, out.metrics, token_times)
             gaps = [b - a for a, b in itertools.pairwise(token_times)]
-            now = time.time()
-            self._latencies.append((now, out.metrics.ttft, gaps))
-            self._constrained.append((now, final.structured is not None))
+            self._finished.append(
+                Finished(time.time(), out.metrics.ttft, gaps, final.structured is not None)
+            )
 
     def final_record(
         self, rec: RequestRecord, out: RequestOutput | None, error: str | None = None
@@ -265,8 +273,8 @@ class Runtime:
             max_num_batched_tokens=s.max_num_batched_tokens,
         )
         recent = self.finished_since(now - 60.0)
-        ttfts = [t for _, t, _ in recent if t is not None]
-        gaps = [g for _, _, gs in recent for g in gs]
+        ttfts = [f.ttft for f in recent if f.ttft is not None]
+        gaps = [g for f in recent for g in f.gaps]
 
         def ms(values: list[float], q: float) -> float | None:
             return None if not values else round(1000 * percentile(values, q), 3)
@@ -282,15 +290,10 @@ class Runtime:
         # The counters as of the last snapshot before the window (none: the daemon is younger
         # than the window, so since start).
         older = [h for h in self._history if h.time < now - COUNTER_WINDOW_S]
-        body.update(
-            cache_and_speculation(steps[-1] if steps else None, older[-1] if older else None)
-        )
-        done = [c for t, c in self._constrained if t > now - 60.0]
-        body.update(
-            structured_outputs(
-                steps[-1] if steps else None, older[-1] if older else None, sum(done), len(done)
-            )
-        )
+        latest, base = steps[-1] if steps else None, older[-1] if older else None
+        body.update(cache_and_speculation(latest, base))
+        constrained = sum(f.constrained for f in recent)
+        body.update(structured_outputs(latest, base, constrained, len(recent)))
         body.update(
             counter_window_s=COUNTER_WINDOW_S,
             enable_prefix_caching=s.enable_prefix_caching,
@@ -312,9 +315,9 @@ class Runtime:
         )
         return body
 
-    def finished_since(self, since: float) -> list[tuple[float, float | None, list[float]]]:
-        """(finish time, TTFT s, inter-token gaps s) of the requests finished after `since`."""
-        return [item for item in self._latencies if item[0] > since]
+    def finished_since(self, since: float) -> list[Finished]:
+        """The requests finished after `since`, oldest first."""
+        return [f for f in self._finished if f.time > since]
 
     def snapshots(self) -> list[StepStats]:
         """The engine's StepStats kept about once a second (HISTORY_S of them), oldest first."""
