@@ -150,6 +150,9 @@ def test_best_of_returns_the_most_likely_choices(client):
         ("/v1/completions", {"n": 3, "best_of": 2}, "best_of", "at least n (3)"),
         ("/v1/completions", {"best_of": 2, "stream": True}, "best_of", "stream"),
         ("/v1/completions", {"n": 0}, "n", "at least 1"),
+        # Past the engine's own bound too (schemathesis found best_of answered 500 there).
+        ("/v1/completions", {"best_of": 2613}, "best_of", "[1, 1024], got 2613"),
+        ("/v1/completions", {"n": 2613}, "n", "[1, 1024], got 2613"),
     ],
 )
 def test_bad_n_and_best_of_are_400s_naming_the_field(client, path, extra, field, words):

@@ -523,7 +523,10 @@ def parse_completion(body: Any) -> ParsedRequest:
         if best_of > 1 and common.stream:
             # OpenAI's rule: which choices are best is known only once all have finished.
             raise invalid("best_of", "cannot be used with stream: true")
-        params = dataclasses.replace(params, n=best_of)
+        try:  # best_of choices are sampled as n: the engine's bound on n is best_of's
+            params = dataclasses.replace(params, n=best_of)
+        except InvalidSettingError as exc:
+            raise invalid("best_of", exc.message) from None
     return ParsedRequest(
         common.model,
         params,
