@@ -15,7 +15,7 @@ from typing import Any
 
 from controlplane.engine.errors import InvalidSettingError
 
-__all__ = ["parse_group_by", "parse_time", "percentile"]
+__all__ = ["parse_group_by", "parse_report_time", "parse_time", "percentile"]
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -52,7 +52,10 @@ def parse_time(
         m = _RELATIVE.match(value) if relative else None
         if m:
             now = datetime.now(UTC) if now is None else now.astimezone(UTC)
-            return now - timedelta(**{_UNITS[m.group(2).lower()]: float(m.group(1))})
+            try:
+                return now - timedelta(**{_UNITS[m.group(2).lower()]: float(m.group(1))})
+            except OverflowError:  # "99999999d": before year 1
+                raise InvalidSettingError(name, f"{value!r} is out of range") from None
         try:
             at = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
         except ValueError:
@@ -66,7 +69,29 @@ def parse_time(
         at = datetime(value.year, value.month, value.day)
     else:
         raise InvalidSettingError(name, f"must be a date or time, got {value!r}")
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+    try:
+        return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+    except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
+        raise InvalidSettingError(
+            name, f"{value!r} is out of range (not a time in UTC years 1 to 9999)"
+        ) from None
+
+
+# The window a report may ask for (API and CLI): the hour arithmetic around the bounds stays
+# within the years a datetime holds.
+MIN_REPORT_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+MAX_REPORT_TIME = datetime(9999, 1, 1, tzinfo=UTC)
+
+
+def parse_report_time(name: str, value: Any, *, now: datetime | None = None) -> datetime:
+    """parse_time for a report bound, which must lie in [MIN_REPORT_TIME, MAX_REPORT_TIME]."""
+    at = parse_time(name, value, now=now)
+    if not MIN_REPORT_TIME <= at <= MAX_REPORT_TIME:
+        raise InvalidSettingError(
+            name,
+            f"{value!r} is out of range ({MIN_REPORT_TIME.date()} to {MAX_REPORT_TIME.date()})",
+        )
+    return at
 
 
 def parse_group_by(value: str | Sequence[str], allowed: Sequence[str]) -> list[str]:

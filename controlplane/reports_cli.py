@@ -64,11 +64,11 @@ _NEEDED_COLUMNS = {
 
 def _time_arg(flag: str) -> Callable[[str], datetime]:
     def parse(value: str) -> datetime:
-        from controlplane.common import parse_time
+        from controlplane.common import parse_report_time
         from controlplane.engine.errors import InvalidSettingError
 
         try:
-            return parse_time(flag, value)
+            return parse_report_time(flag, value)
         except InvalidSettingError as exc:
             raise argparse.ArgumentTypeError(exc.message) from None
 

@@ -78,10 +78,11 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         arrival = datetime.fromisoformat(at)
         if arrival.tzinfo is None or arrival.utcoffset() is None:
             raise ValueError
+        arrival = arrival.astimezone(UTC)  # OverflowError: year 1 at +05:00, 9999 at -05:00
     except (TypeError, ValueError, OverflowError, binascii.Error, UnicodeError):
         # json.JSONDecodeError is a ValueError; unpacking a non-pair raises one too.
         raise InvalidSettingError("cursor", "malformed") from None
-    return arrival.astimezone(UTC), request_id
+    return arrival, request_id
 
 
 def _aware(name: str, value: datetime | None) -> datetime | None:
@@ -89,7 +90,10 @@ def _aware(name: str, value: datetime | None) -> datetime | None:
         return None
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
         raise InvalidSettingError(name, f"must be a timezone-aware datetime, got {value!r}")
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
+        raise InvalidSettingError(name, f"{value.isoformat()} is out of range") from None
 
 
 def _as_dict(row: Any) -> dict[str, Any]:

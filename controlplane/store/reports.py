@@ -163,6 +163,10 @@ def window(since: datetime, until: datetime) -> tuple[datetime, datetime, str, s
     for name, value in (("since", since), ("until", until)):
         if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
             raise InvalidSettingError(name, f"must be a timezone-aware datetime, got {value!r}")
+        try:
+            value.astimezone(UTC)
+        except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
+            raise InvalidSettingError(name, f"{value.isoformat()} is out of range") from None
     since, until = since.astimezone(UTC), until.astimezone(UTC)
     if not since < until:
         raise InvalidSettingError(
