@@ -22,6 +22,7 @@ log = logging.getLogger("controlplane.admin")
 
 TOKEN_FILE = "admin_token"
 ENV_TOKEN = "CONTROLPLANE_ADMIN_TOKEN"
+ASCII_WHITESPACE = " \t\r\n\x0b\x0c"
 
 
 def token_path(cfg: Config) -> Path:
@@ -58,7 +59,9 @@ def match_bearer(authorization: str | None, secrets: Sequence[bytes]) -> int | N
     """
     if not authorization or authorization[:7].lower() != "bearer ":
         return None
-    given = authorization[7:].strip().encode()
+    # Only ASCII whitespace is padding: str.strip() would also drop a non-breaking space
+    # (U+00A0, a latin-1 header byte) or U+3000, accepting a header that is not the token.
+    given = authorization[7:].strip(ASCII_WHITESPACE).encode()
     found = None
     for i, secret in enumerate(secrets):
         if hmac.compare_digest(given, secret):

@@ -207,6 +207,8 @@ COMPLETION_SCHEMA: dict[str, Any] = {
         "best_of": _INT,
     },
 }
+# The message roles of OpenAI's chat API ("function": the deprecated tool result).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 CHAT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["model", "messages"],
@@ -219,7 +221,7 @@ CHAT_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "required": ["role"],
                 "properties": {
-                    "role": {"type": "string"},
+                    "role": {"enum": list(CHAT_ROLES)},
                     "content": {
                         "oneOf": [
                             {"type": "string"},
@@ -547,8 +549,11 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise invalid("messages", "must be a non-empty array")
     parsed = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise invalid(f"messages[{i}].role", "is required (system, user, assistant or tool)")
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            got = f", got {m.get('role')!r}" if isinstance(m, dict) and "role" in m else ""
+            raise invalid(
+                f"messages[{i}].role", f"is required: one of {', '.join(CHAT_ROLES)}{got}"
+            )
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             texts = []
