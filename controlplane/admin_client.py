@@ -2,7 +2,12 @@
 and how fleet actions reach each instance. Torch-free.
 
 Every method is async and raises `APIError` for an HTTP error answer (with the API's message
-and param) or `Unreachable` when the daemon cannot be reached; nothing else escapes.
+and param), `Unreachable` when the daemon cannot be reached, or `NotTheMember` when a fleet
+client's answer is not signed by the instance it asked; nothing else escapes.
+
+A fleet client (`signer`: controlplane.fleet_auth) sends no token: it signs each request for
+the instance the fleet table names and accepts only answers that instance signed. No client
+follows redirects.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+
+from controlplane.fleet_auth import NONCE_HEADER, Signer
 
 SOURCE_HEADER = "X-Controlplane-Source"
 # The change id a fleet change carries to every instance (one id in every audit log).
@@ -24,6 +31,11 @@ class ClientError(Exception):
 
 class Unreachable(ClientError):
     """No answer from the daemon (connection refused, reset, timed out)."""
+
+
+class NotTheMember(ClientError):
+    """A fleet answer without the signature of the instance asked: another daemon or not a
+    fleet member answers at that URL (or it has another admin token)."""
 
 
 class APIError(ClientError):
@@ -41,27 +53,73 @@ class AdminClient:
     say they came from in the audit log ("tui" or "fleet")."""
 
     def __init__(
-        self, url: str, token: str | None, *, timeout: float = 10.0, source: str = "tui"
+        self,
+        url: str,
+        token: str | None,
+        *,
+        timeout: float = 10.0,
+        source: str = "tui",
+        signer: Signer | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # A fleet client signs instead: the token never goes to a URL read from the database.
+        headers = {"Authorization": f"Bearer {token}"} if token and signer is None else {}
         self._source = {SOURCE_HEADER: source}
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
+        self._signer = signer
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=timeout, follow_redirects=False
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            r = await self._http.request(method, path, **kwargs)
+            if self._signer is None:
+                r = await self._http.request(method, path, **kwargs)
+            else:
+                r = await self._signed(method, path, **kwargs)
         except httpx.HTTPError as exc:  # connect / read errors, timeouts, protocol errors
             raise Unreachable(_describe(exc)) from None
+        if 300 <= r.status_code < 400:
+            where = r.headers.get("location", "?")
+            raise APIError(r.status_code, f"redirected to {where[:200]}: not followed")
         if r.status_code >= 400:
             raise _api_error(r.status_code, r.text)
         try:
             return r.json()
         except ValueError:
             raise APIError(r.status_code, "the daemon sent a body that is not JSON") from None
+
+    async def _signed(
+        self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """Send a request signed for the signer's instance; its answer unless that answer is
+        not signed by that instance (a 401 goes through: the instance refused the signature)."""
+        assert self._signer is not None
+        extra = {"timeout": timeout} if timeout is not None else {}
+        request = self._http.build_request(method, path, **kwargs, **extra)
+        target = path + (f"?{request.url.query.decode('ascii')}" if request.url.query else "")
+        signed = self._signer.headers(
+            method,
+            target,
+            request.content,
+            source=request.headers.get(SOURCE_HEADER, ""),
+            change_id=request.headers.get(CHANGE_ID_HEADER, ""),
+        )
+        request.headers.update(signed)
+        r = await self._http.send(request, follow_redirects=False)
+        await r.aread()
+        if r.status_code == 401 or 300 <= r.status_code < 400:
+            return r  # reported as such: neither can be mistaken for the change applied
+        if not self._signer.answered_by_instance(
+            signed[NONCE_HEADER], r.status_code, r.headers, r.content
+        ):
+            raise NotTheMember(
+                f"the answer from {self.url} is not signed by instance "
+                f"{self._signer.instance!r} (another daemon, or no fleet member, answers there)"
+            )
+        return r
 
     # -- reads -------------------------------------------------------------------------------
     async def health(self) -> dict[str, Any]:

@@ -372,10 +372,13 @@ def _validate(cfg: Config) -> Config:
             f"must be more than fleet.heartbeat_s ({f.heartbeat_s:g}) and at most "
             f"{MAX_INTERVAL_S:g} seconds, got {f.unreachable_after_s}",
         )
-    if s.advertise_url and not s.advertise_url.startswith(("http://", "https://")):
-        raise InvalidSettingError(
-            "server.advertise_url", f"must be an http:// or https:// URL, got {s.advertise_url!r}"
-        )
+    if s.advertise_url:
+        from controlplane.fleet_auth import check_url
+
+        try:
+            check_url(s.advertise_url, "server.advertise_url")
+        except ValueError as exc:
+            raise InvalidSettingError("server.advertise_url", str(exc).split(": ", 1)[1]) from None
     _check_autopilot(cfg.autopilot)
     check_engine(cfg.engine)
     return cfg

@@ -12,6 +12,10 @@ A fleet change
 A target that fails between 2 and 3 (it died, or a concurrent change made this one invalid)
 is reported as failed: the others keep the change, as an operator would want in a fleet that
 must converge, and the exit status says it is partial.
+
+No request carries the admin token: each is signed for the instance its row names, and an
+answer counts only if that instance signed it (controlplane.fleet_auth). A row whose URL is
+not a plain http(s) URL (a query, a fragment, another scheme) is never asked: it fails.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.admin_client import AdminClient, APIError, Unreachable
+from controlplane.admin_client import AdminClient, APIError, ClientError, Unreachable
+from controlplane.fleet_auth import Signer, check_url, fleet_key
 from controlplane.store.fleet import DRAINING, LOADING, SERVING, UNREACHABLE, Member
 
 TARGET_STATES = (SERVING, DRAINING)
@@ -82,6 +87,29 @@ def _failure(m: Member, exc: Exception, refused: str) -> Outcome:
     return Outcome(m.id, m.advertise_url, kind, str(exc))
 
 
+class _Refused(ClientError):
+    """A target that is not asked at all: its URL, or no token to sign with."""
+
+
+def fleet_client(member: Member, token: str | None, *, timeout: float = 10.0) -> AdminClient:
+    """A client for one instance that signs for `member.id` and sends no token; _Refused
+    (a ClientError) where its URL is no plain http(s) URL or there is no token."""
+    try:
+        url = check_url(member.advertise_url)
+    except ValueError as exc:
+        raise _Refused(f"not asked: {exc}") from None
+    if not token:
+        raise _Refused("not asked: no admin token to sign the request with")
+    signer = Signer(fleet_key(token), member.id)
+    return AdminClient(url, None, timeout=timeout, source="fleet", signer=signer)
+
+
+async def _ask(client: AdminClient | ClientError, call: Any) -> Any:
+    if isinstance(client, ClientError):
+        raise client
+    return await call(client)
+
+
 async def apply_change(
     members: Sequence[Member],
     changes: dict[str, Any],
@@ -97,13 +125,21 @@ async def apply_change(
     others = [_not_targeted(m) for m in members if m.state in (UNREACHABLE, LOADING)]
     if not targets:
         return FleetChange(change_id, False, others)
-    clients = [
-        AdminClient(m.advertise_url, token, timeout=timeout, source="fleet") for m in targets
-    ]
+    clients: list[AdminClient | ClientError] = []
+    for m in targets:
+        try:
+            clients.append(fleet_client(m, token, timeout=timeout))
+        except ClientError as exc:
+            clients.append(exc)
+
+    def dry(c: AdminClient) -> Any:
+        return c.patch_config(changes, dry_run=True)
+
+    def real(c: AdminClient) -> Any:
+        return c.patch_config(changes, change_id=change_id)
+
     try:
-        checked = await asyncio.gather(
-            *(c.patch_config(changes, dry_run=True) for c in clients), return_exceptions=True
-        )
+        checked = await asyncio.gather(*(_ask(c, dry) for c in clients), return_exceptions=True)
         if any(isinstance(r, BaseException) for r in checked):
             outcomes = [
                 _failure(m, r, INVALID)
@@ -112,12 +148,9 @@ async def apply_change(
                 for m, r in zip(targets, checked, strict=True)
             ]
             return FleetChange(change_id, False, outcomes + others)
-        done = await asyncio.gather(
-            *(c.patch_config(changes, change_id=change_id) for c in clients),
-            return_exceptions=True,
-        )
+        done = await asyncio.gather(*(_ask(c, real) for c in clients), return_exceptions=True)
     finally:
-        await asyncio.gather(*(c.aclose() for c in clients))
+        await asyncio.gather(*(c.aclose() for c in clients if isinstance(c, AdminClient)))
     outcomes = [
         _failure(m, r, FAILED)
         if isinstance(r, Exception)
@@ -179,7 +212,7 @@ async def set_admission(member: Member, token: str | None, action: str) -> dict[
     """POST /admin/drain or /admin/resume on one instance; its answer ({"state": ...})."""
     if action not in ("drain", "resume"):
         raise ValueError(f"action: must be drain or resume, got {action!r}")
-    client = AdminClient(member.advertise_url, token, source="fleet")
+    client = fleet_client(member, token)
     try:
         return await (client.drain() if action == "drain" else client.resume())
     finally:

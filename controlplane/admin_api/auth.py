@@ -1,6 +1,8 @@
 """Admin bearer tokens: named, compared in constant time, generated on first start if none.
 
 A missing and a wrong token get the same 401: the response never says which part was wrong.
+Fleet requests carry no token but a signature made with a key derived from one
+(controlplane.fleet_auth); the admin routes take either, `fleet_guard`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from litestar.connection import ASGIConnection
+from litestar.connection import ASGIConnection, Request
 from litestar.exceptions import NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
 
 from controlplane.config import AdminToken, Config
+from controlplane.fleet_auth import Verified, Verifier, is_signed, sign_response
 
 log = logging.getLogger("controlplane.admin")
 
@@ -69,10 +72,15 @@ def match_bearer(authorization: str | None, secrets: Sequence[bytes]) -> int | N
     return found
 
 
+# Where a verified fleet request leaves what its answer is signed with (connection state).
+FLEET_STATE = "fleet_request"
+
+
 class AdminAuth:
     def __init__(self, tokens: list[AdminToken]) -> None:
         self._names = [t.name for t in tokens]
         self._secrets = [t.token.encode() for t in tokens]
+        self._tokens = [t.token for t in tokens]
 
     def actor(self, authorization: str | None) -> str | None:
         """The token's name, or None."""
@@ -86,3 +94,67 @@ class AdminAuth:
                 "a valid admin token is required (Authorization: Bearer <token>)"
             )
         connection.state.actor = actor
+
+    def fleet_guard(self, instance_id: str):
+        """The admin routes' guard: a bearer token, or a fleet signature made for this
+        instance (`instance_id`) with one of its tokens. A signed request is marked as part
+        of a fleet operation (it never starts another) and its answer gets signed
+        (`fleet_answers`); a refused one gets the same 401 as a wrong token."""
+        verifier = Verifier(self._tokens, instance_id)
+
+        async def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+            if not is_signed(connection.headers):
+                return self.guard(connection, handler)
+            scope = connection.scope
+            path = scope["path"]
+            if scope.get("query_string"):
+                path += "?" + scope["query_string"].decode("latin-1")
+            body = await Request(scope, connection.receive).body()
+            found = verifier.verify(scope["method"], path, connection.headers, body)
+            if not isinstance(found, Verified):
+                log.warning("fleet request refused: %s", found)
+                raise NotAuthorizedException(
+                    "a valid admin token is required (Authorization: Bearer <token>)"
+                )
+            connection.state.actor = self._names[found.index]
+            connection.state[FLEET_STATE] = found
+
+        return guard
+
+
+def fleet_answers(app):
+    """ASGI middleware for the admin routes: the answer to a verified fleet request carries
+    this instance's signature over its id, the request's nonce, the status and the body."""
+
+    async def middleware(scope, receive, send) -> None:
+        if scope["type"] != "http" or not is_signed_scope(scope):
+            return await app(scope, receive, send)
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def buffered(message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = dict(message)
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            assert start is not None
+            body = b"".join(chunks)
+            found = (scope.get("state") or {}).get(FLEET_STATE)
+            if isinstance(found, Verified):
+                headers = [*start.get("headers", ()), *sign_response(found, start["status"], body)]
+                start["headers"] = headers
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        await app(scope, receive, buffered)
+
+    return middleware
+
+
+def is_signed_scope(scope) -> bool:
+    return any(k == b"x-controlplane-fleet-signature" for k, _ in scope.get("headers", ()))

@@ -15,6 +15,7 @@ from litestar import Request, Response, Router, get, patch, post
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
+from controlplane.admin_api.auth import FLEET_STATE, fleet_answers
 from controlplane.admin_client import CHANGE_ID_HEADER
 from controlplane.common import parse_group_by, parse_time
 from controlplane.engine.errors import InvalidSettingError
@@ -92,6 +93,13 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
 
         changes = flatten_raw(body)
         if where == "fleet":
+            if FLEET_STATE in request.state:  # the fleet signature allows no such route either
+                raise APIError(
+                    403,
+                    "scope: a fleet operation never starts another (this request is part of one)",
+                    type="permission_error",
+                    param="scope",
+                )
             if dry_run:
                 raise _unprocessable("dry_run", "is for one instance, not with scope=fleet", 400)
             return await _fleet_change(request, changes)
@@ -119,8 +127,9 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         }
 
     async def _fleet_change(request: Request, changes: dict[str, Any]) -> Response:
-        """This daemon coordinates: every live instance validates, then all apply (the caller's
-        token authenticates to each, so one token per fleet works)."""
+        """This daemon coordinates: every live instance validates, then all apply (requests
+        signed with a key derived from the caller's token, never the token itself: one token
+        per fleet works, and a URL in the table learns nothing it could reuse)."""
         from controlplane.store.fleet import members
 
         if runtime.db is None:
@@ -405,7 +414,8 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             costs,
             utilization,
         ],
-        guards=[runtime.admin_auth.guard],
+        guards=[runtime.admin_auth.fleet_guard(runtime.instance_id)],
+        middleware=[fleet_answers],
         tags=["admin"],
     )
 

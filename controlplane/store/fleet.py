@@ -4,7 +4,10 @@ A daemon registers at start (state loading), refreshes its row on a heartbeat (s
 headline figures) and marks it stopped on a graceful exit. Readers compute "unreachable": a
 daemon that was killed, hung or cut off from the database cannot say so itself, so a live
 state (loading, serving, draining) whose heartbeat is older than the configured age reads as
-unreachable, since heartbeat_at + that age. Torch-free: `controlplane fleet ls` imports this.
+unreachable, since heartbeat_at + that age. A heartbeat from the future (a skewed clock, or
+a row written by hand) never reads as fresher than now: its age reads 0, and one more than
+the unreachable age ahead reads unreachable, so a forged row cannot stay "serving" forever.
+Torch-free: `controlplane fleet ls` imports this.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, insert, select, update
 
+from controlplane.fleet_auth import check_url
 from controlplane.store.audit import encode_value
 from controlplane.store.models import CostRollupRow, InstanceRow
 
@@ -105,7 +109,9 @@ def register(
     beat: Heartbeat,
     now: datetime,
 ) -> None:
-    """Insert or replace this instance's row (a restarted daemon keeps its id and row)."""
+    """Insert or replace this instance's row (a restarted daemon keeps its id and row);
+    ValueError for an advertise_url that is no plain http(s) URL (query, fragment, scheme)."""
+    check_url(advertise_url)
     row = dict(
         advertise_url=advertise_url,
         hostname=hostname,
@@ -148,12 +154,16 @@ def members(
 
 def member(row: dict[str, Any], *, now: datetime, unreachable_after_s: float) -> Member:
     """A row as readers see it: its state, or unreachable when a live state's heartbeat is
-    older than `unreachable_after_s`."""
+    older than `unreachable_after_s`, or more than that far in the future (clamped: the age
+    reads 0, never negative)."""
     beat_at = row["heartbeat_at"].astimezone(UTC)
     age = (now - beat_at).total_seconds()
     state, since = row["state"], None
     if state != STOPPED and age > unreachable_after_s:
         state, since = UNREACHABLE, beat_at + timedelta(seconds=unreachable_after_s)
+    elif state != STOPPED and -age > unreachable_after_s:
+        state, since = UNREACHABLE, now  # a clock that far ahead proves nothing about now
+    age = max(age, 0.0)
     fields = {f.name for f in dataclasses.fields(Member)}
     base = {k: v for k, v in row.items() if k in fields}
     return Member(
