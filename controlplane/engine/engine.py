@@ -368,40 +368,14 @@ class Engine:
             except Exception as exc:
                 self.masks.finish(job)  # the worker must be done with the matchers
                 outputs = self._fail_step(sched, exc)
-                seqs, prefill, decode = [], 0, 0  # nothing was computed
+                prefill, decode = 0, 0  # nothing was computed
             else:
-                self._failed_steps = 0
-                for item in sched.scheduled:
-                    item.seq.num_computed_tokens += item.num_new_tokens
-                    if not item.seq.draft_token_ids:  # else once verified (see _verify)
-                        self.scheduler.cache_blocks(item.seq)
-                if job.rows:
-                    outputs += self._apply_masks(logits, job)
-                # After masking: forked choices copy choice 0's masked row (equal states).
-                logits, seqs = self._fork(logits, seqs)
-            if seqs:
-                offsets = self._row_offsets(seqs)
-                plain = [i for i, seq in enumerate(seqs) if not seq.draft_token_ids]
-                plain_logits = (
-                    logits if len(plain) == len(logits) else logits[[offsets[i] for i in plain]]
-                )
-                tokens, logprobs, errors = self._sample(plain_logits, [seqs[i] for i in plain])
-                sampled = len(plain) - len(errors)
-                now = time.time()
-                for j, i in enumerate(plain):
-                    seq = seqs[i]
-                    if seq.status is SequenceStatus.FINISHED:
-                        continue  # a sibling's failure ended the whole request
-                    if j in errors:
-                        outputs += self._fail(seq, errors[j], now)
-                    else:
-                        outputs += self._append_or_fail(seq, tokens[j], logprobs[j], now)
-                for i, seq in enumerate(seqs):
-                    if seq.draft_token_ids and seq.status is not SequenceStatus.FINISHED:
-                        k = len(seq.draft_token_ids)
-                        new = self._verify(seq, logits[offsets[i] : offsets[i] + k + 1], now)
-                        sampled += len(new[-1].new_token_ids) if new else 0
-                        outputs += new
+                try:
+                    sampled = self._after_forward(sched, logits, seqs, job, outputs)
+                    self._failed_steps = 0
+                except Exception as exc:  # a defect, not one request's fault: fail the step
+                    self.masks.finish(job)
+                    outputs += self._fail_step(sched, exc, "processing its logits")
         if self.draft is not None:
             for seq in self._drafted:
                 # Verified or not (the scheduler may drop drafts), the draft's KV is valid
@@ -412,6 +386,50 @@ class Engine:
         self._step += 1
         self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
         return outputs
+
+    def _after_forward(
+        self,
+        sched: SchedulerOutput,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        job: MaskJob,
+        outputs: list[RequestOutput],
+    ) -> int:
+        """Mask, fork, sample and verify this step's rows; appends to `outputs` as it goes
+        (so a failure part-way loses none). Returns the tokens sampled.
+
+        The row layout is fixed once, here: (sequence, first row, drafts), from the drafts the
+        forward pass was given. Nothing after this point recomputes it from the sequences,
+        whose drafts and fork state change while the step is processed."""
+        rows = self._row_layout(seqs)
+        if (n := sum(1 + k for _, _, k in rows)) != len(logits):
+            raise RuntimeError(f"{len(logits)} logits rows for {n} scheduled rows")
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if not item.seq.draft_token_ids:  # else once verified (see _verify)
+                self.scheduler.cache_blocks(item.seq)
+        if job.rows:
+            outputs += self._apply_masks(logits, job)
+        # After masking: forked choices copy choice 0's masked row (equal states).
+        logits, rows = self._fork(logits, rows)
+        plain = [(seq, at) for seq, at, k in rows if not k]
+        plain_logits = logits if len(plain) == len(logits) else logits[[at for _, at in plain]]
+        tokens, logprobs, errors = self._sample(plain_logits, [seq for seq, _ in plain])
+        sampled = len(plain) - len(errors)
+        now = time.time()
+        for j, (seq, _) in enumerate(plain):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # a sibling's failure ended the whole request
+            if j in errors:
+                outputs += self._fail(seq, errors[j], now)
+            else:
+                outputs += self._append_or_fail(seq, tokens[j], logprobs[j], now)
+        for seq, at, k in rows:
+            if k and seq.status is not SequenceStatus.FINISHED:
+                new = self._verify(seq, logits[at : at + k + 1], now)
+                sampled += len(new[-1].new_token_ids) if new else 0
+                outputs += new
+        return sampled
 
     # -- structured outputs ---------------------------------------------------------------------
     def _start_masks(self, sched: SchedulerOutput) -> MaskJob:
@@ -448,32 +466,31 @@ class Engine:
         return outputs
 
     def _fork(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, list[Sequence]]:
+        self, logits: torch.Tensor, rows: list[tuple[Sequence, int, int]]
+    ) -> tuple[torch.Tensor, list[tuple[Sequence, int, int]]]:
         """Parallel sampling: a choice 0 about to sample its first token forks its pending
         choices, which sample from the same logits row (each with its own generator)."""
-        if all(seq.forked or len(seq.group) == 1 for seq in seqs):
-            return logits, seqs
-        rows: list[int] = []
-        out: list[Sequence] = []
-        for seq, at in zip(seqs, self._row_offsets(seqs), strict=True):
-            if not seq.forked and len(seq.group) > 1:
-                group = [seq, *self.scheduler.fork(seq)]
-                rows += [at] * len(group)
-                out += group
-            else:
-                rows += range(at, at + 1 + len(seq.draft_token_ids))
-                out.append(seq)
-        return logits[rows], out
+        if not any(seq.awaits_fork for seq, _, _ in rows):
+            return logits, rows
+        index: list[int] = []
+        out: list[tuple[Sequence, int, int]] = []
+        for seq, at, k in rows:
+            group = [seq, *self.scheduler.fork(seq)] if seq.awaits_fork else [seq]
+            for member in group:
+                out.append((member, len(index), k))
+                index += range(at, at + 1 + k)
+        return logits[index], out
 
     @staticmethod
-    def _row_offsets(seqs: list[Sequence]) -> list[int]:
-        """Each sequence's first logits row (a speculating one has 1 + k rows)."""
-        offsets, at = [], 0
+    def _row_layout(seqs: list[Sequence]) -> list[tuple[Sequence, int, int]]:
+        """(sequence, first logits row, draft tokens) per sequence: a speculating one has
+        1 + k rows."""
+        rows, at = [], 0
         for seq in seqs:
-            offsets.append(at)
-            at += 1 + len(seq.draft_token_ids)
-        return offsets
+            k = len(seq.draft_token_ids)
+            rows.append((seq, at, k))
+            at += 1 + k
+        return rows
 
     # -- speculative decoding -----------------------------------------------------------------
     def _propose(self) -> None:
@@ -550,21 +567,24 @@ class Engine:
         return [o for o in outs if o.index != seq.index] + ([_merge(mine)] if mine else [])
 
     # -- failures: one request's fault ends that request, not the engine --------------------
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """The forward pass raised: no one request is to blame, so every request whose KV this
-        step touched fails (its blocks are freed; their contents are unknown) and the engine
-        goes on. Call from inside the `except` block (the log takes the traceback from it)."""
+    def _fail_step(
+        self, sched: SchedulerOutput, exc: Exception, phase: str = "the forward pass"
+    ) -> list[RequestOutput]:
+        """The step raised in `phase` with no one request to blame, so every request whose KV
+        this step touched fails (its blocks are freed; their contents are unknown) and the
+        engine goes on. Call from inside the `except` block (the log takes the traceback)."""
         self._failed_steps += 1
         if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(
-                f"{self._failed_steps} consecutive steps failed in the forward pass; last: {exc!r}"
+                f"{self._failed_steps} consecutive steps failed in {phase}; last: {exc!r}"
             ) from exc
         hosts = {host for _, host in sched.swap_out}  # swapped out by this step's copy
         failed = [item.seq for item in sched.scheduled]
         failed += [seq for seq in self.scheduler.swapped if hosts & set(seq.swap_table)]
         log.exception(
-            "step %d: forward pass failed (%d in a row); failing its requests: %s",
+            "step %d: %s failed (%d in a row); failing its requests: %s",
             self._step + 1,
+            phase,
             self._failed_steps,
             ", ".join(seq.request_id for seq in failed),
         )
@@ -572,7 +592,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         for seq in failed:
             if seq.status is not SequenceStatus.FINISHED:
-                outputs += self._fail(seq, f"forward pass failed: {exc!r}", now)
+                outputs += self._fail(seq, f"{phase} failed: {exc!r}", now)
         return outputs
 
     def _sample(

@@ -97,9 +97,15 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def awaits_fork(self) -> bool:
+        """Choice 0 of a parallel-sampling request whose other choices still wait for it (only
+        choice 0 forks; the flag means nothing on the others)."""
+        return self.index == 0 and not self.forked and len(self.group) > 1
+
+    @property
     def num_slots(self) -> int:
         """Batch slots this sequence takes once running: all n choices for an unforked choice 0."""
-        return 1 if self.forked or self.index else len(self.group)
+        return len(self.group) if self.awaits_fork else 1
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
