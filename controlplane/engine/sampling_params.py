@@ -27,6 +27,7 @@ MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # engine-independent bound; validate_request checks the vocabulary
 MAX_N = 1024  # engine-side sanity bound; the server's `server.max_n` is the configured limit
+MAX_CACHE_SALT_CHARS = 4096  # the server's salt: JSON of a key hash and a cache_salt (256)
 
 
 @dataclass(slots=True)
@@ -50,6 +51,10 @@ class SamplingParams:
     n: int = 1
     # Structured outputs: the grammar every choice's output must match (None: free text).
     structured: StructuredOutput | None = None
+    # Prefix cache partition: requests share cached KV blocks only with requests of the same
+    # salt (it enters the first block's hash). None: the shared partition. The server sets it
+    # from the API key and the request's `cache_salt` (engine.prefix_cache_isolation).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +137,13 @@ class SamplingParams:
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _int("n", self.n, 1, MAX_N)
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidSettingError(
+                "cache_salt",
+                f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidSettingError("structured", "must be a StructuredOutput")
 

@@ -118,7 +118,7 @@ class Scheduler:
         """Cached blocks for the longest cached prefix of seq's first `num_blocks` full blocks."""
         if not self.settings.enable_prefix_caching or num_blocks <= 0:
             return []
-        chain_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.hash_root)
         return self.pool.lookup(seq.block_hashes[:num_blocks])
 
     def _count_hits(self, seq: Sequence, tokens: int) -> None:
@@ -137,7 +137,7 @@ class Scheduler:
 
     def _add_inflight(self, seq: Sequence, inflight: dict[bytes, Sequence]) -> None:
         if seq.num_uncomputed > 1 and self.settings.enable_prefix_caching:
-            chain_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+            chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.hash_root)
             for h in seq.block_hashes[seq.num_computed_tokens // self.block_size :]:
                 inflight.setdefault(h, seq)
 
@@ -149,7 +149,7 @@ class Scheduler:
         j = seq.num_computed_tokens // bs
         if not inflight or seq.num_computed_tokens % bs or j >= (seq.num_tokens - 1) // bs:
             return False
-        chain_hashes(seq.token_ids, bs, seq.block_hashes)
+        chain_hashes(seq.token_ids, bs, seq.block_hashes, seq.hash_root)
         owner = inflight.get(seq.block_hashes[j])
         return owner is not None and owner is not seq
 
@@ -184,7 +184,7 @@ class Scheduler:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks or not self.settings.enable_prefix_caching:
             return
-        chain_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.hash_root)
         for j in range(seq.num_registered_blocks, full):
             self.pool.register(seq.block_table[j], seq.block_hashes[j])
         seq.num_registered_blocks = full

@@ -39,6 +39,13 @@ def chain_hashes(
         hashes.append(parent)
 
 
+def salt_root(salt: str) -> bytes:
+    """The hash chain's root for a cache salt: a salted request's blocks never match those of
+    another salt (or of no salt), so its cache hits reveal nothing about other tenants."""
+    data = b"cache-salt\x00" + salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
@@ -81,8 +88,13 @@ class Sequence:
     # Structured outputs: this choice's grammar state (an llguidance matcher, advanced by
     # every token appended), None when unconstrained or once the sequence has ended.
     matcher: Any = None
+    # Prefix cache partition: the root of the block hash chain (see chain_hashes), from
+    # params.cache_salt; b"" (the shared partition) when the request has none.
+    hash_root: bytes = b""
 
     def __post_init__(self) -> None:
+        if self.params.cache_salt is not None and not self.hash_root:
+            self.hash_root = salt_root(self.params.cache_salt)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if not self.group:

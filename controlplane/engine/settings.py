@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+PREFIX_CACHE_ISOLATIONS = ("key", "none")
 MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
@@ -111,6 +112,14 @@ class EngineSettings:
         "chained hash of their tokens). Off: no matching and no new entries; nothing in use "
         "is freed.",
         True,
+    )
+    prefix_cache_isolation: str = _live(
+        "Who shares cached prefixes when API keys are configured: key (each API key has its "
+        "own partition: a tenant's cache hits say nothing about other tenants' prompts) or "
+        "none (every key shares one cache: more hits, but cached_tokens and TTFT tell a "
+        "caller whether another sent the same prefix). An open API (no keys) always shares; "
+        "a request's cache_salt separates it further either way. Applies to new requests.",
+        "key",
     )
 
     @classmethod
@@ -203,6 +212,7 @@ def check(settings: EngineSettings) -> EngineSettings:
             f"got {s.speculative_ngram_max}",
         )
     _bool("enable_prefix_caching", s.enable_prefix_caching)
+    _choice("prefix_cache_isolation", s.prefix_cache_isolation, PREFIX_CACHE_ISOLATIONS)
     if s.max_num_batched_tokens < s.max_num_seqs:
         # Every running sequence must be able to decode one token per step.
         raise InvalidSettingError(
