@@ -67,8 +67,10 @@ class DaemonProcess:
         timeout: float = 120,
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        preexec_fn: Any = None,
     ) -> DaemonProcess:
-        """`controlplane serve --config CONFIG ARGS`; `env`: CONTROLPLANE_* variables to set."""
+        """`controlplane serve --config CONFIG ARGS`; `env`: CONTROLPLANE_* variables to set;
+        `preexec_fn`: run in the child before exec (lower a resource limit, say)."""
         # Hermetic: the config file under test (and `env`) is the only configuration (CI
         # exports CONTROLPLANE_DATA_DIR for its quickstart run, for instance).
         base = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
@@ -79,6 +81,7 @@ class DaemonProcess:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            preexec_fn=preexec_fn,
         )
         d = cls(config, proc)
         STARTED.append(proc)

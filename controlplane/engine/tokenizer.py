@@ -231,6 +231,7 @@ class Tokenizer:
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         self.special_token_texts: tuple[str, ...] = tuple(sorted(specials, key=len, reverse=True))
         self._plain_backend: Any = None
+        self._marks: _Marks | None = None  # the escape (encode_chat), built on first use
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -344,7 +345,9 @@ class Tokenizer:
         if not escape or not self.special_token_texts:
             text = self.apply_chat_template(messages, add_generation_prompt, **extra)
             return self.encode(text, add_special_tokens=False)
-        marks = _Marks(self.special_token_texts, [messages, extra, self.chat_template])
+        if self._marks is None:
+            self._marks = _Marks(self.special_token_texts, self.chat_template)
+        marks = self._marks
         text = self.apply_chat_template(
             marks.hide(messages), add_generation_prompt, **marks.hide(extra)
         )
@@ -387,29 +390,42 @@ def _encode(backend: Any, text: str, add_special_tokens: bool) -> list[int]:
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-class _Marks:
-    """Stand-ins for special-token text inside chat messages while the template renders.
+# Where the escape's marker character comes from: the private-use areas (the BMP's, then planes
+# 15 and 16), first one the template and the special tokens do not use.
+_MARK_CANDIDATES = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
 
-    Each occurrence becomes OPEN + index + CLOSE, two private-use characters that occur in
-    neither the messages nor the template, so after rendering the template's own special tokens
-    are the only ones left.
+
+class _Marks:
+    """The escape of special-token text inside chat messages while the template renders.
+
+    One marker character M, chosen once per tokenizer among those that occur in neither the
+    template nor any special token (never from the messages, so no input can exhaust it),
+    escapes the messages' text: the i-th special-token text becomes M + i + M, and M itself,
+    if a message holds it, becomes M + len(specials) + M. Once hidden, the messages hold M only
+    inside such groups and no special-token text at all (none contains M), and the template adds
+    no M; so the special-token text of the rendered prompt is the template's own, and `restore`
+    turns each group back into the text it stands for, which is then encoded as plain text.
+    Works for any input: nothing depends on which characters the messages use.
     """
 
-    def __init__(self, specials: Sequence[str], texts: Any) -> None:
+    def __init__(self, specials: Sequence[str], template: str | None) -> None:
         self.specials = list(specials)
         self.special_re = re.compile("|".join(re.escape(t) for t in self.specials))
-        used = set("".join(_strings(texts)))
-        free = (chr(c) for c in range(0xE000, 0xF8FF) if chr(c) not in used)
-        self.open, self.close = next(free), next(free)
-        self._index = {t: i for i, t in enumerate(self.specials)}
-        self._mark_re = re.compile(f"{re.escape(self.open)}(\\d+){re.escape(self.close)}")
+        used = set(template or "").union(*self.specials)
+        mark = next((chr(c) for r in _MARK_CANDIDATES for c in r if chr(c) not in used), None)
+        if mark is None:  # the template would have to hold 137,000 private-use characters
+            raise ModelLoadError("chat template: no private-use character is free for escaping")
+        self.mark = mark
+        self._texts = [*self.specials, mark]
+        # Longest first (self.specials is sorted so), then M: no special-token text contains M.
+        self._hide_re = re.compile("|".join(re.escape(t) for t in self._texts))
+        self._groups = {t: f"{mark}{i}{mark}" for i, t in enumerate(self._texts)}
+        self._mark_re = re.compile(f"{re.escape(mark)}([0-9]+){re.escape(mark)}")
 
     def hide(self, value: Any) -> Any:
-        """A copy of the messages with every special-token text replaced by its mark."""
+        """A copy of the messages with every special-token text (and M) replaced by its group."""
         if isinstance(value, str):
-            return self.special_re.sub(
-                lambda m: f"{self.open}{self._index[m.group()]}{self.close}", value
-            )
+            return self._hide_re.sub(lambda m: self._groups[m.group()], value)
         if isinstance(value, Mapping):
             return {k: self.hide(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -417,17 +433,15 @@ class _Marks:
         return value
 
     def restore(self, text: str) -> str:
-        return self._mark_re.sub(lambda m: self.specials[int(m.group(1))], text)
+        if self.mark not in text:
+            return text
+        texts = self._texts
 
+        def back(m: re.Match[str]) -> str:
+            i = int(m.group(1))
+            return texts[i] if i < len(texts) else m.group()
 
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, Mapping):
-        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
-    if isinstance(value, list | tuple):
-        return [s for v in value for s in _strings(v)]
-    return []
+        return self._mark_re.sub(back, text)
 
 
 class IncrementalDetokenizer:

@@ -265,11 +265,20 @@ class InferenceAPI:
         return protocol.load_json(await request.body())
 
     async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS)."""
+        """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS).
+        Whatever fn raises reaches the caller: a StopIteration, which asyncio cannot put in a
+        future (the handler would wait forever), comes out as a RuntimeError (a clean 500)."""
+
+        def call() -> Any:
+            try:
+                return fn(*args, **kw)
+            except (StopIteration, StopAsyncIteration) as exc:
+                raise RuntimeError(f"{type(exc).__name__} raised in tokenization") from exc
+
         if size < OFF_LOOP_CHARS:
-            return fn(*args, **kw)
+            return call()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, lambda: fn(*args, **kw))
+        return await loop.run_in_executor(self._tokenize_pool, call)
 
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
