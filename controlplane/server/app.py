@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.response import ServerSentEvent
 
@@ -225,17 +226,7 @@ class InferenceAPI:
         """Admission for `incoming` engine requests (one per prompt): the API key, the server
         state, the model and the waiting queue. Returns the key's name and hash."""
         d = self.runtime
-        key_name = key_hash = None
-        if d.cfg.api_keys:
-            found = d.authenticate(request.headers.get("authorization"))
-            if found is None:
-                raise APIError(
-                    401,
-                    "invalid or missing API key (Authorization: Bearer <key>)",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
-            key_name, key_hash = found[0].name, found[1]
+        key_name, key_hash = self.authenticate(request)
         if d.state != "ready" or not d.engine_loaded:
             raise unavailable(f"server is {d.state}; retry later")
         if not d.engine_running:
@@ -260,6 +251,32 @@ class InferenceAPI:
                 headers={"Retry-After": "1"},
             )
         return key_name, key_hash
+
+    def authenticate(self, request: ASGIConnection) -> tuple[str | None, str | None]:
+        """The API key's name and hash ((None, None) on an open API); 401 otherwise. Every /v1
+        route runs this first, as a guard: nothing about an anonymous request is parsed,
+        validated or counted (its body is not even read)."""
+        if not self.runtime.cfg.api_keys:
+            return None, None
+        found = self.runtime.authenticate(request.headers.get("authorization"))
+        if found is None:
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        return found[0].name, found[1]
+
+    def _cache_salt(self, parsed: protocol.ParsedRequest, key_hash: str | None) -> str | None:
+        """The request's prefix-cache partition (SamplingParams.cache_salt): its API key's
+        (with keys configured and engine.prefix_cache_isolation = key) and its `cache_salt`.
+        None: the shared partition (an open API, or isolation none, without a cache_salt)."""
+        isolate = key_hash is not None and self.runtime.cfg.engine.prefix_cache_isolation == "key"
+        if not isolate and parsed.cache_salt is None:
+            return None
+        # JSON: unambiguous (no salt can pose as a key's part or the other way round).
+        return json.dumps([key_hash if isolate else None, parsed.cache_salt])
 
     async def _body(self, request: Request) -> Any:
         return protocol.load_json(await request.body())
@@ -322,8 +339,11 @@ class InferenceAPI:
         assert max_model_len is not None  # admitted: the engine is loaded
         n = len(prompts_ids)
         params = []
+        salt = self._cache_salt(parsed, keys[1])
         for i, ids in enumerate(prompts_ids):
             p = parsed.params
+            if salt is not None:
+                p = dataclasses.replace(p, cache_salt=salt)
             if parsed.default_max_tokens:
                 # OpenAI chat: no max_tokens means "as much as fits".
                 p = dataclasses.replace(p, max_tokens=max(1, max_model_len - len(ids)))
@@ -705,10 +725,15 @@ def create_app(runtime: Runtime) -> Litestar:
     api = InferenceAPI(runtime)
     max_body = runtime.cfg.server.max_body_bytes
 
+    def api_key(connection: ASGIConnection, _: Any) -> None:
+        """Guard of every /v1 route: the key is checked before the body is read."""
+        api.authenticate(connection)
+
     @post(
         "/v1/completions",
         status_code=200,
         summary="OpenAI completions",
+        guards=[api_key],
         operation_class=protocol.openapi_body(protocol.COMPLETION_SCHEMA),
     )
     async def completions(request: Request) -> Response:
@@ -718,12 +743,13 @@ def create_app(runtime: Runtime) -> Litestar:
         "/v1/chat/completions",
         status_code=200,
         summary="OpenAI chat completions",
+        guards=[api_key],
         operation_class=protocol.openapi_body(protocol.CHAT_SCHEMA),
     )
     async def chat_completions(request: Request) -> Response:
         return await api.chat(request)
 
-    @get("/v1/models", summary="Served models")
+    @get("/v1/models", summary="Served models", guards=[api_key])
     async def models() -> dict[str, Any]:
         return api.models()
 

@@ -30,6 +30,12 @@ from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHAR
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
 # (the chat template, config flattening) far from Python's recursion limit.
 MAX_JSON_DEPTH = 32
+# A JSON schema sent as a string (guided_json, response_format.json_schema.schema,
+# structured_outputs.json) is parsed apart from the body: its own bound, serde_json's default
+# recursion limit (what llguidance parses it with). Deeper is a 400 naming the field.
+MAX_SCHEMA_DEPTH = 128
+# vLLM's `cache_salt`: the request's prefix-cache partition (hashed, never stored).
+MAX_CACHE_SALT_CHARS = 256
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _COMMON = {
@@ -60,6 +66,7 @@ _COMMON = {
     "guided_grammar",
     "guided_decoding_backend",
     "structured_outputs",
+    "cache_salt",  # vLLM: prefix-cache partition
 }
 # The fields each endpoint reads (or accepts at their default only, with a 400 naming the field
 # otherwise). Any other field is ignored, as vLLM does (see `ParsedRequest.ignored_fields`):
@@ -108,10 +115,11 @@ def load_json(raw: bytes) -> Any:
     return body
 
 
-def check_json(body: Any) -> None:
-    """Walk the parsed body without recursion: depth, and UTF-8-safe strings and keys."""
+def check_json(body: Any, where: str = "body", max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Walk the parsed body without recursion: depth, and UTF-8-safe strings and keys.
+    `where`: a field holding JSON text parsed on its own (errors name it, not the body)."""
     # (value, its path for messages, the top-level field it is in, its depth)
-    todo: list[tuple[Any, str, str, int]] = [(body, "body", "body", 0)]
+    todo: list[tuple[Any, str, str, int]] = [(body, where, where, 0)]
     while todo:
         value, path, top, depth = todo.pop()
         if isinstance(value, str):
@@ -119,17 +127,17 @@ def check_json(body: Any) -> None:
             continue
         if not isinstance(value, dict | list):
             continue
-        if depth >= MAX_JSON_DEPTH:
+        if depth >= max_depth:
             # The top-level field, not the 32-level path: short and still says where.
-            raise invalid(printable(top), f"is nested deeper than {MAX_JSON_DEPTH} levels")
+            raise invalid(printable(top), f"is nested deeper than {max_depth} levels")
         if isinstance(value, list):
             todo.extend((v, f"{path}[{i}]", top, depth + 1) for i, v in enumerate(value))
             continue
         for key, v in value.items():
-            name = key if depth == 0 else f"{path}.{key}"
+            name = key if depth == 0 and where == "body" else f"{path}.{key}"
             if _SURROGATE.search(key):
                 raise invalid(printable(name), "field name is not valid UTF-8 (lone surrogate)")
-            todo.append((v, name, key if depth == 0 else top, depth + 1))
+            todo.append((v, name, key if depth == 0 and where == "body" else top, depth + 1))
 
 
 def _check_text(text: str, path: str) -> None:
@@ -181,6 +189,13 @@ _COMMON_SCHEMA: dict[str, Any] = {
     "structured_outputs": {
         "type": "object",
         "description": "vLLM's newer form: one of json, regex, choice, grammar, json_object",
+    },
+    "cache_salt": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_CACHE_SALT_CHARS,
+        "description": "vLLM: only requests with the same salt (and, with API keys, the same "
+        "key unless engine.prefix_cache_isolation is none) share cached prefixes",
     },
 }
 _PROMPT_TEXT = {"type": "string", "minLength": 1}
@@ -293,6 +308,7 @@ class ParsedRequest:
     best_of: int | None = None
     ignored_fields: tuple[str, ...] = ()  # top-level fields this endpoint does not read
     tools: ToolRequest | None = None  # chat: the tools offered, tool_choice, parallel calls
+    cache_salt: str | None = None  # vLLM's cache_salt (the server adds the API key's part)
 
     @property
     def structured(self) -> StructuredOutput | None:
@@ -316,8 +332,11 @@ def _schema(value: Any, name: str) -> StructuredOutput:
     if isinstance(value, str):  # vLLM accepts the schema as JSON text too
         try:
             value = json.loads(value)
+        except RecursionError:  # nested beyond the interpreter's limit (~1,000 levels)
+            raise invalid(name, f"is nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError as exc:
             raise invalid(name, f"is not valid JSON ({exc})") from None
+        check_json(value, name, MAX_SCHEMA_DEPTH)
     if not isinstance(value, dict | bool):
         raise invalid(name, "must be a JSON schema (an object)")
     return StructuredOutput.json_schema(value, name)
@@ -447,6 +466,20 @@ class _Common:
     ignored: tuple[str, ...]
 
 
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string of at most MAX_CACHE_SALT_CHARS characters."""
+    salt = _opt(body, "cache_salt", (str,), "a string", None)
+    if salt is None:
+        return None
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise invalid(
+            "cache_salt",
+            f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+            f"got {len(salt)}",
+        )
+    return salt
+
+
 def _user(body: dict[str, Any]) -> str | None:
     user = _opt(body, "user", (str,), "a string", None)
     if user is None or user == "":
@@ -539,6 +572,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         n=n,
         best_of=best_of,
         ignored_fields=common.ignored,
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -604,6 +638,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         n=params.n,
         ignored_fields=common.ignored,
         tools=tools,
+        cache_salt=_cache_salt(body),
     )
 
 
