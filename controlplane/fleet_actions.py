@@ -125,6 +125,8 @@ async def apply_change(
     others = [_not_targeted(m) for m in members if m.state in (UNREACHABLE, LOADING)]
     if not targets:
         return FleetChange(change_id, False, others)
+    if token:
+        await asyncio.to_thread(fleet_key, token)  # PBKDF2 (cached): off the event loop
     clients: list[AdminClient | ClientError] = []
     for m in targets:
         try:

@@ -7,6 +7,7 @@ Fleet requests carry no token but a signature made with a key derived from one
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -110,6 +111,7 @@ class AdminAuth:
             if scope.get("query_string"):
                 path += "?" + scope["query_string"].decode("latin-1")
             body = await Request(scope, connection.receive).body()
+            await asyncio.to_thread(lambda: verifier.keys)  # PBKDF2, once: off the event loop
             found = verifier.verify(scope["method"], path, connection.headers, body)
             if not isinstance(found, Verified):
                 log.warning("fleet request refused: %s", found)
