@@ -95,7 +95,7 @@ class AdminClient:
         self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
     ) -> httpx.Response:
         """Send a request signed for the signer's instance; its answer unless that answer is
-        not signed by that instance (a 401 goes through: the instance refused the signature)."""
+        not signed by that instance (NotTheMember), or APIError 401 where it was refused."""
         assert self._signer is not None
         extra = {"timeout": timeout} if timeout is not None else {}
         request = self._http.build_request(method, path, **kwargs, **extra)
@@ -110,8 +110,14 @@ class AdminClient:
         request.headers.update(signed)
         r = await self._http.send(request, follow_redirects=False)
         await r.aread()
-        if r.status_code == 401 or 300 <= r.status_code < 400:
-            return r  # reported as such: neither can be mistaken for the change applied
+        if r.status_code == 401:
+            raise APIError(
+                401,
+                f"{self.url} refused the request signed for instance {self._signer.instance!r} "
+                "(another instance answers there, or it has another admin token)",
+            )
+        if 300 <= r.status_code < 400:
+            return r  # reported as a redirect not followed: never taken for the change applied
         if not self._signer.answered_by_instance(
             signed[NONCE_HEADER], r.status_code, r.headers, r.content
         ):

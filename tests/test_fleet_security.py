@@ -266,6 +266,7 @@ def test_an_instance_answering_for_another_id_is_reported_failed(clean: Fleet) -
     assert r.status_code == 503, r.text
     found = outcomes(r.json())
     assert found["imposter"]["outcome"] == "failed", found
+    assert "refused the request signed for instance 'imposter'" in found["imposter"]["detail"]
     assert {found[n]["outcome"] for n in NAMES} == {"not_applied"}
     assert {fleet.setting(n) for n in NAMES} == {4}
     assert len(fleet.history("alpha")) == before
