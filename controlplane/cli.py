@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 
@@ -55,6 +56,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_data_dir(path: Path) -> None:
+    """The daemon writes its instance id, admin token, journal (and SQLite file) here: one line
+    naming the directory and the user when it cannot, not a traceback from the first write.
+    ValueError: exit 2, as for a bad config (restarting cannot fix it; chown or data_dir can)."""
+    import os
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        uid = os.geteuid()
+        try:
+            import pwd
+
+            user = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        except (ImportError, KeyError):
+            user = f"uid {uid}"
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, FileExistsError | NotADirectoryError):
+            reason = "a file is in the way (not a directory)"
+        raise ValueError(
+            f"data directory {path} is not writable by user {user}: {reason}; make it writable "
+            "by that user (the image's user is uid 10001: chown the volume to it) or set data_dir "
+            "(--data-dir, CONTROLPLANE_DATA_DIR)"
+        ) from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
@@ -77,6 +108,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         flags["data_dir"] = args.data_dir
     cfg = build_config(file_raw, os.environ, overrides=flags)
     setup_logging(cfg.server.log_format, cfg.server.log_level)
+    _check_data_dir(cfg.data_path)
 
     async def run() -> int:
         from controlplane.server.daemon import Daemon

@@ -120,6 +120,7 @@ class Flight:
                 if out.index == 0:
                     self.token_times.extend([out.time] * len(out.new_token_ids))
                 self.outputs.put_nowait((self.index * self.n + out.index, out))
+                self.runtime.progress(self.rec, out)  # tokens so far, for a kill (bounded)
         except asyncio.CancelledError:  # the loop is going away: still one final record
             self.stream.cancel()
             raise

@@ -53,6 +53,11 @@ COUNTER_WINDOW_S = 60.0  # /admin/stats: hit and acceptance rates over the last 
 # StepStats kept (about one a second): the counter window twice over, and the autopilot's
 # widest window (autopilot.max_window_s is at most this).
 HISTORY_S = 600
+# A running request's row is rewritten (still "running") with the tokens generated so far at
+# most this often: a process killed outright (SIGKILL after a short `docker stop`, the OOM
+# killer) leaves it "interrupted" with the completion tokens of at most this long ago (the
+# journal line is written at once; see controlplane.store.journal).
+PROGRESS_INTERVAL_S = 1.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -114,6 +119,7 @@ class Runtime:
         self._keys = [(k, hash_api_key(k.key)) for k in live.effective.api_keys]
         self.metrics = Metrics(model_name or "loading")
         self.request_meta: dict[str, RequestRecord] = {}  # in flight, by request id
+        self._progress_at: dict[str, float] = {}  # id -> time of its last progress record
         # Grammar compiles (structured outputs) run here: off the event loop and the step
         # thread. Two workers: one slow schema does not hold up every other compile.
         self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
@@ -159,8 +165,35 @@ class Runtime:
             self.request_meta[rec.id] = rec
         else:
             self.request_meta.pop(rec.id, None)
+            self._progress_at.pop(rec.id, None)
         if self.recorder is not None:
             self.recorder.submit(rec)
+
+    def progress(self, rec: RequestRecord, out: RequestOutput) -> None:
+        """A running request produced `out`: at most every PROGRESS_INTERVAL_S, record it again
+        as running with its tokens so far, so that a kill loses at most that much of its usage."""
+        if out.finished or self.recorder is None:
+            return
+        now = time.time()
+        last = self._progress_at.get(rec.id)
+        if last is None:
+            last = rec.arrival_time.timestamp()
+        if now - last < PROGRESS_INTERVAL_S:
+            return
+        self._progress_at[rec.id] = now
+        m = out.metrics
+        first = m.first_token_time
+        self.recorder.submit(
+            dataclasses.replace(
+                rec,
+                first_token_time=None if first is None else datetime.fromtimestamp(first, UTC),
+                ttft_s=m.ttft,
+                prompt_tokens=m.num_prompt_tokens,
+                cached_prompt_tokens=m.num_cached_tokens,
+                completion_tokens=m.num_output_tokens,
+                preemptions=m.num_preemptions,
+            )
+        )
 
     def finish(
         self,

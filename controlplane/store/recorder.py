@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import URL, Connection, Engine, or_, update
+from sqlalchemy import URL, Connection, Engine, bindparam, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from controlplane.config import StoreSettings
@@ -465,17 +465,54 @@ def mark_interrupted(engine: Engine | str | URL, instance_id: str) -> int:
     died or was killed; mark them interrupted. Returns how many rows were marked."""
     own = not isinstance(engine, Engine)
     eng = make_engine(engine) if own else engine
+    c = REQUESTS.c
     try:
         with eng.begin() as conn:
-            count = conn.execute(
-                update(REQUESTS)
-                .where(REQUESTS.c.instance_id == instance_id, REQUESTS.c.status == "running")
-                .values(
-                    status="interrupted",
-                    finish_reason="interrupted",
-                    finish_time=datetime.now(UTC),
+            left = conn.execute(
+                select(
+                    c.id,
+                    c.model,
+                    c.arrival_time,
+                    c.prompt_tokens,
+                    c.cached_prompt_tokens,
+                    c.completion_tokens,
+                ).where(c.instance_id == instance_id, c.status == "running")
+            ).all()
+            # Priced like every final row, on the tokens the row carries: the prompt, and the
+            # completion tokens of its last progress record (server.runtime.PROGRESS_INTERVAL_S).
+            book = PriceBook.load(conn) if left else None
+            now = datetime.now(UTC)
+            values = []
+            for row in left:
+                price = book.lookup(row.model, _utc(row.arrival_time)) if book else None
+                values.append(
+                    {
+                        "row_id": row.id,
+                        "new_price_id": price.id if price else None,
+                        "new_cost_usd": cost(
+                            price,
+                            row.prompt_tokens,
+                            row.cached_prompt_tokens,
+                            row.completion_tokens,
+                        )
+                        if price
+                        else None,
+                    }
                 )
-            ).rowcount
+            if values:
+                conn.execute(
+                    update(REQUESTS)
+                    .where(c.id == bindparam("row_id"), c.status == "running")
+                    .values(
+                        status="interrupted",
+                        finish_reason="interrupted",
+                        finish_time=now,
+                        price_id=bindparam("new_price_id"),
+                        cost_usd=bindparam("new_cost_usd"),
+                    ),
+                    values,
+                )
+            count = len(values)
     finally:
         if own:
             eng.dispose()
