@@ -21,6 +21,12 @@ Three workloads, each run with ``engine.enable_prefix_caching`` on and off (orde
   bookkeeping cost when nothing is shared. One engine, the setting toggled live between runs
   (``--repeats`` (3) interleaved pairs; medians). Target: throughput with the cache on within
   2% of off.
+* ``isolation``: the ``system`` workload with the cache on, against a daemon with one API key
+  against one with ``--keys`` (4) keys and against an open API (one shared cache), request ``i`` sent with key ``i mod keys``
+  (``engine.prefix_cache_isolation = key``, the default): what partitioning the cache per key
+  costs when every tenant sends the same system prompt. Figures: the cached share of prompt
+  tokens and TTFT p50 for each. Expected: with one key nothing changes; with K keys each key
+  computes the system prompt once, so the share drops by about (K - 1) / N of the system part.
 
 Figures to read, never timed assertions: the machine is shared, the load generator runs on
 the same CPUs as the daemon.
@@ -30,6 +36,7 @@ How to run
     python benchmarks/prefix_cache.py                    # all three, ~20 minutes on 2 cores
     python benchmarks/prefix_cache.py --only nosharing
     python benchmarks/prefix_cache.py --system-requests 16 --conversations 4 --turns 3  # smoke
+    python benchmarks/prefix_cache.py --only isolation --system-requests 16 --keys 4
 """
 
 from __future__ import annotations
@@ -119,8 +126,15 @@ def user_turn(i: int, words: int) -> str:
 # -- the daemon -------------------------------------------------------------------------------
 
 
-def start(workdir: Path, model: str, engine: dict[str, Any], args: argparse.Namespace) -> Daemon:
-    """The daemon on `model` with `engine` settings on top of the config below."""
+def api_key(k: int) -> str:
+    return f"sk-bench-tenant-{k}"
+
+
+def start(
+    workdir: Path, model: str, engine: dict[str, Any], args: argparse.Namespace, keys: int = 0
+) -> Daemon:
+    """The daemon on `model` with `engine` settings on top of the config below, and `keys` API
+    keys (api_key(0), ...; none: an open API)."""
     port = free_port()
     data_dir = workdir / "data"
     data_dir.mkdir(parents=True)
@@ -131,6 +145,7 @@ def start(workdir: Path, model: str, engine: dict[str, Any], args: argparse.Name
         f"[engine]\nmodel = {json.dumps(model)}\n"
         f"max_num_seqs = {args.max_num_seqs}\n"
         + "".join(f"{key} = {json.dumps(value)}\n" for key, value in engine.items())
+        + "".join(f'[[api_keys]]\nname = "tenant-{k}"\nkey = "{api_key(k)}"\n' for k in range(keys))
     )
     d = Daemon.spawn(cfg, port, data_dir)
     d.wait_healthy(300)
@@ -174,10 +189,15 @@ async def chat(client: Any, model: str, messages: list[dict], max_tokens: int) -
     }
 
 
-async def system_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def system_workload(url: str, args: argparse.Namespace, keys: int = 0) -> dict[str, Any]:
+    """Request i goes with API key i mod `keys` (none: the open API)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    clients = [
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=3600)
+        for key in ([api_key(k) for k in range(keys)] or ["none"])
+    ]
+    client = clients[0]
     model = (await client.models.list()).data[0].id
     system = system_prompt(args.system_words)
     # Warm up (not measured) on an unrelated prompt: no cache entry for the system prompt.
@@ -190,12 +210,13 @@ async def system_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
             {"role": "system", "content": system},
             {"role": "user", "content": user_turn(i, rng.randint(40, 75))},
         ]
-        return await chat(client, model, messages, args.output_len)
+        return await chat(clients[i % len(clients)], model, messages, args.output_len)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(args.system_requests)))
     wall = time.perf_counter() - t0
-    await client.close()
+    for c in clients:
+        await c.close()
     ttfts = [r["ttft"] for r in results]
     prompt = sum(r["prompt"] for r in results)
     return {
@@ -258,6 +279,26 @@ def daemon_pair(name: str, workload: Any, model: str, args: argparse.Namespace) 
     return out
 
 
+def isolation(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The system workload, cache on: an open API (one shared cache), 1 key, --keys keys
+    (isolation: key, the default)."""
+    out: dict[str, Any] = {}
+    for keys in (0, 1, args.keys):
+        label = f"{keys}_keys" if keys else "open"
+        with tempfile.TemporaryDirectory(prefix=f"prefix-isolation-{keys}-") as tmp:
+            log(f"isolation: {keys} API key(s): starting the daemon")
+            d = start(Path(tmp), model, {"enable_prefix_caching": True}, args, keys=keys)
+            try:
+                out[label] = asyncio.run(system_workload(d.url, args, keys=keys))
+            except Exception:
+                log(d.log_tail())
+                raise
+            finally:
+                d.stop(60)
+        log(f"isolation: {label}: {json.dumps(out[label])}")
+    return out
+
+
 # -- offline, nothing shared ----------------------------------------------------------------
 
 
@@ -295,7 +336,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="smollm2", help="engine.model (default: SmolLM2's GGUF)")
-    p.add_argument("--only", choices=("system", "multiturn", "nosharing"), action="append")
+    p.add_argument(
+        "--only", choices=("system", "multiturn", "nosharing", "isolation"), action="append"
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--system-requests", type=int, default=64)
     p.add_argument("--system-words", type=int, default=1500, help="~2,000 tokens")
@@ -306,9 +349,10 @@ def main() -> int:
     p.add_argument("--turn-output-len", type=int, default=48)
     p.add_argument("--offline-requests", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--keys", type=int, default=4, help="isolation: API keys of the second run")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    only = set(args.only or ("system", "multiturn", "nosharing"))
+    only = set(args.only or ("system", "multiturn", "nosharing", "isolation"))
     report: dict[str, Any] = {"cpu": _cpu()}
     if "nosharing" in only:
         report["nosharing"] = nosharing(args.model, args)
@@ -316,6 +360,8 @@ def main() -> int:
         report["multiturn"] = daemon_pair("multiturn", multiturn_workload, args.model, args)
     if "system" in only:
         report["system"] = daemon_pair("system", system_workload, args.model, args)
+    if "isolation" in only:
+        report["isolation"] = isolation(args.model, args)
 
     log("\n== prefix caching, cache on vs off (same run) ==")
     if "system" in report:
@@ -335,6 +381,16 @@ def main() -> int:
             f"{off['prompt_tokens_computed']} -> {on['prompt_tokens_computed']} of "
             f"{on['prompt_tokens']}; from the cache {on['cached_share']:.1%} (target >= 70%); "
             f"total {off['wall_s']:.1f}s -> {on['wall_s']:.1f}s"
+        )
+    if "isolation" in report:
+        r = report["isolation"]
+        shared, one, many = r["open"], r["1_keys"], r[f"{args.keys}_keys"]
+        log(
+            f"per-key isolation, shared system prompt ({one['requests']} requests, "
+            f"~{one['prompt_tokens_mean']:.0f} prompt tokens): cached share "
+            f"{shared['cached_share']:.1%} open API, {one['cached_share']:.1%} with 1 key, "
+            f"{many['cached_share']:.1%} with {args.keys} keys; TTFT p50 "
+            f"{shared['ttft_p50_s']:.2f}s / {one['ttft_p50_s']:.2f}s / {many['ttft_p50_s']:.2f}s"
         )
     if "nosharing" in report:
         r = report["nosharing"]
