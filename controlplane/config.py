@@ -54,6 +54,9 @@ class ServerSettings:
     events_interval_s: float = 0.5
     # How often the config file is checked for changes (it is also reloaded on SIGHUP).
     config_watch_interval_s: float = 1.0
+    # A changed config file is applied once two reads this far apart find the same file
+    # (identity, mtime, size, SHA-256): a writer pausing mid-file is waited for.
+    config_settle_s: float = 2.0
     # Largest request body accepted (bytes); larger ones get 413.
     max_body_bytes: int = 2 * 1024 * 1024
     # Special-token text (`<|eot_id|>`) inside chat messages: "escape" tokenizes it as plain
@@ -290,6 +293,7 @@ def _validate(cfg: Config) -> Config:
     # The range GET /admin/events accepts for its `interval` (the default must be one).
     _in_range("server.events_interval_s", s.events_interval_s, 0.1, 60)
     _in_range("server.config_watch_interval_s", s.config_watch_interval_s, 0.05, MAX_INTERVAL_S)
+    _in_range("server.config_settle_s", s.config_settle_s, 0.05, MAX_INTERVAL_S)
     if s.log_level.lower() not in LOG_LEVELS:
         raise InvalidSettingError(
             "server.log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {s.log_level!r}"

@@ -27,9 +27,9 @@ import uvicorn
 
 from controlplane.admin_api.auth import AdminAuth, resolve_tokens
 from controlplane.admin_api.metrics import Metrics
-from controlplane.config import Config, default_model, read_toml
-from controlplane.engine.errors import InvalidSettingError
-from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig
+from controlplane.config import Config, default_model
+from controlplane.server.config_file import ConfigFile
+from controlplane.server.live_config import FieldChange, LiveConfig
 from controlplane.server.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
 
 if TYPE_CHECKING:
@@ -83,6 +83,18 @@ class Daemon:
 
         self.runtime.autopilot = Autopilot(self.runtime)
         self.config_path = Path(config_path) if config_path else None
+        # Reloads (SIGHUP, the watcher): read off the loop, only a complete regular file.
+        self.config_file = (
+            ConfigFile(
+                self.config_path,
+                live,
+                self.runtime.change_config,
+                self.runtime.broadcast,
+                lambda: self.runtime.cfg.server,
+            )
+            if self.config_path is not None
+            else None
+        )
         self.install_signals = install_signals
         self.admin_token_file = token_file
         self.url = ""
@@ -162,26 +174,14 @@ class Daemon:
         return await self.runtime.change_config(changes, source, actor)
 
     async def reload_config(self, reason: str) -> None:
-        if self.config_path is None:
+        if self.config_file is None:
             log.warning(
                 "config reload (%s) ignored: the daemon was started without --config", reason
             )
             return
-        try:
-            raw = read_toml(self.config_path)
-            live, restart = self.live.file_changes(raw)
-            changes = await self.change_config(live, "file") if live else []
-        except (ConfigChangeError, InvalidSettingError) as exc:
-            log.error("config reload (%s) rejected, keeping the running values: %s", reason, exc)
-            return  # the file is read again on the next change or SIGHUP
-        self.live.file_read(raw)
-        if restart:
-            log.warning(
-                "config file changes that need a restart (not applied): %s", ", ".join(restart)
-            )
-            self.runtime.broadcast({"type": "restart_required", "fields": restart})
-        if not changes and not restart:
-            log.info("config reload (%s): nothing changed", reason)
+        # SIGHUP: the operator says the file is ready (applied even if it drops keys, with a
+        # warning naming them); a rejection is logged, and the file is read again next time.
+        await self.config_file.reload(reason)
 
     def _reload_soon(self, reason: str) -> None:
         """SIGHUP handler: reload in a task (signal handlers cannot await)."""
@@ -190,32 +190,10 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch_config(self) -> None:
-        """Reload when the file's mtime or size changes (polling: works on every filesystem)."""
-        assert self.config_path is not None
-
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = self.config_path.stat()
-            except OSError:
-                return None
-            return st.st_mtime_ns, st.st_size
-
-        last = stamp()
-        while True:
-            await asyncio.sleep(self.cfg.server.config_watch_interval_s)
-            now = stamp()
-            if now == last or now is None:
-                continue
-            # The writer may not be done (a truncated file reads as keys removed): reload only
-            # once the file has stopped changing for a moment.
-            while True:
-                await asyncio.sleep(0.2)
-                settled = stamp()
-                if settled == now:
-                    break
-                now = settled
-            last = now
-            await self.reload_config("file changed")
+        """Poll the file and reload a change once it has settled (controlplane.server.config_file:
+        it never dies, and never reads on the loop)."""
+        assert self.config_file is not None
+        await self.config_file.watch()
 
     async def _pump_metrics_forever(self) -> None:
         # Counters must see every step even if nobody scrapes for a while: the step ring is

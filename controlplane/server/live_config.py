@@ -262,6 +262,10 @@ class LiveConfig:
                 live[key] = touched[key] if key in new else defaults[key]
         return live, restart
 
+    def file_keys(self) -> set[str]:
+        """The dotted keys the last applied config file set."""
+        return set(flatten_raw(self._file_raw))
+
     def file_read(self, raw: Mapping[str, Any]) -> None:
         """Remember `raw` as the file's content once its changes are applied."""
         self._file_raw = dict(raw)

@@ -1,0 +1,344 @@
+"""The config file of a running daemon: read it safely, watch it, reload it (live fields only).
+
+What a reload may meet at the path, and what it does (issue 24, item 8):
+
+- The file is read off the event loop, in a thread of its own, and given `READ_TIMEOUT_S`:
+  a hung network mount costs the watcher that long, never the HTTP server (health probes
+  included). While such a read is still stuck, no other is started (the threads cannot be
+  killed; this keeps them to one).
+- Only a regular file is opened (`os.stat` + `S_ISREG` first, then `O_NONBLOCK` and an
+  `fstat` of what was opened, in case it was swapped in between): a FIFO, a directory (or a
+  symlink to one), a device or a socket is an error naming what it is. Symlinks to a regular
+  file are followed.
+- Bytes that are not UTF-8, invalid TOML, an invalid value, a file over `MAX_CONFIG_BYTES`, a
+  missing file: an error naming the path (and the offset or the field). The running values
+  stay; the next change of the file (or SIGHUP) is read again.
+- The watcher applies a file only once it is complete: its (device, inode, mtime, size,
+  SHA-256) must be the same in two reads `server.config_settle_s` apart, so a writer that pauses
+  mid-file is waited for. And a file that no longer sets keys the applied file set (what a
+  truncated write looks like) is held, not applied: a warning names the dropped keys and
+  says to send SIGHUP to apply the file as it is (those keys then go back to their defaults).
+  A later edit that sets the keys again is applied as usual. A dropped key is never applied
+  on a timer: a writer that died mid-file leaves its file truncated for good.
+- SIGHUP is the operator saying "the file is ready": it reads once (same safe read, no settle
+  time) and applies the file even if it drops keys, with a warning naming them.
+- Every rejection and hold is logged (error / warning) and sent on `GET /admin/events` as a
+  `{"type": "config_reload", "status": "rejected" | "held", ...}` event. Logging repeats only
+  when the file changes again, so a file left broken logs once.
+- The watcher never dies: anything unexpected is logged (with its traceback at most once a
+  minute for the same error) and the watch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controlplane.config import ServerSettings
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
+
+log = logging.getLogger("controlplane.daemon")
+
+READ_TIMEOUT_S = 5.0  # one read (or stat) of the config file, in its thread
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+ERROR_LOG_EVERY_S = 60.0  # the same unexpected watcher error is logged with its traceback once
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One read of the file: its identity and content, and the parsed table or why not."""
+
+    stamp: tuple[int, ...] | None  # (dev, inode, mtime_ns, size) of what was read
+    poll: tuple[int, ...] | str  # stat_stamp() as it was before the read
+    digest: str  # SHA-256 of the bytes read ("" when nothing was read)
+    raw: dict[str, Any] | None
+    error: str | None  # why it cannot be applied
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.stamp, self.digest, self.error)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _poll_stamp(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
+
+
+def _stat_error(exc: OSError) -> str:
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def stat_stamp(path: Path) -> tuple[int, ...] | str:
+    """What the watcher polls: (dev, inode, mtime_ns, size, mode), or the error as text."""
+    try:
+        return _poll_stamp(os.stat(path))
+    except OSError as exc:
+        return _stat_error(exc)
+
+
+def read_snapshot(path: Path) -> Snapshot:
+    """Read and parse the config file, refusing anything but a regular file; never raises
+    for what is at the path (blocking is the caller's concern: see `OffLoopReader`)."""
+
+    poll: tuple[int, ...] | str = ""
+
+    def failed(message: str, st: os.stat_result | None = None, digest: str = "") -> Snapshot:
+        stamp = None if st is None else (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        return Snapshot(stamp, poll, digest, None, f"{path}: {message}")
+
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        poll = _stat_error(exc)
+        if isinstance(exc, FileNotFoundError):
+            return failed("file not found")
+        return failed(f"cannot stat: {exc.strerror or exc}")
+    poll = _poll_stamp(st)
+    if not stat.S_ISREG(st.st_mode):
+        return failed(f"{_kind(st.st_mode)}, not a regular file", st)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        return failed(f"cannot open: {exc.strerror or exc}", st)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped between the stat and the open
+            return failed(f"{_kind(st.st_mode)}, not a regular file", st)
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        return failed(f"cannot read: {exc.strerror or exc}", st)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) > MAX_CONFIG_BYTES:
+        return failed(f"larger than {MAX_CONFIG_BYTES} bytes", st, digest)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start : exc.start + 1].hex()
+        return failed(f"not UTF-8 (byte 0x{bad} at offset {exc.start})", st, digest)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        return failed(f"invalid TOML: {exc}", st, digest)
+    stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    return Snapshot(stamp, poll, digest, raw, None)
+
+
+class OffLoopReader:
+    """Runs a blocking file-system call in a thread of its own with a timeout; one at a time,
+    so a call stuck for good (a hung mount) holds one thread, not one per poll."""
+
+    def __init__(self, timeout_s: float = READ_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._stuck: threading.Thread | None = None
+
+    async def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """fn()'s result; TimeoutError(message) if it takes longer than the timeout or an
+        earlier call is still stuck."""
+        blocked = (
+            f"{what}: did not finish within {self.timeout_s:g}s (a hung network mount?); "
+            "the running values stay"
+        )
+        if self._stuck is not None:
+            if self._stuck.is_alive():
+                raise TimeoutError(blocked)
+            self._stuck = None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def deliver(ok: bool, value: Any) -> None:
+            if future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        def work() -> None:
+            try:
+                outcome = (True, fn())
+            except Exception as exc:  # delivered to the awaiting task
+                outcome = (False, exc)
+            # RuntimeError: the loop is closed, nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(deliver, *outcome)
+
+        thread = threading.Thread(target=work, name="config-file-read", daemon=True)
+        thread.start()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            self._stuck = thread
+            raise TimeoutError(blocked) from None
+
+
+class ConfigFile:
+    """Reloads of one config file into a LiveConfig: on SIGHUP (`reload`) and by polling
+    (`watch`); see the module docstring for what each accepts."""
+
+    def __init__(
+        self,
+        path: Path,
+        live: LiveConfig,
+        apply: Callable[[Mapping[str, Any], str], Awaitable[list[FieldChange]]],
+        broadcast: Callable[[dict[str, Any]], None],
+        settings: Callable[[], ServerSettings],
+        reader: OffLoopReader | None = None,
+    ) -> None:
+        self.path = path
+        self.live = live
+        self._apply = apply  # (changes, source) -> applied changes (Runtime.change_config)
+        self._broadcast = broadcast
+        self._settings = settings
+        self.reader = reader or OffLoopReader()
+        self._lock = asyncio.Lock()  # a SIGHUP and the watcher never interleave
+        # Unexpected watcher errors: text -> (last logged, times seen since).
+        self._errors: dict[str, tuple[float, int]] = {}
+
+    # -- reading ------------------------------------------------------------------------------
+    async def read(self) -> Snapshot:
+        try:
+            return await self.reader.call(str(self.path), lambda: read_snapshot(self.path))
+        except TimeoutError as exc:
+            return Snapshot(None, str(exc), "", None, str(exc))
+
+    async def _stamp(self) -> tuple[int, ...] | str:
+        try:
+            return await self.reader.call(str(self.path), lambda: stat_stamp(self.path))
+        except TimeoutError as exc:
+            return str(exc)
+
+    async def _settled(self) -> Snapshot:
+        """A read that matches the one `config_settle_s` before it (the writer is done)."""
+        before = await self.read()
+        while True:
+            await asyncio.sleep(self._settings().config_settle_s)
+            now = await self.read()
+            if now.key == before.key:
+                return now
+            before = now
+
+    # -- applying -----------------------------------------------------------------------------
+    def _refuse(self, status: str, reason: str, message: str, **extra: Any) -> None:
+        self._broadcast(
+            {"type": "config_reload", "status": status, "reason": reason, "error": message, **extra}
+        )
+
+    async def reload(
+        self, reason: str, snapshot: Snapshot | None = None, confirmed: bool = True
+    ) -> bool:
+        """Apply the file's live changes (all or nothing); True if the file was taken.
+        `confirmed` (SIGHUP): apply even if the file drops keys the applied file set."""
+        async with self._lock:
+            snap = snapshot if snapshot is not None else await self.read()
+            if snap.error is not None or snap.raw is None:
+                message = snap.error or f"{self.path}: unreadable"
+                log.error(
+                    "config reload (%s) rejected, keeping the running values: %s", reason, message
+                )
+                self._refuse("rejected", reason, message)
+                return False
+            raw = snap.raw
+            dropped = sorted(self.live.file_keys() - set(flatten_raw(raw)))
+            if dropped and not confirmed:
+                message = (
+                    f"{self.path} no longer sets {', '.join(dropped)} (set before): a truncated "
+                    "write? Not applied; send SIGHUP to apply the file as it is (those keys go "
+                    "back to their defaults)"
+                )
+                log.warning("config reload (%s) held: %s", reason, message)
+                self._refuse("held", reason, message, dropped=dropped)
+                return False
+            try:
+                live, restart = self.live.file_changes(raw)
+                changes = await self._apply(live, "file") if live else []
+            except (ConfigChangeError, InvalidSettingError) as exc:
+                log.error(
+                    "config reload (%s) rejected, keeping the running values: %s", reason, exc
+                )
+                self._refuse("rejected", reason, str(exc))
+                return False
+            self.live.file_read(raw)
+            if dropped:
+                log.warning(
+                    "config reload (%s): keys removed from the file are back to their defaults: %s",
+                    reason,
+                    ", ".join(dropped),
+                )
+            if restart:
+                log.warning(
+                    "config file changes that need a restart (not applied): %s", ", ".join(restart)
+                )
+                self._broadcast({"type": "restart_required", "fields": restart})
+            if not changes and not restart:
+                log.info("config reload (%s): nothing changed", reason)
+            return True
+
+    # -- watching -----------------------------------------------------------------------------
+    async def watch(self) -> None:
+        """Poll the file every `config_watch_interval_s` (works on every filesystem); reload a
+        change once it has settled. Runs until cancelled, whatever happens to the file."""
+        last = await self._stamp()
+        while True:
+            try:
+                await asyncio.sleep(self._settings().config_watch_interval_s)
+                now = await self._stamp()
+                if now == last:
+                    continue
+                snap = await self._settled()
+                last = snap.poll  # a change after that read is seen by the next poll
+                await self.reload("file changed", snap, confirmed=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._unexpected(exc)
+                await asyncio.sleep(1.0)  # never a busy loop, whatever fails
+
+    def _unexpected(self, exc: Exception) -> None:
+        """Log an unexpected error: the same one at most once per ERROR_LOG_EVERY_S, with how
+        many times it happened in between."""
+        what = f"{type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        logged, seen = self._errors.get(what, (now - ERROR_LOG_EVERY_S, 0))
+        if now - logged < ERROR_LOG_EVERY_S:
+            self._errors[what] = (logged, seen + 1)
+            return
+        self._errors.pop(what, None)
+        if len(self._errors) >= 100:  # bounded: forget the oldest
+            self._errors.pop(next(iter(self._errors)))
+        self._errors[what] = (now, 0)
+        more = f"; {seen} more times since it was last logged" if seen else ""
+        log.error("config file watcher: %s (still watching%s)", what, more, exc_info=exc)
