@@ -425,7 +425,10 @@ class _Marks:
     def hide(self, value: Any) -> Any:
         """A copy of the messages with every special-token text (and M) replaced by its group."""
         if isinstance(value, str):
-            return self._hide_re.sub(lambda m: self._groups[m.group()], value)
+            # Without M (nearly always) the specials alone: their regex scans fast for their
+            # common first character, which an alternative of one more character would defeat.
+            pattern = self._hide_re if self.mark in value else self.special_re
+            return pattern.sub(lambda m: self._groups[m.group()], value)
         if isinstance(value, Mapping):
             return {k: self.hide(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
