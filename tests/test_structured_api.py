@@ -379,11 +379,12 @@ def test_client_disconnect_and_admin_abort_release_grammar_states(served) -> Non
         ),
         ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
         (
-            # Compiles, but its first token needs more parser work than llguidance allows:
-            # found at compile time (the forced prefix is tried), not mid-request.
+            # Compiles, but its first token needs more parser work than llguidance allows
+            # (structured.PARSER_LIMITS): found at compile time (the forced prefix is tried),
+            # not mid-request.
             {"guided_json": {"type": "object", "properties": {f"p{i}": {} for i in range(3000)}}},
             "guided_json",
-            "cannot be compiled: Parser Error",
+            "cannot be compiled: parser error: Too many items",
         ),
         (
             {"guided_json": {"type": "object", "description": "x" * 70_000}},
