@@ -39,6 +39,11 @@ class ServerSettings:
     max_queue_len: int = 256
     # Most choices one request may ask for per prompt (OpenAI `n`, and `best_of`); more is a 400.
     max_n: int = 16
+    # Most of the batch one request's choices may take: n (or best_of) above this share of
+    # engine.max_num_seqs is a 400. Until the scheduler is fair between tenants, an n = 16
+    # request in a 32-slot batch would otherwise hold every request behind it (measured: an
+    # 8-token request waited 195 s behind n = 16 at max_num_seqs 16).
+    max_choices_share: float = 0.5
     # On SIGTERM/SIGINT: how long running requests may finish before they are aborted.
     drain_timeout_s: float = 30.0
     log_format: str = "text"  # text | json
@@ -289,6 +294,7 @@ def _validate(cfg: Config) -> Config:
         raise InvalidSettingError("server.max_queue_len", f"must be >= 0, got {s.max_queue_len}")
     if not 1 <= s.max_n <= MAX_N:
         raise InvalidSettingError("server.max_n", f"must be in [1, {MAX_N}], got {s.max_n}")
+    _in_range("server.max_choices_share", s.max_choices_share, 0.01, 1)
     _in_range("server.drain_timeout_s", s.drain_timeout_s, 0, MAX_INTERVAL_S)
     # The range GET /admin/events accepts for its `interval` (the default must be one).
     _in_range("server.events_interval_s", s.events_interval_s, 0.1, 60)

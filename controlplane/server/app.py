@@ -495,11 +495,21 @@ class InferenceAPI:
         return cfg.engine.max_num_seqs + cfg.server.max_queue_len
 
     def _check_n(self, parsed: protocol.ParsedRequest) -> None:
-        """`n` and `best_of` against server.max_n (the engine checks n <= max_num_seqs)."""
-        limit = self.runtime.cfg.server.max_n
+        """`n` and `best_of` against server.max_n and their share of the batch."""
+        cfg = self.runtime.cfg
+        limit = cfg.server.max_n
+        seqs, share = cfg.engine.max_num_seqs, cfg.server.max_choices_share
+        slots = max(1, int(seqs * share))
         for name, value in (("n", parsed.n), ("best_of", parsed.best_of)):
             if value is not None and value > limit:
                 raise invalid(name, f"must be at most {limit} (server.max_n), got {value}")
+            if value is not None and value > slots:
+                raise invalid(
+                    name,
+                    f"{value} choices would take more than {slots} of the batch's {seqs} slots "
+                    f"(server.max_choices_share {share:g} of engine.max_num_seqs); "
+                    f"at most {slots}",
+                )
 
     async def completions(self, request: Request) -> Response:
         self._check_request_id(request)

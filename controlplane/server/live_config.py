@@ -28,7 +28,8 @@ SOURCES = CONFIG_SOURCES
 # Fields an operator may change on a running daemon. Everything else needs a restart.
 LIVE_FIELDS = frozenset(
     {f"engine.{name}" for name in EngineSettings.live_fields()}
-    | {"server.max_queue_len", "server.max_n", "server.drain_timeout_s", "prices"}
+    | {"server.max_queue_len", "server.max_n", "server.max_choices_share"}
+    | {"server.drain_timeout_s", "prices"}
     | {"server.max_grammar_bytes", "server.grammar_compile_timeout_s"}
     | {
         "jobs.utilization_interval_s",
