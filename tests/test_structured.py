@@ -147,9 +147,50 @@ def test_parallel_choices_each_keep_their_own_grammar_state(llm: LLM) -> None:
     assert_released(llm)
 
 
-def test_speculation_keeps_greedy_constrained_output_exact(llm: LLM) -> None:
+# Speculation keeps the target's distribution exactly, but its verification rows go through
+# kernels of other shapes (int4 weights, 1 + k rows a sequence), so a logprob moves by up to
+# 0.08 nats (SmolLM2 Q4_1, 8 prompts x 96 tokens, measured) and greedy output is the target's
+# argmax up to such near-ties: where the top two tokens are closer than that, the choice may
+# differ, and the texts go their own ways from there. The rule the tests hold it to:
+TIE_NATS = 0.25
+
+
+def run_greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams, on_step=None):
+    """(tokens, logprobs) per prompt, stepping the engine (on_step(step) between steps)."""
+    ids = [llm.engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    lps: dict[str, list] = {i: [] for i in ids}
+    step = 0
+    while llm.engine.has_unfinished_requests():
+        if on_step is not None:
+            on_step(step)
+        for out in llm.engine.step():
+            assert not out.error, out.error
+            tokens[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.logprobs
+        step += 1
+    return [(tokens[i], lps[i]) for i in ids]
+
+
+def assert_same_up_to_ties(plain, spec) -> bool:
+    """Token for token the same until a near-tie: there, the token speculation chose is within
+    TIE_NATS of the target's own top token (by the target's logprobs without speculation), and
+    every logprob before it within TIE_NATS. Returns whether the outputs are identical."""
+    (a, a_lps), (b, b_lps) = plain, spec
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            top = dict(a_lps[i].top)
+            assert y in top, f"token {i}: {y} is not among the target's top {len(top)}"
+            assert a_lps[i].logprob - top[y] <= TIE_NATS, f"token {i}: not a near-tie"
+            return False
+        assert abs(a_lps[i].logprob - b_lps[i].logprob) <= TIE_NATS, i
+    assert len(a) == len(b)
+    return True
+
+
+def test_speculation_keeps_greedy_constrained_output_up_to_ties(llm: LLM) -> None:
     """n-gram drafts the grammar refuses are dropped before verification, and the accepted run
-    advances the grammar: greedy output is identical with and without speculation."""
+    advances the grammar: greedy output with speculation is the target's, up to near-ties."""
     schema = {
         "type": "object",
         "properties": {
@@ -169,23 +210,53 @@ def test_speculation_keeps_greedy_constrained_output_exact(llm: LLM) -> None:
     }
     prompt = chat(llm, 'List items like {"id": 1, "tag": "a"}, {"id": 2, "tag": "b"} as JSON.')
     params = SamplingParams(
-        max_tokens=120, temperature=0, structured=StructuredOutput.json_schema(schema)
+        max_tokens=120, temperature=0, logprobs=5, structured=StructuredOutput.json_schema(schema)
     )
-    plain = llm.generate([prompt], params, use_tqdm=False)[0]
+    plain = run_greedy(llm, [prompt], params)[0]
     before = llm.engine.stats()
     llm.engine.update_settings(speculative_method="ngram", speculative_num_tokens=4)
     try:
-        spec = llm.generate([prompt], params, use_tqdm=False)[0]
+        spec = run_greedy(llm, [prompt], params)[0]
     finally:
         llm.engine.update_settings(speculative_method="off")
     after = llm.engine.stats()
-    assert spec.text == plain.text and spec.finish_reason == plain.finish_reason
-    check_json(spec, schema)
+    assert_same_up_to_ties(plain, spec)
+    assert len(spec[0]) < params.max_tokens  # the grammar completed: valid JSON
+    jsonschema.validate(json.loads(llm.tokenizer.decode(spec[0])), schema)
     proposed = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
     accepted = (
         after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
     )
     assert proposed > 0 and accepted > 0  # speculation ran and some drafts held
+    assert_released(llm)
+
+
+def test_live_speculation_switches_keep_json_answers_up_to_ties(llm: LLM) -> None:
+    """The probe's case: json_object answers while the method is switched live every few
+    steps, against a run with speculation off; each answer is the target's up to near-ties."""
+    asks = [
+        f"Give the {thing} of {place} as JSON with the keys name and value."
+        for thing in ("population", "area", "capital", "currency")
+        for place in ("France", "Norway")
+    ]
+    prompts = [chat(llm, ask) for ask in asks]
+    params = SamplingParams(
+        max_tokens=48, temperature=0, logprobs=5, structured=StructuredOutput("json_object", "")
+    )
+    fixed = run_greedy(llm, prompts, params)
+
+    def switch(step: int) -> None:
+        if step % 3 == 0:
+            llm.engine.update_settings(speculative_method=("ngram", "off")[step // 3 % 2])
+
+    before = llm.engine.stats().spec_decode_num_draft_tokens_total
+    try:
+        switched = run_greedy(llm, prompts, params, on_step=switch)
+    finally:
+        llm.engine.update_settings(speculative_method="off")
+    assert llm.engine.stats().spec_decode_num_draft_tokens_total > before
+    for plain, spec in zip(fixed, switched, strict=True):
+        assert_same_up_to_ties(plain, spec)
     assert_released(llm)
 
 
