@@ -25,8 +25,8 @@ What a reload may meet at the path, and what it does (issue 24, item 8):
 - Every rejection and hold is logged (error / warning) and sent on `GET /admin/events` as a
   `{"type": "config_reload", "status": "rejected" | "held", ...}` event. Logging repeats only
   when the file changes again, so a file left broken logs once.
-- The watcher never dies: anything unexpected is logged (with its traceback at most once a
-  minute for the same error) and the watch goes on.
+- The watcher never dies: anything unexpected is logged with its traceback (the same error at
+  most ten times a minute: server.logs.RepeatLimit) and the watch goes on.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import logging
 import os
 import stat
 import threading
-import time
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -53,7 +52,6 @@ log = logging.getLogger("controlplane.daemon")
 
 READ_TIMEOUT_S = 5.0  # one read (or stat) of the config file, in its thread
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
-ERROR_LOG_EVERY_S = 60.0  # the same unexpected watcher error is logged with its traceback once
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +223,6 @@ class ConfigFile:
         self._settings = settings
         self.reader = reader or OffLoopReader()
         self._lock = asyncio.Lock()  # a SIGHUP and the watcher never interleave
-        # Unexpected watcher errors: text -> (last logged, times seen since).
-        self._errors: dict[str, tuple[float, int]] = {}
 
     # -- reading ------------------------------------------------------------------------------
     async def read(self) -> Snapshot:
@@ -328,17 +324,7 @@ class ConfigFile:
                 await asyncio.sleep(1.0)  # never a busy loop, whatever fails
 
     def _unexpected(self, exc: Exception) -> None:
-        """Log an unexpected error: the same one at most once per ERROR_LOG_EVERY_S, with how
-        many times it happened in between."""
-        what = f"{type(exc).__name__}: {exc}"
-        now = time.monotonic()
-        logged, seen = self._errors.get(what, (now - ERROR_LOG_EVERY_S, 0))
-        if now - logged < ERROR_LOG_EVERY_S:
-            self._errors[what] = (logged, seen + 1)
-            return
-        self._errors.pop(what, None)
-        if len(self._errors) >= 100:  # bounded: forget the oldest
-            self._errors.pop(next(iter(self._errors)))
-        self._errors[what] = (now, 0)
-        more = f"; {seen} more times since it was last logged" if seen else ""
-        log.error("config file watcher: %s (still watching%s)", what, more, exc_info=exc)
+        # The same error repeating is bounded by the log handler's RepeatLimit (server.logs).
+        log.error(
+            "config file watcher: %s: %s (still watching)", type(exc).__name__, exc, exc_info=exc
+        )
