@@ -122,7 +122,7 @@ class FleetSettings:
 @dataclass(frozen=True, slots=True)
 class AutopilotSettings:
     """[autopilot] (every key live): hold latency targets at the most goodput by moving the
-    engine's live knobs within bounds (controlplane/autopilot.py decides, server/autopilot.py
+    engine's live knobs within bounds (controlplane/autopilot/policy.py decides, autopilot/runner.py
     applies, audited as source "autopilot")."""
 
     enabled: bool = False
@@ -155,7 +155,7 @@ class AutopilotSettings:
     speculative_max_batch_size_max: int = 64
 
     def bounds(self) -> dict[str, tuple[int, int]]:
-        from controlplane.autopilot import KNOBS
+        from controlplane.autopilot.policy import KNOBS
 
         return {k: (getattr(self, f"{k}_min"), getattr(self, f"{k}_max")) for k in KNOBS}
 

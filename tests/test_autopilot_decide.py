@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from controlplane.autopilot import LATENCY, THROUGHPUT, Decision, Targets, Window, decide
+from controlplane.autopilot.policy import LATENCY, THROUGHPUT, Decision, Targets, Window, decide
 
 KNOBS = {
     "max_num_seqs": 32,
@@ -314,8 +314,8 @@ def test_steady_load_does_not_oscillate() -> None:
 
 def runner(engine=None):
     from controlplane.admin_api.auth import AdminAuth
+    from controlplane.autopilot.runner import Autopilot
     from controlplane.config import build_config
-    from controlplane.server.autopilot import Autopilot
     from controlplane.server.live_config import LiveConfig
     from controlplane.server.runtime import Runtime
 

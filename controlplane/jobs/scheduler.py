@@ -5,7 +5,7 @@
 - cost rollup (jobs.rollup_interval_s): hourly buckets by model and API key into
   `cost_rollups` (idempotent, watermarked), then retention pruning; once more at shutdown,
   after the recorder's last flush;
-- the SLO autopilot (autopilot.interval_s; controlplane/server/autopilot.py).
+- the SLO autopilot (autopilot.interval_s; controlplane/autopilot/runner.py).
 
 Database and NVML work runs in a worker thread: the event loop never waits on either.
 Intervals are live: a config change reschedules the job without a restart.

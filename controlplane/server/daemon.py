@@ -79,7 +79,7 @@ class Daemon:
         live = LiveConfig(cfg, file_raw or {}, env)
         tokens, token_file = resolve_tokens(cfg, env)
         self.runtime = Runtime(live, instance_id(cfg), AdminAuth(tokens), cfg.server.model_name)
-        from controlplane.server.autopilot import Autopilot
+        from controlplane.autopilot.runner import Autopilot
 
         self.runtime.autopilot = Autopilot(self.runtime)
         self.config_path = Path(config_path) if config_path else None

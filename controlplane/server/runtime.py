@@ -109,7 +109,7 @@ class Runtime:
         self.started_at = time.time()
         self.aengine: AsyncEngine | None = None  # set by the daemon once loaded
         self.recorder: Recorder | None = None
-        # The daemon's SLO autopilot (controlplane.server.autopilot.Autopilot; not imported
+        # The daemon's SLO autopilot (controlplane.autopilot.runner.Autopilot; not imported
         # here, even for typing: it is built on this module, not the other way round).
         self.autopilot: Any = None
         self.db: SQLEngine | None = None  # the store, once open

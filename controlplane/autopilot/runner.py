@@ -1,5 +1,5 @@
 """The SLO autopilot in the daemon: every `autopilot.interval_s` it measures the last window,
-asks `controlplane.autopilot.decide` what to do, and applies a change through the same live
+asks `controlplane.autopilot.policy.decide` what to do, and applies a change through the same live
 config path as the API, the TUI and the file (audited, source "autopilot", with its reason).
 
 State it keeps between decisions (the decision function itself is pure):
@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from controlplane.autopilot import (
+from controlplane.autopilot.policy import (
     KNOBS,
     LATENCY,
     THROUGHPUT,
