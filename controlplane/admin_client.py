@@ -5,7 +5,7 @@ Every method is async and raises `APIError` for an HTTP error answer (with the A
 and param), `Unreachable` when the daemon cannot be reached, or `NotTheMember` when a fleet
 client's answer is not signed by the instance it asked; nothing else escapes.
 
-A fleet client (`signer`: controlplane.fleet_auth) sends no token: it signs each request for
+A fleet client (`signer`: controlplane.fleet.auth) sends no token: it signs each request for
 the instance the fleet table names and accepts only answers that instance signed. No client
 follows redirects.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from controlplane.fleet_auth import NONCE_HEADER, Signer
+from controlplane.fleet.auth import NONCE_HEADER, Signer
 
 SOURCE_HEADER = "X-Controlplane-Source"
 # The change id a fleet change carries to every instance (one id in every audit log).

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_parser(sub)
 
-    from controlplane.fleet_cli import add_fleet_parser
+    from controlplane.fleet.cli import add_fleet_parser
 
     add_fleet_parser(sub)
 

@@ -383,7 +383,7 @@ def _validate(cfg: Config) -> Config:
             f"{MAX_INTERVAL_S:g} seconds, got {f.unreachable_after_s}",
         )
     if s.advertise_url:
-        from controlplane.fleet_auth import check_url
+        from controlplane.fleet.auth import check_url
 
         try:
             check_url(s.advertise_url, "server.advertise_url")

@@ -23,10 +23,8 @@ from sqlalchemy import Engine, create_engine, insert
 from controlplane.admin_api.auth import AdminAuth
 from controlplane.config import FleetSettings, build_config
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.server.heartbeat import FleetMember, default_advertise_url
-from controlplane.server.live_config import LiveConfig
-from controlplane.server.runtime import Runtime
-from controlplane.store.fleet import (
+from controlplane.fleet.heartbeat import FleetMember, default_advertise_url
+from controlplane.fleet.registry import (
     ROLLUPS,
     Heartbeat,
     config_drift,
@@ -36,6 +34,8 @@ from controlplane.store.fleet import (
     register,
     totals,
 )
+from controlplane.server.live_config import LiveConfig
+from controlplane.server.runtime import Runtime
 from tests.daemon_util import DaemonProcess, write_config
 
 T0 = datetime(2026, 11, 25, 3, 0, tzinfo=UTC)

@@ -27,8 +27,8 @@ from sqlalchemy import delete, insert
 
 from controlplane.config import build_config, load_config
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.fleet.registry import INSTANCES, Heartbeat, member, members, register
 from controlplane.store import make_engine
-from controlplane.store.fleet import INSTANCES, Heartbeat, member, members, register
 from tests.conftest import reset_pg
 from tests.daemon_util import InProcessDaemon, write_config
 
@@ -368,7 +368,7 @@ def test_rows_with_a_query_fragment_or_other_scheme_are_never_asked(clean: Fleet
 
 
 def test_a_signed_request_never_starts_a_fleet_operation_nor_replays(clean: Fleet) -> None:
-    from controlplane.fleet_auth import Signer, fleet_key
+    from controlplane.fleet.auth import Signer, fleet_key
 
     fleet = clean
     signer = Signer(fleet_key(TOKEN), "alpha")
@@ -454,7 +454,7 @@ def _row() -> dict:
 
 def test_apply_change_reports_a_listener_failed_in_process(clean: Fleet) -> None:
     """The library call the CLI and the daemon share: straight from the table, signed."""
-    from controlplane.fleet_actions import apply_change
+    from controlplane.fleet.actions import apply_change
 
     fleet = clean
     with Listener() as evil:

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controlplane.config import load_config
+from controlplane.fleet.registry import Heartbeat, register
 from controlplane.store import make_engine
-from controlplane.store.fleet import Heartbeat, register
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.fleet import FleetScreen, FleetTable
 from tests.daemon_util import InProcessDaemon

@@ -19,7 +19,7 @@ from controlplane.admin_api.auth import FLEET_STATE, fleet_answers
 from controlplane.admin_client import CHANGE_ID_HEADER
 from controlplane.common import parse_group_by, parse_time
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.fleet_actions import apply_change, fleet_status, fleet_summary
+from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary
 from controlplane.server.errors import APIError
 from controlplane.server.protocol import load_json, openapi_body
 
@@ -130,7 +130,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         """This daemon coordinates: every live instance validates, then all apply (requests
         signed with a key derived from the caller's token, never the token itself: one token
         per fleet works, and a URL in the table learns nothing it could reuse)."""
-        from controlplane.store.fleet import members
+        from controlplane.fleet.registry import members
 
         if runtime.db is None:
             raise APIError(503, "the store is not open yet", type="unavailable", code="loading")
@@ -256,7 +256,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
 
     @get("/fleet", summary="Every daemon sharing this database, worst first")
     async def fleet(include_stopped: FromQuery[bool] = False) -> dict[str, Any]:
-        from controlplane.store.fleet import config_drift, members, totals
+        from controlplane.fleet.registry import config_drift, members, totals
 
         if runtime.db is None:
             raise APIError(503, "the store is not open yet", type="unavailable", code="loading")

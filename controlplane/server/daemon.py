@@ -34,8 +34,8 @@ from controlplane.server.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
 
 if TYPE_CHECKING:
     from controlplane.engine import AsyncEngine
+    from controlplane.fleet.heartbeat import FleetMember
     from controlplane.jobs.scheduler import Jobs
-    from controlplane.server.heartbeat import FleetMember
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")
@@ -204,7 +204,7 @@ class Daemon:
 
     def advertise_url(self) -> str:
         """server.advertise_url, else this daemon's own address and bound port."""
-        from controlplane.server.heartbeat import default_advertise_url
+        from controlplane.fleet.heartbeat import default_advertise_url
 
         if self.cfg.server.advertise_url:
             return self.cfg.server.advertise_url
@@ -286,7 +286,7 @@ class Daemon:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         self.url = f"http://{host}:{port}"
         print(f"controlplane: listening on {self.url} (loading the model)", flush=True)
-        from controlplane.server.heartbeat import FleetMember
+        from controlplane.fleet.heartbeat import FleetMember
 
         self.fleet = FleetMember(self.runtime, self.advertise_url())
         await self.fleet.beat_now()  # registers (state loading); never stops the start

@@ -325,7 +325,7 @@ class InstanceRow(Base):
     """One daemon sharing this database (a fleet member), refreshed by its heartbeat.
 
     `state` is what the daemon last said (loading, serving, draining, stopped); readers turn a
-    live state whose heartbeat is too old into "unreachable" (`controlplane.store.fleet`),
+    live state whose heartbeat is too old into "unreachable" (`controlplane.fleet.registry`),
     since a killed daemon cannot say so itself. The figures are its last heartbeat's.
     """
 

@@ -2,7 +2,7 @@
 
 `ls` reads SQL only (the daemons need not be reachable: an unreachable one is exactly what it
 shows); `apply`, `drain` and `resume` find the instances in SQL and act through each one's
-own admin API with the fleet's admin token (controlplane.fleet_actions).
+own admin API with the fleet's admin token (controlplane.fleet.actions).
 
 Exit status of `apply`: 0 applied on every instance in the fleet; 1 applied nowhere (an
 instance refused it, naming the field, or could not be asked); 2 applied, but not everywhere
@@ -104,8 +104,8 @@ def _members(args: argparse.Namespace, include_stopped: bool = False) -> list[An
     from sqlalchemy.pool import NullPool
 
     from controlplane.config import load_config
+    from controlplane.fleet.registry import INSTANCES, members
     from controlplane.store.db import make_engine, sqlite_path
-    from controlplane.store.fleet import INSTANCES, members
 
     cfg = load_config(args.config)
     url = _url(args)
@@ -137,7 +137,7 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from controlplane.store.fleet import config_drift
+    from controlplane.fleet.registry import config_drift
 
     found = _members(args, include_stopped=args.all)
     drift = config_drift(found)
@@ -184,7 +184,7 @@ def read_changes(path: str) -> dict[str, Any]:
 def _apply(args: argparse.Namespace) -> int:
     import asyncio
 
-    from controlplane.fleet_actions import APPLIED, apply_change, fleet_summary
+    from controlplane.fleet.actions import APPLIED, apply_change, fleet_summary
 
     try:
         changes = read_changes(args.file)
@@ -221,7 +221,7 @@ def _admission(args: argparse.Namespace) -> int:
     import asyncio
 
     from controlplane.admin_client import ClientError
-    from controlplane.fleet_actions import find_member, set_admission
+    from controlplane.fleet.actions import find_member, set_admission
 
     try:
         target = find_member(_members(args), args.instance)

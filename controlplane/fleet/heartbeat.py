@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from controlplane import __version__
+from controlplane.fleet import registry
 from controlplane.server.runtime import DRAINING, READY
-from controlplane.store import fleet
 
 if TYPE_CHECKING:
     from controlplane.server.runtime import Runtime
@@ -27,15 +27,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("controlplane.fleet")
 
 
-def figures(runtime: Runtime) -> fleet.Heartbeat:
+def figures(runtime: Runtime) -> registry.Heartbeat:
     """The runtime's state and the headline figures of /admin/stats (the same computation)."""
-    state = {READY: fleet.SERVING, DRAINING: fleet.DRAINING}.get(runtime.state, fleet.LOADING)
+    state = {READY: registry.SERVING, DRAINING: registry.DRAINING}.get(
+        runtime.state, registry.LOADING
+    )
     config = runtime.live.live_values()
     if runtime.aengine is None:
-        return fleet.Heartbeat(state, config=config)
+        return registry.Heartbeat(state, config=config)
     stats = runtime.stats_payload()
     ttft = stats.get("ttft_p50_ms")
-    return fleet.Heartbeat(
+    return registry.Heartbeat(
         state,
         model=stats.get("model"),
         quantization=(stats.get("memory") or {}).get("quantization"),
@@ -71,7 +73,7 @@ class FleetMember:
 
     def register(self) -> None:
         """Insert (or, after a restart with the same instance id, replace) the row."""
-        fleet.register(
+        registry.register(
             self.runtime.db,
             self.runtime.instance_id,
             advertise_url=self.advertise_url,
@@ -88,7 +90,7 @@ class FleetMember:
             if self._stopped or self.runtime.db is None:
                 return
             now = datetime.now(UTC)
-            if not fleet.heartbeat(self.runtime.db, self.runtime.instance_id, beat, now=now):
+            if not registry.heartbeat(self.runtime.db, self.runtime.instance_id, beat, now=now):
                 self.register()  # the row was deleted by hand (or registration failed)
 
     async def beat_now(self) -> None:
@@ -117,10 +119,10 @@ class FleetMember:
             log.warning("could not mark this instance stopped in the fleet table: %s", exc)
 
     def _say_stopped(self) -> None:
-        beat = fleet.Heartbeat(fleet.STOPPED, num_running=0, num_waiting=0)
+        beat = registry.Heartbeat(registry.STOPPED, num_running=0, num_waiting=0)
         with self._lock:
             self._stopped = True
             if self.runtime.db is not None:
-                fleet.heartbeat(
+                registry.heartbeat(
                     self.runtime.db, self.runtime.instance_id, beat, now=datetime.now(UTC)
                 )
