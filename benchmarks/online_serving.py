@@ -13,7 +13,7 @@ the default; ``sql`` = recording without the journal, ``journal = false``; ``off
 with CFG a temporary TOML file (fresh ``data_dir`` per daemon, so every run starts with an empty
 database; ``[engine]`` model = the ``small`` demo model, ``dtype = "auto"``, ``max_num_seqs =
 16``). Once ``GET /health`` answers 200 a few warmup requests are sent (not measured), then
-``controlplane.loadgen.run_load`` drives it: ``--requests`` (64) streaming completions, prompts of
+``controlplane.client.loadgen.run_load`` drives it: ``--requests`` (64) streaming completions, prompts of
 ``--prompt-len`` (32-256) random token ids, ``--output-len`` (16-128) tokens with EOS ignored,
 Poisson arrivals at the rate, workload seed ``--seed + repeat`` (the same for every mode). The
 daemon is then stopped with SIGTERM. Combinations are interleaved within each repeat (the order
@@ -65,7 +65,7 @@ from typing import Any
 
 import httpx
 
-from controlplane.loadgen import LoadConfig, LoadSummary, parse_range, run_load
+from controlplane.client.loadgen import LoadConfig, LoadSummary, parse_range, run_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "small"

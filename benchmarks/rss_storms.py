@@ -5,7 +5,7 @@ What is measured
 For each variant (``--variants``, default ``default,no-trim``) a fresh daemon is started as a
 subprocess (``python -m controlplane serve`` on the ``small`` demo model, bfloat16, a fresh
 ``data_dir``), warmed up with ``--warmup`` requests, and then hit by ``--storms`` storms of
-``--requests`` (350) streaming completions sent all at once (``controlplane.loadgen``: prompts
+``--requests`` (350) streaming completions sent all at once (``controlplane.client.loadgen``: prompts
 ``--prompt-len``, outputs ``--output-len``, EOS ignored; those beyond ``server.max_queue_len`` get
 429, as in production), followed by ``--bad-storms`` storms of ``--bad-requests`` bad inputs
 sent 32 at a time: near-limit bodies that are not JSON, prompts far beyond the context (a 1 MB
@@ -53,7 +53,7 @@ from typing import Any
 import httpx
 import psutil
 
-from controlplane.loadgen import LoadConfig, parse_range, run_load
+from controlplane.client.loadgen import LoadConfig, parse_range, run_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "small"

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", help="data_dir: SQLite file, journal, admin token, demo model")
     serve.set_defaults(func=_cmd_serve)
 
-    from controlplane.loadgen import add_loadgen_parser
+    from controlplane.client.loadgen import add_loadgen_parser
 
     add_loadgen_parser(sub)
 

@@ -2,7 +2,7 @@
 and the load generator: one definition of each, so a "7d" or a p99 means the same everywhere.
 
 Torch-free and cheap to import (stdlib only, plus the engine's error type, itself torch-free):
-`controlplane.loadgen` and the CLI import it.
+`controlplane.client.loadgen` and the CLI import it.
 """
 
 from __future__ import annotations

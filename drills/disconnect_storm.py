@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import MB, Checks, Daemon, engine_stats, log, statuses
 
-from controlplane.loadgen import LoadConfig, run_load
+from controlplane.client.loadgen import LoadConfig, run_load
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import ADMIN_TOKEN, Checks, Daemon, log
 
-from controlplane.loadgen import LoadConfig, run_load
+from controlplane.client.loadgen import LoadConfig, run_load
 
 
 async def _watch(url: str, n: int, ready, stop) -> int:

@@ -170,7 +170,7 @@ def test_nothing_above_the_engine_reaches_into_it() -> None:
         "controlplane.admin_api.stats",
         "controlplane.admin_api.metrics",
         "controlplane.jobs.utilization",
-        "controlplane.loadgen",
+        "controlplane.client.loadgen",
     ],
 )
 def test_type_and_stats_modules_do_not_import_torch(module: str) -> None:

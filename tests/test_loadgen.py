@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.common import percentile
-from controlplane.loadgen import (
+from controlplane.client.loadgen import (
     Interrupted,
     LoadConfig,
     LoadError,
@@ -40,6 +39,7 @@ from controlplane.loadgen import (
     run_load,
     summarize,
 )
+from controlplane.common import percentile
 
 # --------------------------------------------------------------------------------------------- #
 # Percentiles
@@ -492,7 +492,7 @@ def test_duration_closed_loop(fake_server: ThreadingHTTPServer) -> None:
 
 _CLI = """
 import argparse, sys
-from controlplane.loadgen import add_loadgen_parser
+from controlplane.client.loadgen import add_loadgen_parser
 p = argparse.ArgumentParser(prog="controlplane")
 add_loadgen_parser(p.add_subparsers(dest="command", required=True))
 args = p.parse_args(sys.argv[1:])

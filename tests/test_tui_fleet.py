@@ -192,7 +192,7 @@ def test_enter_opens_the_instance_and_the_list_survives_its_source_going_away():
         async def fleet(self) -> dict[str, Any]:
             asked.append(self.url)
             if self.url == "http://gpu-0.internal:8000" and len(asked) > 1:
-                from controlplane.admin_client import Unreachable
+                from controlplane.client.admin import Unreachable
 
                 raise Unreachable("ConnectError")
             return fake_fleet()

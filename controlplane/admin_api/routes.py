@@ -16,7 +16,7 @@ from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from controlplane.admin_api.auth import FLEET_STATE, fleet_answers
-from controlplane.admin_client import CHANGE_ID_HEADER
+from controlplane.client.admin import CHANGE_ID_HEADER
 from controlplane.common import parse_group_by, parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.admin_client import AdminClient, APIError, ClientError, Unreachable
+from controlplane.client.admin import AdminClient, APIError, ClientError, Unreachable
 from controlplane.fleet.auth import Signer, check_url, fleet_key
 from controlplane.fleet.registry import DRAINING, LOADING, SERVING, UNREACHABLE, Member
 

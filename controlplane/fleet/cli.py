@@ -220,7 +220,7 @@ def _apply(args: argparse.Namespace) -> int:
 def _admission(args: argparse.Namespace) -> int:
     import asyncio
 
-    from controlplane.admin_client import ClientError
+    from controlplane.client.admin import ClientError
     from controlplane.fleet.actions import find_member, set_admission
 
     try:

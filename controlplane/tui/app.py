@@ -14,7 +14,7 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer
 
-from controlplane.admin_client import AdminClient, APIError, ClientError
+from controlplane.client.admin import AdminClient, APIError, ClientError
 from controlplane.tui.fleet import FleetScreen
 from controlplane.tui.history import StatsHistory
 from controlplane.tui.screens import ConfirmScreen, HelpScreen, TuneScreen

@@ -21,7 +21,7 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from controlplane.admin_client import ClientError
+from controlplane.client.admin import ClientError
 from controlplane.tui.history import fmt_num, fmt_usd
 from controlplane.tui.widgets import STATE_STYLE
 

@@ -11,7 +11,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
-from controlplane.admin_client import APIError, ClientError
+from controlplane.client.admin import APIError, ClientError
 
 # The live settings the form edits: numbers as text inputs, the rest as choices. A bare name is
 # an engine knob (engine.<name>); the autopilot's targets are in milliseconds (0: none).
