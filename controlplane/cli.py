@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_db_parser(sub)
 
-    from controlplane.reports_cli import add_report_parser
+    from controlplane.accounting.cli import add_report_parser
 
     add_report_parser(sub)
 

@@ -169,7 +169,7 @@ def test_nothing_above_the_engine_reaches_into_it() -> None:
         "controlplane.common",
         "controlplane.admin_api.stats",
         "controlplane.admin_api.metrics",
-        "controlplane.jobs.utilization",
+        "controlplane.accounting.utilization",
         "controlplane.client.loadgen",
     ],
 )

@@ -17,19 +17,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import Engine, insert
 
+from controlplane.accounting.cli import add_report_parser
+from controlplane.accounting.reports import cost_report
+from controlplane.accounting.rollup import run_rollup, write_sample
+from controlplane.accounting.utilization import UtilizationSample
 from controlplane.config import Price, build_config, load_config
-from controlplane.reports_cli import add_report_parser
-from controlplane.store import (
-    RequestRow,
-    UtilizationSample,
-    cost_report,
-    make_engine,
-    run_rollup,
-    sync_prices,
-    time_buckets,
-    upgrade,
-    write_sample,
-)
+from controlplane.store import RequestRow, make_engine, sync_prices, time_buckets, upgrade
 from tests.daemon_util import DaemonProcess, rows, wait_rows, write_config
 
 TOKEN = "costs-token-0123456789ab"

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from controlplane.jobs import GpuReading, GpuTelemetry
+from controlplane.accounting.gpu import GpuReading, GpuTelemetry
 
-LOGGER = "controlplane.jobs.gpu"
+LOGGER = "controlplane.accounting.gpu"
 
 
 def _off_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

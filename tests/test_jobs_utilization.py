@@ -9,9 +9,10 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import Engine, select
 
+from controlplane.accounting.rollup import write_sample
+from controlplane.accounting.utilization import UtilizationSample, make_sample
 from controlplane.engine.types import StepStats
-from controlplane.jobs import UtilizationSample, make_sample
-from controlplane.store import UtilizationSampleRow, write_sample
+from controlplane.store import UtilizationSampleRow
 
 SAMPLES = UtilizationSampleRow.__table__
 

@@ -24,13 +24,14 @@ import openai
 import pytest
 from sqlalchemy import Engine, inspect, text
 
+from controlplane.accounting.cli import add_report_parser
+from controlplane.accounting.reports import requests_report
 from controlplane.admin_api.metrics import (
     MAX_IGNORED_FIELD_CHARS,
     MAX_IGNORED_FIELD_LABELS,
     Metrics,
 )
 from controlplane.config import Price, StoreSettings, load_config
-from controlplane.reports_cli import add_report_parser
 from controlplane.store import (
     Recorder,
     RequestRecord,
@@ -38,7 +39,6 @@ from controlplane.store import (
     current,
     downgrade,
     make_engine,
-    requests_report,
     sync_prices,
     upgrade,
 )

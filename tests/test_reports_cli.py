@@ -14,16 +14,11 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine
 
+from controlplane.accounting.cli import add_report_parser
+from controlplane.accounting.reports import cost_report, utilization_report
+from controlplane.accounting.rollup import run_rollup
 from controlplane.config import Price, StoreSettings
-from controlplane.reports_cli import add_report_parser
-from controlplane.store import (
-    Recorder,
-    cost_report,
-    run_rollup,
-    sync_prices,
-    upgrade,
-    utilization_report,
-)
+from controlplane.store import Recorder, sync_prices, upgrade
 from tests.test_rollup import DAY, GPU, NOW, add_sample, at, seed
 from tests.test_store import record
 
@@ -291,7 +286,7 @@ def test_bad_flags_exit_2(argv: tuple[str, ...], flag: str, capsys) -> None:
 def test_no_torch(tmp_path) -> None:
     code = f"""
 import argparse, sys
-from controlplane.reports_cli import add_report_parser
+from controlplane.accounting.cli import add_report_parser
 p = argparse.ArgumentParser()
 add_report_parser(p.add_subparsers(dest="command", required=True))
 args = p.parse_args(["report", "cost", "--url", "sqlite:///{tmp_path / "x.db"}"])

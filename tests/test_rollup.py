@@ -11,31 +11,33 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, insert, inspect, select, text, update
 
+from controlplane.accounting.gpu import GpuReading
+from controlplane.accounting.reports import cost_report, utilization_report
+from controlplane.accounting.rollup import (
+    ROLLUP_JOB,
+    get_watermark,
+    prune,
+    run_rollup,
+    write_sample,
+)
+from controlplane.accounting.utilization import UtilizationSample
 from controlplane.common import parse_group_by, parse_time
 from controlplane.config import Price
 from controlplane.store import (
     IDLE_KEY,
     CostRollupRow,
-    GpuReading,
     GpuSampleRow,
     RequestRow,
-    UtilizationSample,
     UtilizationSampleRow,
     check,
-    cost_report,
     current,
     downgrade,
     head,
     make_engine,
-    prune,
-    run_rollup,
     sync_prices,
     time_buckets,
     upgrade,
-    utilization_report,
-    write_sample,
 )
-from controlplane.store.rollup import ROLLUP_JOB, get_watermark
 
 REQUESTS = RequestRow.__table__
 ROLLUPS = CostRollupRow.__table__

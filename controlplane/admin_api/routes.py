@@ -370,7 +370,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         until: FromQuery[str | None] = None,
         group_by: FromQuery[str] = "day,model,api_key",
     ) -> dict[str, Any]:
-        from controlplane.store.reports import cost_report
+        from controlplane.accounting.reports import cost_report
 
         start, end, keys = _window(since, until, group_by, ("day", "hour", "model", "api_key"))
         report = await asyncio.to_thread(
@@ -387,7 +387,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         until: FromQuery[str | None] = None,
         group_by: FromQuery[str] = "hour",
     ) -> dict[str, Any]:
-        from controlplane.store.reports import utilization_report
+        from controlplane.accounting.reports import utilization_report
 
         start, end, keys = _window(since, until, group_by, ("day", "hour", "instance"))
         report = await asyncio.to_thread(

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from controlplane.reports_cli import _url, table_console
+from controlplane.accounting.cli import _url, table_console
 
 COLUMNS = (
     ("id", "instance"),

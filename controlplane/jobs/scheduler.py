@@ -33,7 +33,7 @@ SAMPLE_JOB, ROLLUP_JOB, AUTOPILOT_JOB = "utilization_sampler", "cost_rollup", "a
 
 class Jobs:
     def __init__(self, runtime: Runtime) -> None:
-        from controlplane.jobs import GpuTelemetry
+        from controlplane.accounting.gpu import GpuTelemetry
 
         self.runtime = runtime
         self.gpus = GpuTelemetry()
@@ -98,8 +98,8 @@ class Jobs:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def sample(self) -> None:
-        from controlplane.jobs import make_sample
-        from controlplane.store.rollup import write_sample
+        from controlplane.accounting.rollup import write_sample
+        from controlplane.accounting.utilization import make_sample
 
         d = self.runtime
         cur, end = d.stats(), time.time()
@@ -131,7 +131,7 @@ class Jobs:
 
     async def rollup(self) -> bool:
         """One rollup and pruning run; False if it failed (logged) or there is no store."""
-        from controlplane.store.rollup import prune, run_rollup
+        from controlplane.accounting.rollup import prune, run_rollup
 
         d = self.runtime
         if d.db is None:

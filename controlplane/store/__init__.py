@@ -1,6 +1,6 @@
-"""The SQL request store: schema, migrations, price history, the batched recorder, the
-configuration audit log, the scheduled jobs' samples / cost rollups / pruning, the cost, request
-and utilization reports, and the admin API's read queries.
+"""The SQL request store, persistence only: schema, migrations, price history, the batched
+recorder and its journal, the configuration audit log and the admin API's read queries. What is
+computed from it (utilization samples, cost rollups, reports) lives in controlplane.accounting.
 
 Torch-free: the CLI and the admin API import it without the engine.
 """
@@ -28,15 +28,6 @@ from controlplane.store.prices import PriceBook, PriceRow, cost, sync_prices
 from controlplane.store.queries import list_requests
 from controlplane.store.recorder import Recorder, mark_interrupted
 from controlplane.store.records import RequestRecord, hash_api_key
-from controlplane.store.reports import Report, cost_report, requests_report, utilization_report
-from controlplane.store.rollup import (
-    GpuReading,
-    RollupResult,
-    UtilizationSample,
-    prune,
-    run_rollup,
-    write_sample,
-)
 
 __all__ = [
     "CONFIG_SOURCES",
@@ -47,23 +38,18 @@ __all__ = [
     "ConfigChange",
     "ConfigChangeRow",
     "CostRollupRow",
-    "GpuReading",
     "GpuSampleRow",
     "JobWatermarkRow",
     "PriceBook",
     "PriceEntry",
     "PriceRow",
     "Recorder",
-    "Report",
     "RequestRecord",
     "RequestRow",
-    "RollupResult",
     "UTCDateTime",
-    "UtilizationSample",
     "UtilizationSampleRow",
     "check",
     "cost",
-    "cost_report",
     "current",
     "downgrade",
     "hash_api_key",
@@ -73,13 +59,8 @@ __all__ = [
     "make_engine",
     "mark_interrupted",
     "normalize_url",
-    "prune",
-    "requests_report",
-    "run_rollup",
     "sync_prices",
     "time_buckets",
     "upgrade",
-    "utilization_report",
     "write_changes",
-    "write_sample",
 ]

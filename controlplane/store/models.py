@@ -5,7 +5,7 @@
 new row with a later `effective_from`, so costs already stored never change. `config_changes`
 is the append-only audit log of configuration changes, one row per field.
 
-The scheduled jobs (see `controlplane.store.rollup`) add `utilization_samples` (one row per
+The scheduled jobs (see `controlplane.accounting.rollup`) add `utilization_samples` (one row per
 sampler tick and instance) with its `gpu_samples` (one row per GPU and tick), `cost_rollups`
 (hourly cost and token figures by instance, model and API key) and `job_watermarks` (how far
 each job has got, per instance). Migration 0003 also creates two read-only SQL views over them,
@@ -278,7 +278,7 @@ class GpuSampleRow(Base):
 class CostRollupRow(Base):
     """Hourly cost and token figures of one instance, by model and API key.
 
-    Written only by `controlplane.store.rollup.run_rollup`, which documents every figure.
+    Written only by `controlplane.accounting.rollup.run_rollup`, which documents every figure.
     `api_key_name` is "" for requests without a key and IDLE_KEY ("(idle)") for the line that
     carries the hour's idle GPU time. `covered_s`, `mean_utilization` and `mfu` describe the
     whole (hour, instance) and are repeated on each of its rows: count them once per

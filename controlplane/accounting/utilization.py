@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from controlplane.accounting.rollup import UtilizationSample  # the store owns the record shapes
 from controlplane.engine.types import StepStats
-from controlplane.store.rollup import UtilizationSample  # the store owns the record shapes
 
 __all__ = ["UtilizationSample", "make_sample"]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-# Kept in step with controlplane.store.reports (not imported here: that pulls in SQLAlchemy).
+# Kept in step with controlplane.accounting.reports (not imported here: that pulls in SQLAlchemy).
 _GROUPS = {
     "cost": ("day", "hour", "model", "api_key"),
     "requests": ("day", "hour", "model", "api_key", "user"),
@@ -270,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.pool import NullPool
 
-    from controlplane.store import reports
+    from controlplane.accounting import reports
     from controlplane.store.db import make_engine, sqlite_path
 
     url = _url(args)

@@ -6,7 +6,7 @@ instances. The window is whole UTC hours: every hour that overlaps [since, until
 hour containing `since` up to the hour containing the last instant before `until`; the
 `Report`'s since / until are that effective window.
 
-Cost reports read `cost_rollups` (see `controlplane.store.rollup` for each figure), and the
+Cost reports read `cost_rollups` (see `controlplane.accounting.rollup` for each figure), and the
 request rows the rollup has not counted yet (requests that ended since an instance's last rollup
 run, or of an instance that never ran one): their (hour, instance) is recounted from the rows,
 with the GPU figures of the last rollup, and every row and total it touches has
@@ -52,6 +52,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, case, func, select
 
+from controlplane.accounting.rollup import HOUR, ROLLUP_JOB, floor_hour, request_groups
 from controlplane.common import parse_group_by
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.store.models import (
@@ -63,7 +64,6 @@ from controlplane.store.models import (
     UtilizationSampleRow,
     time_buckets,
 )
-from controlplane.store.rollup import HOUR, ROLLUP_JOB, floor_hour, request_groups
 
 ROLLUPS = CostRollupRow.__table__
 REQUESTS = RequestRow.__table__
