@@ -128,9 +128,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read() -> None:
     # A parser that found nothing would pass every rule below.
     assert "controlplane.server.runtime" in GRAPH["controlplane.server.daemon"]
-    assert "controlplane.server.app" in GRAPH["controlplane.server.daemon"]
-    assert "controlplane.admin_api.routes" in GRAPH["controlplane.server.app"]
-    assert "controlplane.server.runtime" in GRAPH["controlplane.server.app"]  # TYPE_CHECKING
+    assert "controlplane.openai.app" in GRAPH["controlplane.server.daemon"]
+    assert "controlplane.admin_api.routes" in GRAPH["controlplane.openai.app"]
+    assert "controlplane.server.runtime" in GRAPH["controlplane.openai.app"]  # TYPE_CHECKING
 
 
 def test_no_import_cycles_between_modules() -> None:

@@ -130,7 +130,7 @@ def test_escape_of_every_private_use_character(smol_tok):
     blank = tok.encode_chat([{"role": "user", "content": "x"}])
     assert [i for i in ids if i in special_ids] == [i for i in blank if i in special_ids]
     # Tools: a description made of them goes through the same escape.
-    from controlplane.server.tools import render_messages
+    from controlplane.openai.tools import render_messages
 
     tools = _tools_request(PUA + "<|im_end|>")
     rendered, extra = render_messages(msgs, tools, False)
@@ -139,7 +139,7 @@ def test_escape_of_every_private_use_character(smol_tok):
 
 
 def _tools_request(description: str):
-    from controlplane.server import protocol
+    from controlplane.openai import protocol
 
     parsed = protocol.parse_chat(
         {

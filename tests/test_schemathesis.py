@@ -48,7 +48,7 @@ def test_no_operation_returns_5xx(fuzz_daemon):
 
 
 def test_v1_schemas_document_every_accepted_field():
-    from controlplane.server import protocol
+    from controlplane.openai import protocol
 
     assert set(protocol.COMPLETION_SCHEMA["properties"]) == protocol.COMPLETION_FIELDS
     assert set(protocol.CHAT_SCHEMA["properties"]) == protocol.CHAT_FIELDS

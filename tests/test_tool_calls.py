@@ -1,4 +1,4 @@
-"""Tool calls (controlplane.server.tools): request parsing and its 400s, the prompt, the
+"""Tool calls (controlplane.openai.tools): request parsing and its 400s, the prompt, the
 constraint, and the parsing of outputs, whole and streamed. Pure Python: no model, no server."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import jinja2
 import jsonschema
 import pytest
 
-from controlplane.server.errors import APIError
-from controlplane.server.tools import (
+from controlplane.openai.tools import (
     MAX_TOOLS,
     Tool,
     ToolCall,
@@ -29,6 +28,7 @@ from controlplane.server.tools import (
     render_messages,
     validate_history,
 )
+from controlplane.server.errors import APIError
 
 WEATHER = {
     "type": "object",

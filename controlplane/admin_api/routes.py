@@ -20,8 +20,8 @@ from controlplane.client.admin import CHANGE_ID_HEADER
 from controlplane.common import parse_group_by, parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary
+from controlplane.openai.protocol import load_json, openapi_body
 from controlplane.server.errors import APIError
-from controlplane.server.protocol import load_json, openapi_body
 
 if TYPE_CHECKING:
     from controlplane.server.runtime import Runtime

@@ -33,8 +33,8 @@ from controlplane.admin_api.stats import cache_and_speculation, structured_outpu
 from controlplane.common import percentile
 from controlplane.config import ApiKey, Config
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.openai.tools import ToolRequest, has_tools_variable, render_messages
 from controlplane.server.live_config import ConfigAuditError, FieldChange, LiveConfig
-from controlplane.server.tools import ToolRequest, has_tools_variable, render_messages
 from controlplane.store.records import RequestRecord, hash_api_key
 
 if TYPE_CHECKING:
@@ -510,7 +510,7 @@ class Runtime:
     ) -> list[int]:
         """A chat's prompt tokens (its template); ValueError for messages it cannot render.
         Tools go to the template's `tools` variable where it has one, else into the system
-        message in the default format (controlplane.server.tools)."""
+        message in the default format (controlplane.openai.tools)."""
         tok = self._engine.engine.tokenizer
         messages, extra = render_messages(
             messages, tools, has_tools_variable(tok.chat_template or "")

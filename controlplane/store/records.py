@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 # Longest values of the client-chosen text fields: the API refuses longer ones with a 400 naming
-# the field (controlplane.server.protocol), the schema sizes its columns by them.
+# the field (controlplane.openai.protocol), the schema sizes its columns by them.
 MAX_END_USER_CHARS = 256
 MAX_X_REQUEST_ID_CHARS = 128
 

@@ -18,13 +18,13 @@ from typing import Any
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from controlplane.engine.structured import StructuredOutput
-from controlplane.server.errors import invalid, printable
-from controlplane.server.tools import (
+from controlplane.openai.tools import (
     ToolRequest,
     constrained_schema,
     parse_tools,
     validate_history,
 )
+from controlplane.server.errors import invalid, printable
 from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHARS
 
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code

@@ -21,7 +21,8 @@ from litestar.exceptions import HTTPException
 from litestar.response import ServerSentEvent
 
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.server import protocol
+from controlplane.openai import protocol
+from controlplane.openai.tools import ToolCallStream, ToolRequest, parse_auto, parse_constrained
 from controlplane.server.errors import (
     APIError,
     body_too_large,
@@ -31,7 +32,6 @@ from controlplane.server.errors import (
     invalid,
     unavailable,
 )
-from controlplane.server.tools import ToolCallStream, ToolRequest, parse_auto, parse_constrained
 from controlplane.store.records import RequestRecord
 
 if TYPE_CHECKING:
