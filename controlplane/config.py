@@ -428,7 +428,7 @@ def check_engine(settings: EngineSettings) -> EngineSettings:
 # CONTROLPLANE_* variables that are not config keys, read where they are used.
 ENV_NON_KEYS = frozenset(
     {
-        "CONTROLPLANE_ADMIN_TOKEN",  # admin_api/auth.py, the TUI
+        "CONTROLPLANE_ADMIN_TOKEN",  # http/auth.py, the TUI
         "CONTROLPLANE_TEST_POSTGRES",  # tests/conftest.py: the PostgreSQL the tests use
         "CONTROLPLANE_MALLOC_TRIM_IDLE_S",  # server/memory.py
     }

@@ -1,4 +1,4 @@
-"""Unit tests for controlplane.admin_api.stats.summarize and controlplane.admin_api.metrics.Metrics.
+"""Unit tests for controlplane.telemetry.stats.summarize and controlplane.telemetry.metrics.Metrics.
 
 Steps are the engine's own StepStats (torch-free), built by `Step` with zero defaults for
 what a test does not care about. Request metrics are the engine's own, torch-free
@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import cache_and_speculation, summarize
 from controlplane.common import percentile
 from controlplane.engine.types import RequestMetrics, StepStats
+from controlplane.telemetry.metrics import Metrics
+from controlplane.telemetry.stats import cache_and_speculation, summarize
 
 # -- steps ----------------------------------------------------------------------------------
 
@@ -439,7 +439,7 @@ def test_metrics_content_type_has_one_charset() -> None:
     from litestar import Litestar
     from litestar.testing import TestClient
 
-    from controlplane.admin_api.routes import metrics_handler
+    from controlplane.admin.routes import metrics_handler
 
     daemon = SimpleNamespace(
         cfg=SimpleNamespace(server=SimpleNamespace(metrics_require_token=False)),

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.config import load_config
+from controlplane.http.errors import APIError
 from controlplane.openai import protocol
-from controlplane.server.errors import APIError
 from tests.daemon_util import InProcessDaemon
 from tests.test_admin_api import MODEL, admin_cfg
 

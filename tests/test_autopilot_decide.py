@@ -313,9 +313,9 @@ def test_steady_load_does_not_oscillate() -> None:
 
 
 def runner(engine=None):
-    from controlplane.admin_api.auth import AdminAuth
     from controlplane.autopilot.runner import Autopilot
     from controlplane.config import build_config
+    from controlplane.http.auth import AdminAuth
     from controlplane.server.live_config import LiveConfig
     from controlplane.server.runtime import Runtime
 

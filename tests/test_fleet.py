@@ -20,7 +20,6 @@ import httpx
 import pytest
 from sqlalchemy import Engine, create_engine, insert
 
-from controlplane.admin_api.auth import AdminAuth
 from controlplane.config import FleetSettings, build_config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.heartbeat import FleetMember, default_advertise_url
@@ -34,6 +33,7 @@ from controlplane.fleet.registry import (
     register,
     totals,
 )
+from controlplane.http.auth import AdminAuth
 from controlplane.server.live_config import LiveConfig
 from controlplane.server.runtime import Runtime
 from tests.daemon_util import DaemonProcess, write_config

@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane.admin_api.auth import match_bearer
 from controlplane.common import parse_time
 from controlplane.config import load_config
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.http.auth import match_bearer
 from controlplane.store.queries import decode_cursor
 from tests.daemon_util import InProcessDaemon, write_config
 

@@ -26,11 +26,6 @@ from sqlalchemy import Engine, inspect, text
 
 from controlplane.accounting.cli import add_report_parser
 from controlplane.accounting.reports import requests_report
-from controlplane.admin_api.metrics import (
-    MAX_IGNORED_FIELD_CHARS,
-    MAX_IGNORED_FIELD_LABELS,
-    Metrics,
-)
 from controlplane.config import Price, StoreSettings, load_config
 from controlplane.store import (
     Recorder,
@@ -41,6 +36,11 @@ from controlplane.store import (
     make_engine,
     sync_prices,
     upgrade,
+)
+from controlplane.telemetry.metrics import (
+    MAX_IGNORED_FIELD_CHARS,
+    MAX_IGNORED_FIELD_LABELS,
+    Metrics,
 )
 from tests.conftest import reset_pg
 from tests.daemon_util import InProcessDaemon, rows, wait_rows, write_config

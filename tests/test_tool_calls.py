@@ -12,6 +12,7 @@ import jinja2
 import jsonschema
 import pytest
 
+from controlplane.http.errors import APIError
 from controlplane.openai.tools import (
     MAX_TOOLS,
     Tool,
@@ -28,7 +29,6 @@ from controlplane.openai.tools import (
     render_messages,
     validate_history,
 )
-from controlplane.server.errors import APIError
 
 WEATHER = {
     "type": "object",

@@ -21,9 +21,8 @@ from litestar.exceptions import HTTPException
 from litestar.response import ServerSentEvent
 
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.openai import protocol
-from controlplane.openai.tools import ToolCallStream, ToolRequest, parse_auto, parse_constrained
-from controlplane.server.errors import (
+from controlplane.http.body import load_json, openapi_body
+from controlplane.http.errors import (
     APIError,
     body_too_large,
     handle_api_error,
@@ -31,6 +30,15 @@ from controlplane.server.errors import (
     handle_unexpected,
     invalid,
     unavailable,
+)
+from controlplane.openai import protocol
+from controlplane.openai.tools import (
+    ToolCallStream,
+    ToolRequest,
+    has_tools_variable,
+    parse_auto,
+    parse_constrained,
+    render_messages,
 )
 from controlplane.store.records import RequestRecord
 
@@ -280,7 +288,7 @@ class InferenceAPI:
         return json.dumps([key_hash if isolate else None, parsed.cache_salt])
 
     async def _body(self, request: Request) -> Any:
-        return protocol.load_json(await request.body())
+        return load_json(await request.body())
 
     async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS).
@@ -584,10 +592,15 @@ class InferenceAPI:
         escape = self.runtime.cfg.server.chat_special_tokens == "escape"
         size = len(await request.body())  # read once, kept by Litestar
         tools = parsed.tools
+        rt = self.runtime
+
+        def prompt() -> list[int]:  # tools go into the messages here, the template in the runtime
+            in_template = has_tools_variable(rt.chat_template)
+            messages, extra = render_messages(parsed.messages, tools, in_template)
+            return rt.tokenize_chat(messages, True, escape, **extra)
+
         try:
-            prompt_ids = await self._off_loop(
-                size, self.runtime.tokenize_chat, parsed.messages, True, escape, tools
-            )
+            prompt_ids = await self._off_loop(size, prompt)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from None
         grammar = await self._grammar(parsed)
@@ -745,7 +758,7 @@ def create_app(runtime: Runtime) -> Litestar:
         status_code=200,
         summary="OpenAI completions",
         guards=[api_key],
-        operation_class=protocol.openapi_body(protocol.COMPLETION_SCHEMA),
+        operation_class=openapi_body(protocol.COMPLETION_SCHEMA),
     )
     async def completions(request: Request) -> Response:
         return await api.completions(request)
@@ -755,7 +768,7 @@ def create_app(runtime: Runtime) -> Litestar:
         status_code=200,
         summary="OpenAI chat completions",
         guards=[api_key],
-        operation_class=protocol.openapi_body(protocol.CHAT_SCHEMA),
+        operation_class=openapi_body(protocol.CHAT_SCHEMA),
     )
     async def chat_completions(request: Request) -> Response:
         return await api.chat(request)
@@ -788,7 +801,7 @@ def create_app(runtime: Runtime) -> Litestar:
         body = {"status": d.state if d.state != "ready" or d.healthy else "dead"}
         return Response(body, status_code=200 if d.healthy else 503)
 
-    from controlplane.admin_api.routes import admin_router, metrics_handler
+    from controlplane.admin.routes import admin_router, metrics_handler
 
     async def add_request_id(message: Any, scope: Any) -> None:
         """Every /v1 response carries X-Request-Id (errors and unknown routes included): the

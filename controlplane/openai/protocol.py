@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,25 +17,22 @@ from typing import Any
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from controlplane.engine.structured import StructuredOutput
+from controlplane.http.body import check_json
+from controlplane.http.errors import invalid
 from controlplane.openai.tools import (
     ToolRequest,
     constrained_schema,
     parse_tools,
     validate_history,
 )
-from controlplane.server.errors import invalid, printable
 from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHARS
 
-# Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
-# (the chat template, config flattening) far from Python's recursion limit.
-MAX_JSON_DEPTH = 32
 # A JSON schema sent as a string (guided_json, response_format.json_schema.schema,
 # structured_outputs.json) is parsed apart from the body: its own bound, serde_json's default
 # recursion limit (what llguidance parses it with). Deeper is a 400 naming the field.
 MAX_SCHEMA_DEPTH = 128
 # vLLM's `cache_salt`: the request's prefix-cache partition (hashed, never stored).
 MAX_CACHE_SALT_CHARS = 256
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _COMMON = {
     "model",
@@ -93,60 +89,6 @@ CHAT_FIELDS = _COMMON | {
 MAX_USER_CHARS = MAX_END_USER_CHARS
 MAX_REQUEST_ID_CHARS = MAX_X_REQUEST_ID_CHARS
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
-
-
-def load_json(raw: bytes) -> Any:
-    """Parse a request body, refusing what would fail later: nesting deeper than
-    MAX_JSON_DEPTH, integers of more than 4300 digits (Python refuses to convert them) and
-    strings or field names with lone surrogates (not encodable as UTF-8). Errors name the
-    field, as `invalid` does."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise invalid("body", f"is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except UnicodeDecodeError as exc:
-        raise invalid("body", f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise invalid("body", f"is not valid JSON ({exc})") from None
-    except ValueError:  # Python refuses to convert integers this long (CVE-2020-10735)
-        limit = sys.get_int_max_str_digits()
-        raise invalid("body", f"holds an integer of more than {limit} digits") from None
-    check_json(body)
-    return body
-
-
-def check_json(body: Any, where: str = "body", max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Walk the parsed body without recursion: depth, and UTF-8-safe strings and keys.
-    `where`: a field holding JSON text parsed on its own (errors name it, not the body)."""
-    # (value, its path for messages, the top-level field it is in, its depth)
-    todo: list[tuple[Any, str, str, int]] = [(body, where, where, 0)]
-    while todo:
-        value, path, top, depth = todo.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-            continue
-        if not isinstance(value, dict | list):
-            continue
-        if depth >= max_depth:
-            # The top-level field, not the 32-level path: short and still says where.
-            raise invalid(printable(top), f"is nested deeper than {max_depth} levels")
-        if isinstance(value, list):
-            todo.extend((v, f"{path}[{i}]", top, depth + 1) for i, v in enumerate(value))
-            continue
-        for key, v in value.items():
-            name = key if depth == 0 and where == "body" else f"{path}.{key}"
-            if _SURROGATE.search(key):
-                raise invalid(printable(name), "field name is not valid UTF-8 (lone surrogate)")
-            todo.append((v, name, key if depth == 0 and where == "body" else top, depth + 1))
-
-
-def _check_text(text: str, path: str) -> None:
-    m = _SURROGATE.search(text)
-    if m:
-        raise invalid(
-            printable(path),
-            f"is not valid UTF-8: lone surrogate {printable(m.group())} at character {m.start()}",
-        )
 
 
 # -- OpenAPI request bodies (documentation, and what schemathesis fuzzes) -------------------
@@ -269,22 +211,6 @@ CHAT_SCHEMA: dict[str, Any] = {
         "modalities": {"type": "array"},
     },
 }
-
-
-def openapi_body(schema: dict[str, Any]) -> type:
-    """A Litestar OpenAPI operation class documenting a JSON request body that the handler
-    parses itself (so that every error names its field the OpenAI way)."""
-    from litestar.openapi.spec import Operation
-
-    @dataclass
-    class WithBody(Operation):
-        def to_schema(self) -> dict[str, Any]:
-            out = super().to_schema()
-            content = {"application/json": {"schema": schema}}
-            out["requestBody"] = {"required": True, "content": content}
-            return out
-
-    return WithBody
 
 
 Prompt = str | list[int]  # text, or token ids

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.server.errors import invalid
+from controlplane.http.errors import invalid
 
 MAX_TOOLS = 128
 NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from controlplane.admin_api.auth import AdminAuth, resolve_tokens
-from controlplane.admin_api.metrics import Metrics
 from controlplane.config import Config, default_model
+from controlplane.http.auth import AdminAuth, resolve_tokens
 from controlplane.server.config_file import ConfigFile
 from controlplane.server.live_config import FieldChange, LiveConfig
 from controlplane.server.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
+from controlplane.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
     from controlplane.engine import AsyncEngine

@@ -27,15 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from controlplane.admin_api.auth import AdminAuth, match_bearer
-from controlplane.admin_api.metrics import Metrics
-from controlplane.admin_api.stats import cache_and_speculation, structured_outputs, summarize
 from controlplane.common import percentile
 from controlplane.config import ApiKey, Config
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.openai.tools import ToolRequest, has_tools_variable, render_messages
+from controlplane.http.auth import AdminAuth, match_bearer
 from controlplane.server.live_config import ConfigAuditError, FieldChange, LiveConfig
 from controlplane.store.records import RequestRecord, hash_api_key
+from controlplane.telemetry.metrics import Metrics
+from controlplane.telemetry.stats import cache_and_speculation, structured_outputs, summarize
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine as SQLEngine
@@ -501,21 +500,19 @@ class Runtime:
     def tokenize(self, text: str) -> list[int]:
         return self._engine.engine.tokenizer.encode(text)
 
+    @property
+    def chat_template(self) -> str:
+        """The model's chat template (Jinja text; empty when it has none)."""
+        return self._engine.engine.tokenizer.chat_template or ""
+
     def tokenize_chat(
-        self,
-        messages: Any,
-        add_generation_prompt: bool,
-        escape: bool,
-        tools: ToolRequest | None = None,
+        self, messages: Any, add_generation_prompt: bool, escape: bool, **template_vars: Any
     ) -> list[int]:
         """A chat's prompt tokens (its template); ValueError for messages it cannot render.
-        Tools go to the template's `tools` variable where it has one, else into the system
-        message in the default format (controlplane.openai.tools)."""
+        Tools are rendered into the messages and `template_vars` by the /v1 surface
+        (controlplane.openai.tools)."""
         tok = self._engine.engine.tokenizer
-        messages, extra = render_messages(
-            messages, tools, has_tools_variable(tok.chat_template or "")
-        )
-        return tok.encode_chat(messages, add_generation_prompt, escape=escape, **extra)
+        return tok.encode_chat(messages, add_generation_prompt, escape=escape, **template_vars)
 
     def warm_grammars(self) -> None:
         """Build the grammar engine's view of the vocabulary now, in the background (0.4 s for

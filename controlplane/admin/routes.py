@@ -15,13 +15,13 @@ from litestar import Request, Response, Router, get, patch, post
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from controlplane.admin_api.auth import FLEET_STATE, fleet_answers
 from controlplane.client.admin import CHANGE_ID_HEADER
 from controlplane.common import parse_group_by, parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary
-from controlplane.openai.protocol import load_json, openapi_body
-from controlplane.server.errors import APIError
+from controlplane.http.auth import FLEET_STATE, fleet_answers
+from controlplane.http.body import load_json, openapi_body
+from controlplane.http.errors import APIError
 
 if TYPE_CHECKING:
     from controlplane.server.runtime import Runtime

@@ -1,0 +1,1 @@
+"""The operators' control surface: the /admin/* routes (token-protected) and /metrics."""

@@ -1,1 +1,0 @@
-"""The operators' control surface: /admin/* (token-protected) and /metrics."""
