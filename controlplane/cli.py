@@ -111,7 +111,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_data_dir(cfg.data_path)
 
     async def run() -> int:
-        from controlplane.server.daemon import Daemon
+        from controlplane.daemon import Daemon
 
         return await Daemon(cfg, config_path=args.config, file_raw=file_raw).serve()
 

@@ -133,13 +133,13 @@ class InProcessDaemon:
         self.config_path = config_path
         self.env = {} if env is None else env
         self.loop = asyncio.new_event_loop()
-        self.daemon: Any = None  # controlplane.server.daemon.Daemon, once started
+        self.daemon: Any = None  # controlplane.daemon.Daemon, once started
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._started = threading.Event()
         self.exit_code: int | None = None
 
     def _run(self) -> None:
-        from controlplane.server.daemon import Daemon
+        from controlplane.daemon import Daemon
 
         asyncio.set_event_loop(self.loop)
 

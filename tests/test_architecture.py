@@ -23,7 +23,7 @@ PKG = ROOT / "controlplane"
 # The engine's public API: what a module outside controlplane/engine/ may import from it.
 # Everything else there (engine.py, async_engine.py, tokenizer, block pool, scheduler, model
 # code...) is reached only through the runtime (controlplane.server.runtime), and the daemon
-# that wires it (controlplane.server.daemon) builds the engine.
+# that wires it (controlplane.daemon) builds the engine.
 ENGINE_PUBLIC = {
     "controlplane.engine",  # lazy __init__: AsyncEngine, Engine, LLM, the types, the errors
     "controlplane.engine.errors",
@@ -34,7 +34,7 @@ ENGINE_PUBLIC = {
     "controlplane.engine.gguf.known",  # model catalog: default model paths and names
     "controlplane.engine.demo_model",  # `controlplane demo-model` and the default model
 }
-ENGINE_HANDLES = {"controlplane.server.runtime", "controlplane.server.daemon"}
+ENGINE_HANDLES = {"controlplane.server.runtime", "controlplane.daemon"}
 
 
 def _module_name(path: Path) -> str:
@@ -127,8 +127,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     # A parser that found nothing would pass every rule below.
-    assert "controlplane.server.runtime" in GRAPH["controlplane.server.daemon"]
-    assert "controlplane.openai.app" in GRAPH["controlplane.server.daemon"]
+    assert "controlplane.server.runtime" in GRAPH["controlplane.daemon"]
+    assert "controlplane.openai.app" in GRAPH["controlplane.daemon"]
     assert "controlplane.admin.routes" in GRAPH["controlplane.openai.app"]
     assert "controlplane.server.runtime" in GRAPH["controlplane.openai.app"]  # TYPE_CHECKING
 
@@ -144,7 +144,7 @@ def test_the_cycle_checker_finds_a_cycle() -> None:
 
 
 def test_only_the_daemon_imports_the_daemon() -> None:
-    users = sorted(m for m, deps in GRAPH.items() if "controlplane.server.daemon" in deps)
+    users = sorted(m for m, deps in GRAPH.items() if "controlplane.daemon" in deps)
     assert users == ["controlplane.cli"]
 
 

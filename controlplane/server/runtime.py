@@ -1,6 +1,6 @@
 """The runtime: what the HTTP app, the admin API and the scheduled jobs receive.
 
-The daemon (controlplane.server.daemon) wires and runs the process: it opens the store, loads
+The daemon (controlplane.daemon) wires and runs the process: it opens the store, loads
 the model, starts and stops everything and fans config changes out. Every layer below it gets
 this one object instead, and it is their only handle on the engine: they ask it to tokenize,
 validate and queue a request, for statistics, the live request list, the KV block map, the
