@@ -128,6 +128,16 @@ class Fleet:
         r = httpx.get(self.url(name) + "/admin/config", headers=bearer(), timeout=30)
         return r.json()["fields"][key]["value"]
 
+    def patch_fleet(self, via: str, max_num_seqs: int, timeout: float = 60) -> httpx.Response:
+        """An operator's fleet change (PATCH ?scope=fleet) through daemon `via`."""
+        return httpx.patch(
+            self.url(via) + "/admin/config",
+            params={"scope": "fleet"},
+            json={"engine": {"max_num_seqs": max_num_seqs}},
+            headers=bearer(),
+            timeout=timeout,
+        )
+
     def history(self, name: str) -> list[dict]:
         r = httpx.get(self.url(name) + "/admin/config/history", headers=bearer(), timeout=30)
         return r.json()["changes"]
@@ -211,13 +221,7 @@ def test_a_forged_row_at_a_listener_never_gets_the_token_and_fails(clean: Fleet)
     with Listener() as evil:
         fleet.forge("evil", evil.url)
         # An operator's fleet change through a daemon: evil cannot be asked, none applies.
-        r = httpx.patch(
-            fleet.url("alpha") + "/admin/config",
-            params={"scope": "fleet"},
-            json={"engine": {"max_num_seqs": 6}},
-            headers=bearer(),
-            timeout=60,
-        )
+        r = fleet.patch_fleet("alpha", 6)
         assert evil.got, "the listener was never asked: the test proves nothing"
         assert_nothing_reusable(evil.got)
         assert r.status_code == 503, r.text
@@ -256,13 +260,7 @@ def test_an_instance_answering_for_another_id_is_reported_failed(clean: Fleet) -
     # A row that names "imposter" but advertises alpha's URL: alpha must not answer for it.
     fleet.forge("imposter", fleet.url("alpha"))
     before = len(fleet.history("alpha"))
-    r = httpx.patch(
-        fleet.url("beta") + "/admin/config",
-        params={"scope": "fleet"},
-        json={"engine": {"max_num_seqs": 5}},
-        headers=bearer(),
-        timeout=60,
-    )
+    r = fleet.patch_fleet("beta", 5)
     assert r.status_code == 503, r.text
     found = outcomes(r.json())
     assert found["imposter"]["outcome"] == "failed", found
@@ -273,13 +271,7 @@ def test_an_instance_answering_for_another_id_is_reported_failed(clean: Fleet) -
 
     # Without the forged row the same change applies, signed, with the token's name as actor.
     fleet.unforge()
-    r = httpx.patch(
-        fleet.url("beta") + "/admin/config",
-        params={"scope": "fleet"},
-        json={"engine": {"max_num_seqs": 5}},
-        headers=bearer(),
-        timeout=60,
-    )
+    r = fleet.patch_fleet("beta", 5)
     assert r.status_code == 200, r.text
     change_id = r.json()["change_id"]
     for name in NAMES:
@@ -299,13 +291,7 @@ def test_redirects_are_not_followed(clean: Fleet) -> None:
     with Listener() as target, Listener(mode="redirect") as bouncer:
         bouncer.location = target.url + "/admin/config"
         fleet.forge("bouncer", bouncer.url)
-        r = httpx.patch(
-            fleet.url("alpha") + "/admin/config",
-            params={"scope": "fleet"},
-            json={"engine": {"max_num_seqs": 6}},
-            headers=bearer(),
-            timeout=60,
-        )
+        r = fleet.patch_fleet("alpha", 6)
         assert r.status_code == 503, r.text
         found = outcomes(r.json())
         assert found["bouncer"]["outcome"] == "failed"
@@ -350,13 +336,7 @@ def test_rows_with_a_query_fragment_or_other_scheme_are_never_asked(clean: Fleet
         fleet.forge("fragment", listener.url + "#admin")
         fleet.forge("other-scheme", listener.url.replace("http://", "ftp://"))
         before = {n: len(fleet.history(n)) for n in NAMES}
-        r = httpx.patch(
-            fleet.url("alpha") + "/admin/config",
-            params={"scope": "fleet"},
-            json={"engine": {"max_num_seqs": 6}},
-            headers=bearer(),
-            timeout=30,
-        )
+        r = fleet.patch_fleet("alpha", 6, timeout=30)
         assert r.status_code == 503, r.text
         found = outcomes(r.json())
         for iid in ("looper", "queried", "fragment", "other-scheme"):
