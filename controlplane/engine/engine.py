@@ -27,6 +27,7 @@ from controlplane.engine.loader import load_model, load_tokenizer
 from controlplane.engine.model.config import load_model_config
 from controlplane.engine.model.linear import auto_dtype
 from controlplane.engine.model.quant import QuantConfig, memory_use
+from controlplane.engine.output import finish_text, make_output, merge, take_token
 from controlplane.engine.runner import ModelRunner
 from controlplane.engine.sampler import Sampler
 from controlplane.engine.sampling_params import SamplingParams
@@ -564,7 +565,7 @@ class Engine:
             self.scheduler.trim(seq)
             self.scheduler.cache_blocks(seq)
         mine = [o for o in outs if o.index == seq.index]  # a failure also ends the siblings
-        return [o for o in outs if o.index != seq.index] + ([_merge(mine)] if mine else [])
+        return [o for o in outs if o.index != seq.index] + ([merge(mine)] if mine else [])
 
     # -- failures: one request's fault ends that request, not the engine --------------------
     def _fail_step(
@@ -644,7 +645,7 @@ class Engine:
             c.metrics.finish_time = now
             if c.status is not SequenceStatus.FINISHED:
                 self._end(c)
-            out = self._output(c, [], [], now, finished=True)
+            out = make_output(c, [], [], now, finished=True)
             out.error, out.error_param = message, param
             outputs.append(out)
         return outputs
@@ -662,52 +663,15 @@ class Engine:
     def _append(
         self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
     ) -> RequestOutput:
-        p = seq.params
-        m = seq.metrics
         # Before the token is taken: a token the grammar refuses is not part of the output.
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             raise grammar_failed(seq.params.structured, seq.matcher, len(seq.output_token_ids))
-        if m.first_token_time is None:
-            m.first_token_time = now
-        seq.append_token(token)
-        m.num_output_tokens += 1
-        if lp is not None:
-            seq.cumulative_logprob += lp.logprob
-        reason = None
-        stop_string = False
-        grammar_done = False
-        if seq.matcher is not None:
-            # Complete (nothing but EOS could follow): stop now rather than spend a step on
-            # sampling that EOS.
-            grammar_done = seq.matcher.is_stopped()
-        if token in p.stop_token_ids or (
-            not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
-            reason = "stop"  # the stop token's text is not part of the output
-        else:
-            piece = seq.detokenizer.add(token)
-            seq.output_text += piece
-            if p.stop and self._truncate_at_stop(seq, len(piece)):
-                reason, stop_string = "stop", True
-            elif grammar_done:
-                reason = "stop"
-        if reason is None and (
-            len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
-        if reason is not None:
-            return self._finish(seq, reason, now, [token], [lp], flush=not stop_string)
-        return self._output(seq, [token], [lp], now, finished=False)
-
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence, new_chars: int) -> bool:
-        """Cut the text before the first stop string; only a match touching the new text is new."""
-        text = seq.output_text
-        start = max(0, len(text) - new_chars - max(len(s) for s in seq.params.stop) + 1)
-        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i != -1]
-        if hits:
-            seq.output_text = text[: min(hits)]
-        return bool(hits)
+        reason, flush = take_token(
+            seq, token, lp, now, self.tokenizer.eos_token_ids, self.max_model_len
+        )
+        if reason is None:
+            return make_output(seq, [token], [lp], now, finished=False)
+        return self._finish(seq, reason, now, [token], [lp], flush)
 
     def _finish(
         self,
@@ -718,42 +682,11 @@ class Engine:
         lps: list[TokenLogprobs | None],
         flush: bool = True,
     ) -> RequestOutput:
-        if flush:
-            seq.output_text += seq.detokenizer.flush()  # bytes held back for an unfinished char
+        finish_text(seq, flush)
         seq.finish_reason = reason
         seq.metrics.finish_time = now
         self._end(seq)
-        return self._output(seq, new, lps, now, finished=True)
-
-    def _output(
-        self,
-        seq: Sequence,
-        new: list[int],
-        lps: list[TokenLogprobs | None],
-        now: float,
-        finished: bool,
-    ) -> RequestOutput:
-        # Hold back text that could still turn out to be the start of a stop string.
-        release = len(seq.output_text)
-        if not finished and seq.params.stop:
-            release = max(seq.num_emitted_chars, release - max(len(s) for s in seq.params.stop) + 1)
-        delta = seq.output_text[seq.num_emitted_chars : release]
-        seq.num_emitted_chars = release
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            new_token_ids=new,
-            text=seq.output_text[:release],
-            delta_text=delta,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics,
-            logprobs=lps if seq.params.logprobs is not None else [],
-            time=now,
-            index=seq.index,
-            cumulative_logprob=seq.cumulative_logprob if len(seq.group) > 1 else None,
-        )
+        return make_output(seq, new, lps, now, finished=True)
 
     # -- stats ----------------------------------------------------------------------------
     def _gauges(self) -> dict[str, Any]:
@@ -807,13 +740,3 @@ class Engine:
 
     def stats(self) -> StepStats:
         return self._stats
-
-
-def _merge(outs: list[RequestOutput]) -> RequestOutput:
-    """One output for several tokens of one choice produced in one step (speculation)."""
-    last = outs[-1]
-    if len(outs) > 1:
-        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
-        last.delta_text = "".join(o.delta_text for o in outs)
-        last.logprobs = [lp for o in outs for lp in o.logprobs]
-    return last

@@ -1,0 +1,101 @@
+"""Output processing, one token at a time: append a sampled token to its sequence, detokenize
+it, check stop tokens, stop strings, grammar completion and the length limits, and build the
+`RequestOutput` the caller sees (holding back text that may still become a stop string)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from controlplane.engine.sequence import Sequence
+from controlplane.engine.types import RequestOutput, TokenLogprobs
+
+
+def take_token(
+    seq: Sequence,
+    token: int,
+    lp: TokenLogprobs | None,
+    now: float,
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+) -> tuple[str | None, bool]:
+    """Append `token` (its grammar already took it) and say whether the sequence ends here:
+    (finish reason or None, whether to flush the detokenizer's held-back bytes)."""
+    p = seq.params
+    m = seq.metrics
+    if m.first_token_time is None:
+        m.first_token_time = now
+    seq.append_token(token)
+    m.num_output_tokens += 1
+    if lp is not None:
+        seq.cumulative_logprob += lp.logprob
+    # Complete (nothing but EOS could follow): stop now rather than spend a step on sampling
+    # that EOS.
+    grammar_done = seq.matcher is not None and seq.matcher.is_stopped()
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        return "stop", True  # the stop token's text is not part of the output
+    piece = seq.detokenizer.add(token)
+    seq.output_text += piece
+    if p.stop and truncate_at_stop(seq, len(piece)):
+        return "stop", False  # the text is cut before the stop string: nothing to flush
+    if grammar_done:
+        return "stop", True
+    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length", True
+    return None, True
+
+
+def truncate_at_stop(seq: Sequence, new_chars: int) -> bool:
+    """Cut the text before the first stop string; only a match touching the new text is new."""
+    text = seq.output_text
+    start = max(0, len(text) - new_chars - max(len(s) for s in seq.params.stop) + 1)
+    hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i != -1]
+    if hits:
+        seq.output_text = text[: min(hits)]
+    return bool(hits)
+
+
+def finish_text(seq: Sequence, flush: bool) -> None:
+    """The sequence ends: the bytes held back for an unfinished character join its text."""
+    if flush:
+        seq.output_text += seq.detokenizer.flush()
+
+
+def make_output(
+    seq: Sequence,
+    new: list[int],
+    lps: list[TokenLogprobs | None],
+    now: float,
+    finished: bool,
+) -> RequestOutput:
+    """What the caller sees of `seq` after this step's `new` tokens."""
+    # Hold back text that could still turn out to be the start of a stop string.
+    release = len(seq.output_text)
+    if not finished and seq.params.stop:
+        release = max(seq.num_emitted_chars, release - max(len(s) for s in seq.params.stop) + 1)
+    delta = seq.output_text[seq.num_emitted_chars : release]
+    seq.num_emitted_chars = release
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=seq.output_token_ids,
+        new_token_ids=new,
+        text=seq.output_text[:release],
+        delta_text=delta,
+        finished=finished,
+        finish_reason=seq.finish_reason,
+        metrics=seq.metrics,
+        logprobs=lps if seq.params.logprobs is not None else [],
+        time=now,
+        index=seq.index,
+        cumulative_logprob=seq.cumulative_logprob if len(seq.group) > 1 else None,
+    )
+
+
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One output for several tokens of one choice produced in one step (speculation)."""
+    last = outs[-1]
+    if len(outs) > 1:
+        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        last.delta_text = "".join(o.delta_text for o in outs)
+        last.logprobs = [lp for o in outs for lp in o.logprobs]
+    return last
