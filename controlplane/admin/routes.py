@@ -15,10 +15,10 @@ from litestar import Request, Response, Router, get, patch, post
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from controlplane.client.admin import CHANGE_ID_HEADER
-from controlplane.common import parse_group_by, parse_time
+from controlplane.common import parse_group_by, parse_report_time, parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary
+from controlplane.fleet.auth import CHANGE_ID_HEADER, SOURCE_HEADER
 from controlplane.http.auth import FLEET_STATE, fleet_answers
 from controlplane.http.body import load_json, openapi_body
 from controlplane.http.errors import APIError
@@ -32,9 +32,6 @@ KEEPALIVE_S = 15.0
 CHANGE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 # Row ids and other integers bound into SQL: both databases store them as signed 64-bit.
 MAX_SQL_INT = (1 << 63) - 1
-# Report bounds a datetime can hold with room for the hour arithmetic around them.
-MIN_REPORT_TIME = datetime(1970, 1, 1, tzinfo=UTC)
-MAX_REPORT_TIME = datetime(9999, 1, 1, tzinfo=UTC)
 CONFIG_PATCH_SCHEMA = {
     "type": "object",
     "minProperties": 1,
@@ -44,7 +41,7 @@ CONFIG_PATCH_SCHEMA = {
 
 def _source(request: Request) -> str:
     """Where a change says it came from (audit log): the TUI and fleet actions say so."""
-    said = request.headers.get("x-controlplane-source", "").lower()
+    said = request.headers.get(SOURCE_HEADER, "").lower()
     return said if said in ("tui", "fleet") else "api"
 
 
@@ -338,8 +335,8 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         since: str | None, until: str | None, group_by: str, allowed: tuple[str, ...]
     ) -> tuple:
         try:
-            start = _report_time("since", since or "24h")
-            end = _report_time("until", until) if until else datetime.now(UTC)
+            start = parse_report_time("since", since or "24h")
+            end = parse_report_time("until", until) if until else datetime.now(UTC)
             keys = parse_group_by(group_by, allowed)
         except InvalidSettingError as exc:
             raise _unprocessable(exc.field, exc.message) from None
@@ -348,18 +345,6 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
                 "since", f"must be before until ({start.isoformat()} >= {end.isoformat()})"
             )
         return start, end, keys
-
-    def _report_time(name: str, value: str) -> datetime:
-        try:
-            at = parse_time(name, value)
-        except OverflowError:  # "99999999d": before year 1
-            at = None
-        if at is None or not MIN_REPORT_TIME <= at <= MAX_REPORT_TIME:
-            raise InvalidSettingError(
-                name,
-                f"{value!r} is out of range ({MIN_REPORT_TIME.date()} to {MAX_REPORT_TIME.date()})",
-            )
-        return at
 
     @get(
         "/costs",

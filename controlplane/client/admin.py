@@ -18,11 +18,7 @@ from typing import Any
 
 import httpx
 
-from controlplane.fleet.auth import NONCE_HEADER, Signer
-
-SOURCE_HEADER = "X-Controlplane-Source"
-# The change id a fleet change carries to every instance (one id in every audit log).
-CHANGE_ID_HEADER = "X-Controlplane-Change-Id"
+from controlplane.fleet.auth import CHANGE_ID_HEADER, NONCE_HEADER, SOURCE_HEADER, Signer
 
 
 class ClientError(Exception):

@@ -40,7 +40,8 @@ INSTANCE_HEADER = "X-Controlplane-Fleet-Instance"
 TIME_HEADER = "X-Controlplane-Fleet-Time"
 NONCE_HEADER = "X-Controlplane-Fleet-Nonce"
 SIGNATURE_HEADER = "X-Controlplane-Fleet-Signature"
-SOURCE_HEADER = "X-Controlplane-Source"
+SOURCE_HEADER = "X-Controlplane-Source"  # the audit source a write says it came from
+# The change id a fleet change carries to every instance (one id in every audit log).
 CHANGE_ID_HEADER = "X-Controlplane-Change-Id"
 KEY_SALT = b"controlplane-fleet"
 KEY_ITERATIONS = 100_000

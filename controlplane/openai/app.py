@@ -232,10 +232,11 @@ class InferenceAPI:
     def _admit(
         self, request: Request, model: str, incoming: int = 1
     ) -> tuple[str | None, str | None]:
-        """Admission for `incoming` engine requests (one per prompt): the API key, the server
-        state, the model and the waiting queue. Returns the key's name and hash."""
+        """Admission for `incoming` engine requests (one per prompt): the server state, the
+        model and the waiting queue. Returns the API key's name and hash, as the route's guard
+        found them (`api_key`, before the body was read)."""
         d = self.runtime
-        key_name, key_hash = self.authenticate(request)
+        key_name, key_hash = request.state.api_key
         if d.state != "ready" or not d.engine_loaded:
             raise unavailable(f"server is {d.state}; retry later")
         if not d.engine_running:
@@ -750,8 +751,8 @@ def create_app(runtime: Runtime) -> Litestar:
     max_body = runtime.cfg.server.max_body_bytes
 
     def api_key(connection: ASGIConnection, _: Any) -> None:
-        """Guard of every /v1 route: the key is checked before the body is read."""
-        api.authenticate(connection)
+        """Guard of every /v1 route: the key is checked before the body is read, once."""
+        connection.state.api_key = api.authenticate(connection)
 
     @post(
         "/v1/completions",
