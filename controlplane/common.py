@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from controlplane.engine.errors import InvalidSettingError
 
@@ -106,3 +107,26 @@ def parse_group_by(value: str | Sequence[str], allowed: Sequence[str]) -> list[s
     if "day" in names and "hour" in names:
         raise InvalidSettingError("group_by", "day and hour exclude each other")
     return [n for n in allowed if n in names]
+
+
+# printable ASCII, no spaces: what may go on the wire as a URL or header value
+_PRINTABLE_URL_RE = re.compile(r"[\x21-\x7e]{1,255}")
+
+
+def check_url(url: str, what: str = "advertise_url") -> str:
+    """`url` if it is where a fleet member (or any daemon) can be asked: http(s), a host, no user info, no
+    query, no fragment, nothing but printable ASCII; ValueError naming `what` otherwise."""
+    if not isinstance(url, str) or not url or not _PRINTABLE_URL_RE.fullmatch(url):
+        raise ValueError(f"{what}: must be a printable http:// or https:// URL, got {url!r}")
+    if "?" in url or "#" in url:
+        raise ValueError(f"{what}: must have no query or fragment, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a malformed port)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}, got {url!r}") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what}: must be an http:// or https:// URL, got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{what}: must carry no user or password, got {url!r}")
+    return url

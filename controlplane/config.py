@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from controlplane.common import parse_time
+from controlplane.common import check_url, parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_N
 from controlplane.engine.settings import EngineSettings, check
@@ -383,8 +383,6 @@ def _validate(cfg: Config) -> Config:
             f"{MAX_INTERVAL_S:g} seconds, got {f.unreachable_after_s}",
         )
     if s.advertise_url:
-        from controlplane.fleet.auth import check_url
-
         try:
             check_url(s.advertise_url, "server.advertise_url")
         except ValueError as exc:

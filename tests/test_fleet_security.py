@@ -348,7 +348,7 @@ def test_rows_with_a_query_fragment_or_other_scheme_are_never_asked(clean: Fleet
 
 
 def test_a_signed_request_never_starts_a_fleet_operation_nor_replays(clean: Fleet) -> None:
-    from controlplane.fleet.auth import Signer, fleet_key
+    from controlplane.http.signing import Signer, fleet_key
 
     fleet = clean
     signer = Signer(fleet_key(TOKEN), "alpha")

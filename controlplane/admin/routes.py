@@ -18,10 +18,10 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 from controlplane.common import parse_group_by, parse_report_time, parse_time
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary
-from controlplane.fleet.auth import CHANGE_ID_HEADER, SOURCE_HEADER
 from controlplane.http.auth import FLEET_STATE, fleet_answers
 from controlplane.http.body import load_json, openapi_body
 from controlplane.http.errors import APIError
+from controlplane.http.signing import CHANGE_ID_HEADER, SOURCE_HEADER
 
 if TYPE_CHECKING:
     from controlplane.server.runtime import Runtime

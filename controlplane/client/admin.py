@@ -5,7 +5,7 @@ Every method is async and raises `APIError` for an HTTP error answer (with the A
 and param), `Unreachable` when the daemon cannot be reached, or `NotTheMember` when a fleet
 client's answer is not signed by the instance it asked; nothing else escapes.
 
-A fleet client (`signer`: controlplane.fleet.auth) sends no token: it signs each request for
+A fleet client (`signer`: controlplane.http.signing) sends no token: it signs each request for
 the instance the fleet table names and accepts only answers that instance signed. No client
 follows redirects.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from controlplane.fleet.auth import CHANGE_ID_HEADER, NONCE_HEADER, SOURCE_HEADER, Signer
+from controlplane.http.signing import CHANGE_ID_HEADER, NONCE_HEADER, SOURCE_HEADER, Signer
 
 
 class ClientError(Exception):

@@ -14,7 +14,7 @@ is reported as failed: the others keep the change, as an operator would want in 
 must converge, and the exit status says it is partial.
 
 No request carries the admin token: each is signed for the instance its row names, and an
-answer counts only if that instance signed it (controlplane.fleet.auth). A row whose URL is
+answer counts only if that instance signed it (controlplane.http.signing). A row whose URL is
 not a plain http(s) URL (a query, a fragment, another scheme) is never asked: it fails.
 """
 
@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.client.admin import AdminClient, APIError, ClientError, Unreachable
-from controlplane.fleet.auth import Signer, check_url, fleet_key
+from controlplane.common import check_url
 from controlplane.fleet.registry import DRAINING, LOADING, SERVING, UNREACHABLE, Member
+from controlplane.http.signing import Signer, fleet_key
 
 TARGET_STATES = (SERVING, DRAINING)
 # Outcomes, per instance.

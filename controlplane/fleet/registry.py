@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, insert, select, update
 
-from controlplane.fleet.auth import check_url
+from controlplane.common import check_url
 from controlplane.store.audit import encode_value
 from controlplane.store.models import CostRollupRow, InstanceRow
 

@@ -2,7 +2,7 @@
 
 A missing and a wrong token get the same 401: the response never says which part was wrong.
 Fleet requests carry no token but a signature made with a key derived from one
-(controlplane.fleet.auth); the admin routes take either, `fleet_guard`.
+(controlplane.http.signing); the admin routes take either, `fleet_guard`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from litestar.exceptions import NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
 
 from controlplane.config import AdminToken, Config
-from controlplane.fleet.auth import Verified, Verifier, is_signed, sign_response
+from controlplane.http.signing import Verified, Verifier, is_signed, sign_response
 
 log = logging.getLogger("controlplane.admin")
 

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote
 
 INSTANCE_HEADER = "X-Controlplane-Fleet-Instance"
 TIME_HEADER = "X-Controlplane-Fleet-Time"
@@ -88,25 +88,6 @@ def response_message(*, instance: str, nonce: str, status: int, body: bytes) -> 
 
 def _mac(key: bytes, message: bytes) -> str:
     return hmac.new(key, message, hashlib.sha256).hexdigest()
-
-
-def check_url(url: str, what: str = "advertise_url") -> str:
-    """`url` if it is where a fleet member can be asked: http(s), a host, no user info, no
-    query, no fragment, nothing but printable ASCII; ValueError naming `what` otherwise."""
-    if not isinstance(url, str) or not url or not _ID_RE.fullmatch(url):
-        raise ValueError(f"{what}: must be a printable http:// or https:// URL, got {url!r}")
-    if "?" in url or "#" in url:
-        raise ValueError(f"{what}: must have no query or fragment, got {url!r}")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises on a malformed port)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}, got {url!r}") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{what}: must be an http:// or https:// URL, got {url!r}")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"{what}: must carry no user or password, got {url!r}")
-    return url
 
 
 @dataclass(frozen=True, slots=True)
