@@ -91,7 +91,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from controlplane.config import build_config, read_toml
-    from controlplane.server.logs import setup_logging
+    from controlplane.runtime.logs import setup_logging
 
     file_raw = read_toml(args.config) if args.config else {}
     # Flags win over the file and the environment, and are validated like them.

@@ -1,7 +1,7 @@
 """`controlplane serve`: the engine, the HTTP API and the request recorder in one process.
 
 This module wires and runs (start, load, drain, stop, config fan-out); what the HTTP app, the
-admin API and the jobs use at run time is the Runtime (controlplane.server.runtime) it hands
+admin API and the jobs use at run time is the Runtime (controlplane.runtime.runtime) it hands
 them. Only the CLI imports this module (tests/test_architecture.py).
 
 Threads: the engine steps in its own thread (AsyncEngine); the recorder writes SQL in its own
@@ -27,9 +27,9 @@ import uvicorn
 
 from controlplane.config import Config, default_model
 from controlplane.http.auth import AdminAuth, resolve_tokens
-from controlplane.server.config_file import ConfigFile
-from controlplane.server.live_config import FieldChange, LiveConfig
-from controlplane.server.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
+from controlplane.runtime.config_file import ConfigFile
+from controlplane.runtime.live_config import FieldChange, LiveConfig
+from controlplane.runtime.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
 from controlplane.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
 
     async def _watch_config(self) -> None:
-        """Poll the file and reload a change once it has settled (controlplane.server.config_file:
+        """Poll the file and reload a change once it has settled (controlplane.runtime.config_file:
         it never dies, and never reads on the loop)."""
         assert self.config_file is not None
         await self.config_file.watch()
@@ -310,7 +310,7 @@ class Daemon:
 
         self.jobs = Jobs(self.runtime)
         self.jobs.start()
-        from controlplane.server.memory import configured_idle_s, trim_when_idle
+        from controlplane.runtime.memory import configured_idle_s, trim_when_idle
 
         # Storms leave freed C-heap memory cached: give it back once the engine is idle.
         aeng = self.aengine

@@ -160,7 +160,7 @@ def engine(db_url: str) -> Iterator[Any]:
 def _reap_daemons() -> Iterator[None]:
     """Kill daemon subprocesses a test left running (say, after a failed assertion)."""
     yield
-    from tests.daemon_util import STARTED
+    from harness import STARTED
 
     while STARTED:
         proc = STARTED.pop()

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.config import load_config
-from tests.daemon_util import DaemonProcess, InProcessDaemon, wait_rows, write_config
+from harness import DaemonProcess, InProcessDaemon, wait_rows, write_config
 
 TOKEN = "ops-token-0123456789abcdef"
 MODEL = "model"

@@ -22,7 +22,7 @@ PKG = ROOT / "controlplane"
 
 # The engine's public API: what a module outside controlplane/engine/ may import from it.
 # Everything else there (engine.py, async_engine.py, tokenizer, block pool, scheduler, model
-# code...) is reached only through the runtime (controlplane.server.runtime), and the daemon
+# code...) is reached only through the runtime (controlplane.runtime.runtime), and the daemon
 # that wires it (controlplane.daemon) builds the engine.
 ENGINE_PUBLIC = {
     "controlplane.engine",  # lazy __init__: AsyncEngine, Engine, LLM, the types, the errors
@@ -34,7 +34,7 @@ ENGINE_PUBLIC = {
     "controlplane.engine.gguf.known",  # model catalog: default model paths and names
     "controlplane.engine.demo_model",  # `controlplane demo-model` and the default model
 }
-ENGINE_HANDLES = {"controlplane.server.runtime", "controlplane.daemon"}
+ENGINE_HANDLES = {"controlplane.runtime.runtime", "controlplane.daemon"}
 
 
 def _module_name(path: Path) -> str:
@@ -127,10 +127,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     # A parser that found nothing would pass every rule below.
-    assert "controlplane.server.runtime" in GRAPH["controlplane.daemon"]
+    assert "controlplane.runtime.runtime" in GRAPH["controlplane.daemon"]
     assert "controlplane.openai.app" in GRAPH["controlplane.daemon"]
     assert "controlplane.admin.routes" in GRAPH["controlplane.openai.app"]
-    assert "controlplane.server.runtime" in GRAPH["controlplane.openai.app"]  # TYPE_CHECKING
+    assert "controlplane.runtime.runtime" in GRAPH["controlplane.openai.app"]  # TYPE_CHECKING
 
 
 def test_no_import_cycles_between_modules() -> None:
@@ -166,8 +166,7 @@ API_PACKAGES = ("controlplane.openai", "controlplane.admin")
 BELOW_THE_APIS = (
     "controlplane.telemetry",
     "controlplane.http",
-    "controlplane.server.runtime",
-    "controlplane.server.live_config",
+    "controlplane.runtime",
     "controlplane.jobs",
     "controlplane.accounting",
     "controlplane.autopilot",

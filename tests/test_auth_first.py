@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.config import load_config
 from controlplane.http.errors import APIError
 from controlplane.openai import protocol
-from tests.daemon_util import InProcessDaemon
+from harness import InProcessDaemon
 from tests.test_admin_api import MODEL, admin_cfg
 
 KEY = "sk-tenant-a-0123456789"

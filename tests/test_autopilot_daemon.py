@@ -15,7 +15,7 @@ import pytest
 from controlplane.config import load_config
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.widgets import ChangesTable
-from tests.daemon_util import InProcessDaemon
+from harness import InProcessDaemon
 from tests.test_admin_api import TOKEN, admin_cfg, loadgen
 from tests.test_tui import screen_text, wait_until
 

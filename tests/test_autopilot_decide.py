@@ -316,8 +316,8 @@ def runner(engine=None):
     from controlplane.autopilot.runner import Autopilot
     from controlplane.config import build_config
     from controlplane.http.auth import AdminAuth
-    from controlplane.server.live_config import LiveConfig
-    from controlplane.server.runtime import Runtime
+    from controlplane.runtime.live_config import LiveConfig
+    from controlplane.runtime.runtime import Runtime
 
     cfg = build_config({"autopilot": {"enabled": True, "itl_p99_ms": 80, "give_up_after": 3}})
     runtime = Runtime(LiveConfig(cfg, {}, {}), "ap", AdminAuth([]))

@@ -18,7 +18,7 @@ from controlplane.config import load_config
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.history import fmt_pct
 from controlplane.tui.screens import ConfirmScreen, TuneScreen
-from tests.daemon_util import DaemonProcess, InProcessDaemon, wait_rows
+from harness import DaemonProcess, InProcessDaemon, wait_rows
 from tests.test_admin_api import TOKEN, admin_cfg
 from tests.test_tui import screen_text, wait_until
 

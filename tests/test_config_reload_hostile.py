@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon_util import STARTED, DaemonProcess
+from harness import STARTED, DaemonProcess
 
 TOKEN = "reload-token-0123456789"
 
@@ -122,7 +122,7 @@ def logged(d: DaemonProcess, needle: str, after: int) -> str:
 
 
 def test_read_snapshot_refuses_what_is_not_a_regular_utf8_file(tmp_path):
-    from controlplane.server.config_file import read_snapshot
+    from controlplane.runtime.config_file import read_snapshot
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from controlplane.config import ServerSettings, load_config
-from controlplane.server.runtime import PROGRESS_INTERVAL_S
+from controlplane.runtime.runtime import PROGRESS_INTERVAL_S
+from harness import DaemonProcess, write_config
 from tests.conftest import require_smollm2
-from tests.daemon_util import DaemonProcess, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE = [sys.executable, "-m", "controlplane", "serve"]
@@ -153,7 +153,7 @@ def test_sigkill_mid_stream_row_keeps_tokens_streamed_so_far(tmp_path):
 
     d2 = DaemonProcess.start(cfg_path, timeout=180)
     try:
-        from tests.daemon_util import rows
+        from harness import rows
 
         row = {r["id"]: r for r in rows(url)}[ids[0]]
     finally:

@@ -23,7 +23,7 @@ from controlplane.accounting.rollup import run_rollup, write_sample
 from controlplane.accounting.utilization import UtilizationSample
 from controlplane.config import Price, build_config, load_config
 from controlplane.store import RequestRow, make_engine, sync_prices, time_buckets, upgrade
-from tests.daemon_util import DaemonProcess, rows, wait_rows, write_config
+from harness import DaemonProcess, rows, wait_rows, write_config
 
 TOKEN = "costs-token-0123456789ab"
 MODEL = "model"

@@ -14,7 +14,7 @@ import pytest
 
 from controlplane.config import load_config
 from controlplane.engine.gguf.known import smollm2_path
-from tests.daemon_util import DaemonProcess, InProcessDaemon, kill, rows, wait_rows, write_config
+from harness import DaemonProcess, InProcessDaemon, rows, wait_rows, write_config
 
 PRICES = [
     {
@@ -510,7 +510,7 @@ def test_sigkill_leaves_rows_that_restart_marks_interrupted(tiny_model_dir, tmp_
     for t in clients:
         t.start()
     wait_rows(url, lambda r: len(r) == 2 and all(x["status"] == "running" for x in r))
-    kill(d.proc)
+    d.kill()
     d2 = DaemonProcess.start(cfg_path)
     try:
         final = rows(url)

@@ -14,15 +14,17 @@ from pathlib import Path
 
 import pytest
 
-DRILLS = Path(__file__).resolve().parents[1] / "drills"
+REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.drill
 
 
 def run_drill(name: str, *args: str) -> None:
-    """The drill as it is run by hand: its own process (the idle-connections drill starts a
-    reader process of its own, which needs an importable main module)."""
+    """The drill as it is run by hand, `python -m drills.<name>` from the repository root: its
+    own process (the idle-connections drill starts a reader process of its own, which needs an
+    importable main module)."""
     proc = subprocess.run(
-        [sys.executable, str(DRILLS / f"{name}.py"), *args],
+        [sys.executable, "-m", f"drills.{name}", *args],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=1200,

@@ -23,7 +23,7 @@ from controlplane.config import Price, StoreSettings, load_config
 from controlplane.store import Recorder, RequestRecord, RequestRow, mark_interrupted, sync_prices
 from controlplane.store.journal import Journal, encode, read_journal
 from controlplane.store.recorder import replay_journal
-from tests.daemon_util import DaemonProcess, kill, rows, write_config
+from harness import DaemonProcess, rows, write_config
 
 MODEL = "model"  # the tiny demo model's directory name, served as the model id
 FINAL = {"success", "error", "aborted", "interrupted"}
@@ -106,7 +106,7 @@ def test_sigkill_under_load_every_admitted_request_keeps_one_final_row(tiny_mode
             if len(admitted) > seen and admitted - finished.keys():
                 break
         time.sleep(0.001)
-    kill(d.proc)
+    d.kill()
     stop.set()
     with lock:
         ids, done = set(admitted), dict(finished)

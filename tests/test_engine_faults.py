@@ -27,7 +27,7 @@ import controlplane.engine.sampler as sampler_module
 from controlplane.config import load_config
 from controlplane.engine import AsyncEngine, Engine, InvalidSettingError, SamplingParams
 from controlplane.engine.engine import MAX_CONSECUTIVE_FAILED_STEPS
-from tests.daemon_util import InProcessDaemon, wait_rows, write_config
+from harness import InProcessDaemon, wait_rows, write_config
 
 MODEL = "model"  # the tiny demo model's directory name, served as the model id
 TOKEN = "faults-admin-token-0123456789"

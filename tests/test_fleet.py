@@ -34,9 +34,9 @@ from controlplane.fleet.registry import (
     totals,
 )
 from controlplane.http.auth import AdminAuth
-from controlplane.server.live_config import LiveConfig
-from controlplane.server.runtime import Runtime
-from tests.daemon_util import DaemonProcess, write_config
+from controlplane.runtime.live_config import LiveConfig
+from controlplane.runtime.runtime import Runtime
+from harness import DaemonProcess, write_config
 
 T0 = datetime(2026, 11, 25, 3, 0, tzinfo=UTC)
 TOKEN = "fleet-token-0123456789abcdef"

@@ -29,8 +29,8 @@ from controlplane.config import build_config, load_config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.registry import INSTANCES, Heartbeat, member, members, register
 from controlplane.store import make_engine
+from harness import InProcessDaemon, write_config
 from tests.conftest import reset_pg
-from tests.daemon_util import InProcessDaemon, write_config
 
 TOKEN = "fleet-secret-token-0123456789abcdef"
 NAMES = ("alpha", "beta")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from harness import DaemonProcess, write_config
 from tests.conftest import require_smollm2
-from tests.daemon_util import DaemonProcess, write_config
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT = [

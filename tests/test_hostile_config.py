@@ -20,8 +20,8 @@ from sqlalchemy import make_url
 
 from controlplane.config import build_config, load_config
 from controlplane.engine.errors import InvalidSettingError
+from harness import DaemonProcess, write_config
 from tests.conftest import PG_ADMIN_URL
-from tests.daemon_util import DaemonProcess, write_config
 
 TOKEN = "hostile-token-0123456789"
 FINITE = "must be a finite number"

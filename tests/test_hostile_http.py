@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from controlplane.config import load_config
-from tests.daemon_util import DaemonProcess, InProcessDaemon, rows, wait_rows, write_config
+from harness import DaemonProcess, InProcessDaemon, rows, wait_rows, write_config
 
 MODEL = "model"  # the tiny demo model's directory name
 TOKEN = "hostile-token-0123456789"

@@ -26,7 +26,7 @@ from controlplane.config import load_config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.http.auth import match_bearer
 from controlplane.store.queries import decode_cursor
-from tests.daemon_util import InProcessDaemon, write_config
+from harness import InProcessDaemon, write_config
 
 MODEL = "model"  # the tiny demo model's directory name
 TOKEN = "small-token-0123456789"

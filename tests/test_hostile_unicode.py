@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.config import load_config
+from harness import DaemonProcess, InProcessDaemon, write_config
 from tests.conftest import require_smollm2
-from tests.daemon_util import DaemonProcess, InProcessDaemon, write_config
 
 PUA = "".join(chr(c) for c in range(0xE000, 0xF8FF))  # every BMP private-use character
 MODEL = "model"  # the tiny demo model's directory name, served as the model id
@@ -247,7 +247,7 @@ def test_exception_in_the_tokenize_worker_is_a_clean_error(served, exc, size):
 
 
 def test_repeated_log_error_is_rate_limited(capsys):
-    from controlplane.server.logs import RepeatLimit, setup_logging
+    from controlplane.runtime.logs import RepeatLimit, setup_logging
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -282,7 +282,7 @@ def test_repeated_log_error_is_rate_limited(capsys):
 
 
 def test_rate_limit_window_reports_the_suppressed_count():
-    from controlplane.server.logs import RepeatLimit
+    from controlplane.runtime.logs import RepeatLimit
 
     f = RepeatLimit(burst=3, window_s=0.2)
     stream = io.StringIO()

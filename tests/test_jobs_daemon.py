@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from controlplane.config import load_config
-from tests.daemon_util import InProcessDaemon, write_config
+from harness import InProcessDaemon, write_config
 
 TOKEN = "jobs-token-0123456789abcdef"
 MODEL = "model"

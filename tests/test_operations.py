@@ -21,8 +21,8 @@ import pytest
 import controlplane
 from controlplane.config import ENV_NON_KEYS, build_config, env_names, load_config
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.server.logs import JSONFormatter
-from tests.daemon_util import DaemonProcess, InProcessDaemon, write_config
+from controlplane.runtime.logs import JSONFormatter
+from harness import DaemonProcess, InProcessDaemon, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "ops-token-0123456789abcdef"

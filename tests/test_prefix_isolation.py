@@ -11,7 +11,7 @@ from controlplane.config import load_config
 from controlplane.engine import LLM, SamplingParams
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.settings import EngineSettings, validate_changes
-from tests.daemon_util import InProcessDaemon
+from harness import InProcessDaemon
 from tests.test_admin_api import MODEL, TOKEN, admin_cfg
 
 BS = 16  # the engine's default block size

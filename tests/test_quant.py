@@ -27,8 +27,8 @@ from controlplane.engine.settings import (
     check,
     validate_changes,
 )
+from harness import InProcessDaemon, write_config
 from tests.conftest import require_smollm2
-from tests.daemon_util import InProcessDaemon, write_config
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 TOKEN = "quant-token-0123456789abcdef"

@@ -42,8 +42,8 @@ from controlplane.telemetry.metrics import (
     MAX_IGNORED_FIELD_LABELS,
     Metrics,
 )
+from harness import InProcessDaemon, rows, wait_rows, write_config
 from tests.conftest import reset_pg
-from tests.daemon_util import InProcessDaemon, rows, wait_rows, write_config
 
 MODEL = "model"  # the tiny demo model's directory name
 TOKEN = "real-clients-token-0123456789"

@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from controlplane.config import load_config
-from tests.daemon_util import InProcessDaemon, write_config
+from harness import InProcessDaemon, write_config
 
 TOKEN = "fuzz-token-0123456789abcdef"
 MODEL = "model"  # the tiny demo model's directory name

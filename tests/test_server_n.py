@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from controlplane.config import load_config
-from tests.daemon_util import InProcessDaemon, wait_rows, write_config
+from harness import InProcessDaemon, wait_rows, write_config
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from controlplane.accounting.reports import cost_report
 from controlplane.config import DEFAULT_PRICES, load_config
 from controlplane.store import UtilizationSampleRow, make_engine
-from tests.daemon_util import InProcessDaemon, wait_rows
+from harness import InProcessDaemon, wait_rows
 from tests.test_admin_api import TOKEN, admin_cfg
 from tests.test_cache_visibility import BS, SHARED, metric
 

@@ -18,8 +18,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from controlplane.config import load_config
+from harness import InProcessDaemon, wait_rows, write_config
 from tests.conftest import require_smollm2
-from tests.daemon_util import InProcessDaemon, wait_rows, write_config
 from tests.test_structured import FAILS_LATER, PERSON
 
 TOKEN = "structured-token-0123456789"

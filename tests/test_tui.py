@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from controlplane.tui import add_tui_parser, resolve_token
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.screens import TuneScreen
 from controlplane.tui.widgets import RequestsTable
-from tests.daemon_util import InProcessDaemon
+from harness import InProcessDaemon, free_port
 from tests.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
 
 SIZE = (120, 40)
@@ -45,12 +44,6 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or cond}:\n{screen_text(pilot.app)}")
         await pilot.pause(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_daemon(tmp: Path, model: Path, port: int = 0, **engine: Any) -> InProcessDaemon:

@@ -12,7 +12,7 @@ from controlplane.fleet.registry import Heartbeat, register
 from controlplane.store import make_engine
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.fleet import FleetScreen, FleetTable
-from tests.daemon_util import InProcessDaemon
+from harness import InProcessDaemon
 from tests.test_fleet import TOKEN, fleet_config
 from tests.test_tui import T0, FakeClient, screen_text, wait_until
 

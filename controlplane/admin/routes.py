@@ -24,7 +24,7 @@ from controlplane.http.errors import APIError
 from controlplane.http.signing import CHANGE_ID_HEADER, SOURCE_HEADER
 
 if TYPE_CHECKING:
-    from controlplane.server.runtime import Runtime
+    from controlplane.runtime.runtime import Runtime
 
 log = logging.getLogger("controlplane.admin")
 
@@ -62,7 +62,7 @@ def _time_param(name: str, value: str | None) -> datetime | None:
 def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None = None) -> Router:
     """`finished(request_id)`: how a recently finished request ended (None: unknown), so that
     aborting it answers 409 rather than 404."""
-    from controlplane.server.live_config import ConfigChangeError
+    from controlplane.runtime.live_config import ConfigChangeError
 
     @get("/config", summary="Effective settings: value, source and live-tunability of every field")
     async def get_config() -> dict[str, Any]:
@@ -86,7 +86,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             raise _unprocessable("body", "must be a non-empty JSON object of fields to change", 400)
         if where not in ("instance", "fleet"):
             raise _unprocessable("scope", f"must be instance or fleet, got {where!r}", 400)
-        from controlplane.server.live_config import flatten_raw
+        from controlplane.runtime.live_config import flatten_raw
 
         changes = flatten_raw(body)
         if where == "fleet":

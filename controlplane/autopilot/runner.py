@@ -35,8 +35,8 @@ from controlplane.common import percentile
 
 if TYPE_CHECKING:
     from controlplane.config import Config
-    from controlplane.server.live_config import FieldChange
-    from controlplane.server.runtime import Runtime
+    from controlplane.runtime.live_config import FieldChange
+    from controlplane.runtime.runtime import Runtime
 
 log = logging.getLogger("controlplane.autopilot")
 
@@ -225,7 +225,7 @@ class Autopilot:
     # -- deciding -------------------------------------------------------------------------------
     async def tick(self) -> Record | None:
         """One decision (None while off, cooling down or not loaded)."""
-        from controlplane.server.runtime import DRAINING
+        from controlplane.runtime.runtime import DRAINING
 
         rt = self.runtime
         a = rt.cfg.autopilot
@@ -280,7 +280,7 @@ class Autopilot:
         return record
 
     async def _apply(self, decision: Decision, window: Window, now: float) -> bool:
-        from controlplane.server.live_config import ConfigChangeError
+        from controlplane.runtime.live_config import ConfigChangeError
 
         assert decision.knob is not None and decision.old is not None
         try:

@@ -133,7 +133,7 @@ class AsyncEngine:
 
         The step thread never validates again. `validated=True`: the caller has run
         `engine.validate_request` on these ids and params (the HTTP front, see
-        controlplane.server.runtime), so this check is skipped too: one check per request."""
+        controlplane.runtime.runtime), so this check is skipped too: one check per request."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         params = params or SamplingParams()

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from controlplane import __version__
 from controlplane.fleet import registry
-from controlplane.server.runtime import DRAINING, READY
+from controlplane.runtime.runtime import DRAINING, READY
 
 if TYPE_CHECKING:
-    from controlplane.server.runtime import Runtime
+    from controlplane.runtime.runtime import Runtime
 
 log = logging.getLogger("controlplane.fleet")
 

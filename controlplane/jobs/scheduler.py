@@ -24,7 +24,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 if TYPE_CHECKING:
-    from controlplane.server.runtime import Runtime
+    from controlplane.runtime.runtime import Runtime
 
 log = logging.getLogger("controlplane.jobs")
 

@@ -45,7 +45,7 @@ from controlplane.store.records import RequestRecord
 if TYPE_CHECKING:
     from controlplane.engine import RequestOutput, RequestStream, SamplingParams
     from controlplane.engine.structured import CompiledGrammar
-    from controlplane.server.runtime import Runtime
+    from controlplane.runtime.runtime import Runtime
 
 
 log = logging.getLogger("controlplane.api")

@@ -46,7 +46,7 @@ from typing import Any
 
 from controlplane.config import ServerSettings
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.server.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
+from controlplane.runtime.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
 
 log = logging.getLogger("controlplane.daemon")
 

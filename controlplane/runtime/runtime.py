@@ -31,7 +31,7 @@ from controlplane.common import percentile
 from controlplane.config import ApiKey, Config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.http.auth import AdminAuth, match_bearer
-from controlplane.server.live_config import ConfigAuditError, FieldChange, LiveConfig
+from controlplane.runtime.live_config import ConfigAuditError, FieldChange, LiveConfig
 from controlplane.store.records import RequestRecord, hash_api_key
 from controlplane.telemetry.metrics import Metrics
 from controlplane.telemetry.stats import cache_and_speculation, structured_outputs, summarize
