@@ -10,8 +10,8 @@ delay uniform in [0, `--disconnect-within`] seconds (streaming and not). Afterwa
   the requests the engine finished (`num_finished`, which counts aborted ones too);
 * the daemon's RSS after the run is within `--rss-tolerance` (10%) of its RSS after warm-up.
 
-    python drills/disconnect_storm.py                       # 10,000 requests, ~10 minutes
-    python drills/disconnect_storm.py --requests 1000       # CI's size
+    python -m drills.disconnect_storm                       # 10,000 requests, ~10 minutes
+    python -m drills.disconnect_storm --requests 1000       # CI's size
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _harness import MB, Checks, Daemon, engine_stats, log, statuses
-
 from controlplane.client.loadgen import LoadConfig, run_load
+from drills._common import MB, Checks, Daemon, engine_stats, log, statuses
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ interleaved `--repeats` times: alone, and with `--connections` (500) `/admin/eve
 held open by clients that only read what arrives (what a wall of dashboards does). Figure: the
 output tokens/s of each, and their ratio; the target is within 10%.
 
-    python drills/idle_connections.py                   # ~3 minutes
+    python -m drills.idle_connections                   # ~3 minutes
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _harness import ADMIN_TOKEN, Checks, Daemon, log
-
 from controlplane.client.loadgen import LoadConfig, run_load
+from drills._common import ADMIN_TOKEN, Checks, Daemon, log
 
 
 async def _watch(url: str, n: int, ready, stop) -> int:

@@ -13,7 +13,7 @@ connection is cut). Afterwards:
 Needs root (pg_ctlcluster) and a cluster in /etc/postgresql; `CONTROLPLANE_TEST_POSTGRES`
 names the server as for the tests (default postgresql://postgres@127.0.0.1:5432/postgres).
 
-    python drills/postgres_restart.py                   # ~1 minute
+    python -m drills.postgres_restart                   # ~1 minute
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ from pathlib import Path
 import psycopg
 from sqlalchemy import make_url
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _clients import stream_clients
-from _harness import Checks, Daemon, log
+from drills._clients import stream_clients
+from drills._common import Checks, Daemon, log
 
 ADMIN_URL = os.environ.get(
     "CONTROLPLANE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"

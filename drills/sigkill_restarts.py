@@ -9,7 +9,7 @@ and stopped gracefully. Every request carries an X-Request-Id; afterwards:
 * every request a client saw admitted (a 200) has exactly one row: none lost, none doubled;
 * the ones cut by a kill are `interrupted`, the ones read to the end are `success`.
 
-    python drills/sigkill_restarts.py                  # 5 rounds, ~2 minutes
+    python -m drills.sigkill_restarts                  # 5 rounds, ~2 minutes
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _clients import Tally, stream_clients
-from _harness import Checks, Daemon, log
+from drills._clients import Tally, stream_clients
+from drills._common import Checks, Daemon, log
 
 
 async def load_then_kill(d: Daemon, tag: str, seconds: float, concurrency: int) -> Tally:
