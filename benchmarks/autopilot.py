@@ -25,8 +25,8 @@ Figures to read, never timed assertions: the load generator runs on the daemon's
 
 How to run
 ----------
-    python benchmarks/autopilot.py                            # ~20 minutes on 2 cores
-    python benchmarks/autopilot.py --phases 0.5:20,2:20,0.5:20 --grid max_num_seqs=4  # smoke
+    python -m benchmarks.autopilot                            # ~20 minutes on 2 cores
+    python -m benchmarks.autopilot --phases 0.5:20,2:20,0.5:20 --grid max_num_seqs=4  # smoke
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ import argparse
 import asyncio
 import itertools
 import json
-import math
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,26 +43,22 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_serving import Daemon, free_port
+from controlplane.common import percentile
+from harness import DaemonProcess, write_config
 
 TOKEN = "autopilot-bench-token-0123456789"
 
 
-def start(workdir: Path, model: str) -> Daemon:
-    port = free_port()
-    data_dir = workdir / "data"
-    data_dir.mkdir(parents=True)
-    cfg = workdir / "config.toml"
-    cfg.write_text(
-        f"data_dir = {json.dumps(str(data_dir))}\n"
-        f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue_len = 4096\n'
-        f"[engine]\nmodel = {json.dumps(model)}\n"
-        f'[[admin_tokens]]\nname = "bench"\ntoken = "{TOKEN}"\n'
+def start(workdir: Path, model: str) -> DaemonProcess:
+    """The daemon on `model`, with an admin token; returns once it is ready."""
+    cfg = write_config(
+        workdir / "config.toml",
+        workdir / "data",
+        model,
+        server={"max_queue_len": 4096},
+        admin_tokens=[{"name": "bench", "token": TOKEN}],
     )
-    d = Daemon.spawn(cfg, port, data_dir)
-    d.wait_healthy(300)
-    return d
+    return DaemonProcess.start(cfg, timeout=300)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:
@@ -105,17 +99,10 @@ async def one(client: Any, model: str, prompt: list[int], max_tokens: int) -> di
     gaps = [b - a for a, b in itertools.pairwise(times)]
     return {
         "ttft_s": times[0] - t0 if times else None,
-        "itl_p99_s": pct(gaps, 99) if gaps else None,
+        "itl_p99_s": percentile(gaps, 99) if gaps else None,
         "gaps": gaps,
         "end": time.perf_counter(),
     }
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 async def ramp(url: str, model: str, args: argparse.Namespace) -> tuple[list[dict], float]:
@@ -163,8 +150,8 @@ def score(results: list[dict], wall: float, ttft_ms: float, itl_ms: float) -> di
         "attainment": len(good) / len(results),
         "ttft_attainment": sum(map(ok_ttft, results)) / len(results),
         "itl_attainment": sum(map(ok_itl, results)) / len(results),
-        "ttft_p99_ms": 1000 * pct(ttfts, 99) if ttfts else None,
-        "itl_p99_ms": 1000 * pct(gaps, 99) if gaps else None,
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99) if ttfts else None,
+        "itl_p99_ms": 1000 * percentile(gaps, 99) if gaps else None,
     }
 
 
@@ -274,7 +261,7 @@ def main() -> int:
                 print(f"{name}: {json.dumps(shown)}", flush=True)
         finally:
             admin.close()
-            d.stop(120)
+            d.stop(timeout=120, check=False)
 
     fixed = {k: v for k, v in report["runs"].items() if k != "autopilot"}
     best_name = max(fixed, key=lambda k: fixed[k]["goodput_rps"])

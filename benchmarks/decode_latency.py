@@ -27,9 +27,9 @@ These are figures to read, never timed assertions.
 
 How to run
 ----------
-    python benchmarks/decode_latency.py                     # ~5 minutes, 3 repeats
-    python benchmarks/decode_latency.py --repeats 1 --contenders transformers
-    python benchmarks/decode_latency.py --json /tmp/decode.json
+    python -m benchmarks.decode_latency                     # ~5 minutes, 3 repeats
+    python -m benchmarks.decode_latency --repeats 1 --contenders transformers
+    python -m benchmarks.decode_latency --json /tmp/decode.json
 
 The checkpoint is generated once into ``.bench/llama-1b`` (repo root; ~2.2 GB: config.json,
 model.safetensors written directly with safetensors from a seeded torch.Generator, plus the

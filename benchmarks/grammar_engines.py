@@ -48,9 +48,9 @@ Figures to read, never timed assertions: the machine is shared. Compare rows of 
 
 How to run
 ----------
-    python benchmarks/grammar_engines.py                      # 50 schemas, batch 16, ~1 minute
-    python benchmarks/grammar_engines.py --schemas 20 --batch 8 --steps 64
-    python benchmarks/grammar_engines.py --json out.json
+    python -m benchmarks.grammar_engines                      # 50 schemas, batch 16, ~1 minute
+    python -m benchmarks.grammar_engines --schemas 20 --batch 8 --steps 64
+    python -m benchmarks.grammar_engines --json out.json
 
 Prints progress on stderr, then a table, the special-token check, the mask-application times
 and a one-line recommendation on stdout.
@@ -72,9 +72,8 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-from json_schemas import generate_schemas, sample_instance  # noqa: E402
+from controlplane.common import percentile
+from tests.json_schemas import generate_schemas, sample_instance
 
 VOCAB = 49152
 WORDS = (VOCAB + 31) // 32
@@ -83,11 +82,6 @@ MAX_TOKENS_PER_INSTANCE = 400
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def import_seconds(modules: str) -> float:
@@ -388,10 +382,10 @@ def measure_steps(
             log(f"{engine.name}: step {step + 1}/{steps}")
     return {
         "step_mean_ms": statistics.fmean(fill_ms),
-        "step_p50_ms": pct(fill_ms, 50),
-        "step_p99_ms": pct(fill_ms, 99),
+        "step_p50_ms": percentile(fill_ms, 50),
+        "step_p99_ms": percentile(fill_ms, 99),
         "row_mean_ms": statistics.fmean(fill_ms) / batch,
-        "row_p99_ms": pct(fill_ms, 99) / batch,
+        "row_p99_ms": percentile(fill_ms, 99) / batch,
         "accept_mean_ms": statistics.fmean(accept_ms),
         "fallbacks": fallbacks,
         "instances_completed": instances,
@@ -445,7 +439,7 @@ def measure_apply(bitmask: torch.Tensor, reps: int = 200) -> dict[str, float]:
             fn(x)
             times.append((time.perf_counter() - t0) * 1e3)
         out[name] = statistics.fmean(times)
-        out[name + "_p50"] = pct(times, 50)
+        out[name + "_p50"] = percentile(times, 50)
     return out
 
 
@@ -551,12 +545,14 @@ def main() -> None:
             "import_s": e.import_s,
             "setup_s": e.setup_s,
             **e.extra,
-            "compile_p50_ms": pct(c, 50),
-            "compile_p99_ms": pct(c, 99),
+            "compile_p50_ms": percentile(c, 50),
+            "compile_p99_ms": percentile(c, 99),
             "compile_max_ms": max(c),
-            "first_mask_p50_ms": pct(f, 50),
+            "first_mask_p50_ms": percentile(f, 50),
             "first_mask_max_ms": max(f),
-            "compile_plus_first_mask_p50_ms": pct([a + b for a, b in zip(c, f, strict=True)], 50),
+            "compile_plus_first_mask_p50_ms": percentile(
+                [a + b for a, b in zip(c, f, strict=True)], 50
+            ),
             **{k: v for k, v in s.items() if k != "bitmask"},
         }
         summary["engines"][e.name] = fig

@@ -18,7 +18,7 @@ torch's thread count here. Engine configurations: ``--configs`` from quant_decod
 
     python -m venv /tmp/lcp && /tmp/lcp/bin/pip install numpy diskcache jinja2 typing-extensions
     /tmp/lcp/bin/pip install --no-deps llama-cpp-python          # compiles llama.cpp (~15 min)
-    python benchmarks/llamacpp_compare.py --llama-python /tmp/lcp/bin/python
+    python -m benchmarks.llamacpp_compare --llama-python /tmp/lcp/bin/python
 """
 
 from __future__ import annotations
@@ -33,10 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant_decode import CONFIGS, Contender, make_prompt
+from benchmarks.quant_decode import CONFIGS, Contender, make_prompt
 
 # Runs inside --llama-python: the job as JSON in argv[1] ({"model", "prompt", "new_tokens",
 # "threads"}); one JSON line {"pp": tok/s, "decode": tok/s} per line read on stdin.

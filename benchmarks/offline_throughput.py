@@ -26,9 +26,9 @@ the contenders are interleaved and compared within one run.
 
 How to run
 ----------
-    python benchmarks/offline_throughput.py                        # full run, ~tens of minutes
-    python benchmarks/offline_throughput.py --num-requests 16 --repeats 1   # smoke run
-    python benchmarks/offline_throughput.py --contenders static,cb --json /tmp/offline.json
+    python -m benchmarks.offline_throughput                        # full run, ~tens of minutes
+    python -m benchmarks.offline_throughput --num-requests 16 --repeats 1   # smoke run
+    python -m benchmarks.offline_throughput --contenders static,cb --json /tmp/offline.json
 
 The default model directory ``.bench/small`` (repo root) is created on first use with
 ``controlplane.engine.demo_model.write_demo_model(path, size="small")``.
@@ -219,16 +219,6 @@ def ensure_model_dir(model_dir: Path) -> Path:
 # --------------------------------------------------------------------------------------------- #
 # Statistics
 # --------------------------------------------------------------------------------------------- #
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -517,6 +507,9 @@ def warmup_workload(facts: ModelFacts, batch_size: int) -> Workload:
 def summarize(
     name: str, runs: list[RunResult], workload: Workload, total_flops: float, peak: float
 ) -> dict[str, Any]:
+    # Here, not at the top: the baselines still run when controlplane fails to import.
+    from controlplane.common import percentile
+
     useful = workload.useful_output_tokens
     walls = [r.wall_s for r in runs]
     tps = [useful / w for w in walls]

@@ -8,12 +8,13 @@ For every combination of arrival rate (``--rates``, default 2 and 6 req/s) and r
 the default; ``sql`` = recording without the journal, ``journal = false``; ``off`` =
 ``record_requests = false``), a fresh daemon is started as a subprocess,
 
-    python -m controlplane serve --config CFG --port P
+    python -m controlplane serve --config CFG
 
-with CFG a temporary TOML file (fresh ``data_dir`` per daemon, so every run starts with an empty
-database; ``[engine]`` model = the ``small`` demo model, ``dtype = "auto"``, ``max_num_seqs =
-16``). Once ``GET /health`` answers 200 a few warmup requests are sent (not measured), then
-``controlplane.client.loadgen.run_load`` drives it: ``--requests`` (64) streaming completions, prompts of
+with CFG a temporary TOML file (written by ``harness.write_config``: port 0, the daemon picks a
+free one; a fresh ``data_dir`` per daemon, so every run starts with an empty database;
+``[engine]`` model = the ``small`` demo model, ``dtype = "auto"``, ``max_num_seqs = 16``). Once
+it is ready (``GET /health/ready`` answers 200) a few warmup requests are sent (not measured),
+then ``controlplane.client.loadgen.run_load`` drives it: ``--requests`` (64) streaming completions, prompts of
 ``--prompt-len`` (32-256) random token ids, ``--output-len`` (16-128) tokens with EOS ignored,
 Poisson arrivals at the rate, workload seed ``--seed + repeat`` (the same for every mode). The
 daemon is then stopped with SIGTERM. Combinations are interleaved within each repeat (the order
@@ -37,9 +38,11 @@ daemon and this load generator share its CPUs.
 
 How to run
 ----------
-    python benchmarks/online_serving.py                      # 2 rates x 2 x 2 repeats
-    python benchmarks/online_serving.py --rates 4 --repeats 1 --requests 16    # smoke run
-    python benchmarks/online_serving.py --json /tmp/online.json
+    python -m benchmarks.online_serving                      # 2 rates x 2 x 2 repeats
+    python -m benchmarks.online_serving --rates 4 --repeats 1 --requests 16    # smoke run
+    python -m benchmarks.online_serving --json /tmp/online.json
+
+from the repository root.
 
 The model directory ``.bench/small`` (repo root) is written on first use with
 ``controlplane.engine.demo_model.write_demo_model(path, size="small")``.
@@ -52,10 +55,7 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,11 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from controlplane.client.loadgen import LoadConfig, LoadSummary, parse_range, run_load
+from harness import REPO_ROOT, DaemonError, DaemonProcess, write_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "small"
 TARGET_OVERHEAD = 0.02
 MODES = ("journal", "sql", "off")
@@ -82,109 +80,18 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------- #
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _toml_str(value: str) -> str:
-    return json.dumps(value)  # a JSON string is a valid TOML basic string
-
-
-def write_config(
-    path: Path, data_dir: Path, port: int, mode: str, model_dir: Path, args: argparse.Namespace
-) -> None:
-    path.write_text(
-        f"data_dir = {_toml_str(str(data_dir))}\n"
-        "\n[server]\n"
-        'host = "127.0.0.1"\n'
-        f"port = {port}\n"
-        "\n[store]\n"
-        f"record_requests = {'false' if mode == 'off' else 'true'}\n"
-        f"journal = {'true' if mode == 'journal' else 'false'}\n"
-        "\n[engine]\n"
-        f"model = {_toml_str(str(model_dir))}\n"
-        f"dtype = {_toml_str(args.dtype)}\n"
-        f"max_num_seqs = {args.max_num_seqs}\n"
+def start_daemon(
+    workdir: Path, mode: str, model_dir: Path, args: argparse.Namespace
+) -> DaemonProcess:
+    """A daemon on a fresh data dir, its output in <workdir>/daemon.log; returns once ready."""
+    cfg = write_config(
+        workdir / "config.toml",
+        workdir / "data",
+        model_dir,
+        store={"record_requests": mode != "off", "journal": mode == "journal"},
+        engine={"dtype": args.dtype, "max_num_seqs": args.max_num_seqs},
     )
-
-
-class DaemonError(RuntimeError):
-    pass
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-    data_dir: Path
-
-    @classmethod
-    def spawn(cls, cfg: Path, port: int, data_dir: Path) -> Daemon:
-        """`controlplane serve --config cfg` on `port`, its output in <cfg's folder>/daemon.log."""
-        log_path = cfg.parent / "daemon.log"
-        # The config file alone decides: drop CONTROLPLANE_* overrides inherited from the shell.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-        with log_path.open("wb") as log_file:
-            cmd = [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)]
-            proc = subprocess.Popen(
-                [*cmd, "--port", str(port)],
-                cwd=REPO_ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-        return cls(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, data_dir=data_dir)
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_healthy(self, timeout_s: float) -> float:
-        t0 = time.perf_counter()
-        deadline = t0 + timeout_s
-        last = "no answer yet"
-        while time.perf_counter() < deadline:
-            code = self.proc.poll()
-            if code is not None:
-                raise DaemonError(f"daemon exited with code {code} before /health answered")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2.0)
-                if r.status_code == 200:
-                    return time.perf_counter() - t0
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            time.sleep(0.5)
-        raise DaemonError(f"/health did not answer 200 within {timeout_s:g}s (last: {last})")
-
-    def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM, wait; SIGKILL after `timeout_s`. Returns the exit code (None if killed)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log(f"  daemon ignored SIGTERM for {timeout_s:g}s: killing it")
-                self.proc.kill()
-                self.proc.wait()
-                return None
-        return self.proc.returncode
-
-
-def start_daemon(workdir: Path, mode: str, model_dir: Path, args: argparse.Namespace) -> Daemon:
-    port = free_port()
-    data_dir = workdir / "data"
-    data_dir.mkdir(parents=True)
-    cfg = workdir / "config.toml"
-    write_config(cfg, data_dir, port, mode, model_dir, args)
-    return Daemon.spawn(cfg, port, data_dir)
+    return DaemonProcess.start(cfg, timeout=args.startup_timeout)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -227,14 +134,10 @@ METRICS = (
 def run_one(rate: float, mode: str, repeat: int, model_dir: Path, args: argparse.Namespace) -> Run:
     run = Run(rate=rate, mode=mode, repeat=repeat)
     with tempfile.TemporaryDirectory(prefix="cp-online-") as tmp:
+        t0 = time.perf_counter()
         daemon = start_daemon(Path(tmp), mode, model_dir, args)
+        run.startup_s = time.perf_counter() - t0
         try:
-            try:
-                run.startup_s = daemon.wait_healthy(args.startup_timeout)
-            except DaemonError as exc:
-                raise DaemonError(
-                    f"{exc}\n--- daemon log (tail) ---\n{daemon.log_tail()}"
-                ) from None
             common = dict(url=daemon.url, stream=True, seed=args.seed + repeat)
             if args.warmup:
                 asyncio.run(
@@ -261,8 +164,10 @@ def run_one(rate: float, mode: str, repeat: int, model_dir: Path, args: argparse
             )
             run.summary = summary.to_dict()
         finally:
-            run.daemon_exit_code = daemon.stop(args.stop_timeout)
-        db = daemon.data_dir / "controlplane.db"
+            run.daemon_exit_code = daemon.stop(timeout=args.stop_timeout, check=False)
+            if run.daemon_exit_code is None:
+                log(f"  daemon ignored SIGTERM for {args.stop_timeout:g}s: killed it")
+        db = Path(tmp) / "data" / "controlplane.db"
         run.db_bytes = db.stat().st_size if db.exists() else None
         if run.daemon_exit_code != 0:
             log(
@@ -475,7 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="auto", help="[engine] dtype (auto: bf16 only with native bf16)"
     )
     p.add_argument("--max-num-seqs", type=int, default=16, help="[engine] max_num_seqs")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for /health")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for /health/ready")
     p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds after SIGTERM")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")
     args = p.parse_args(argv)

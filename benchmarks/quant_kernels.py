@@ -37,9 +37,9 @@ bf16 rows are measured only where the CPU has native bf16 (AVX512-BF16 or AMX) u
 These are figures to read, never timed assertions. The machine may be shared: compare rows of
 one run, not runs.
 
-    python benchmarks/quant_kernels.py                       # all shapes, ~2 minutes
-    python benchmarks/quant_kernels.py --shapes decode --reps 50
-    python benchmarks/quant_kernels.py --json /tmp/quant_kernels.json
+    python -m benchmarks.quant_kernels                       # all shapes, ~2 minutes
+    python -m benchmarks.quant_kernels --shapes decode --reps 50
+    python -m benchmarks.quant_kernels --json /tmp/quant_kernels.json
 """
 
 from __future__ import annotations
@@ -57,11 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from controlplane.engine.model import quant  # noqa: E402
-from controlplane.engine.model.linear import (  # noqa: E402
+from controlplane.engine.model import quant
+from controlplane.engine.model.linear import (
     PackedLinear,
     cpu_has_native_bf16,
     cpu_packing_supported,

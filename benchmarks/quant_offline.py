@@ -12,8 +12,8 @@ submission to the last completion), its ratio to float32 at the same batch size,
 inter-token latency p50. Configurations are interleaved (the order rotates every repeat),
 medians over ``--repeats``. Figures to read, never timed assertions.
 
-    python benchmarks/quant_offline.py                                   # SmolLM2, ~15 minutes
-    python benchmarks/quant_offline.py --num-requests 16 --repeats 1     # smoke run
+    python -m benchmarks.quant_offline                                   # SmolLM2, ~15 minutes
+    python -m benchmarks.quant_offline --num-requests 16 --repeats 1     # smoke run
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from offline_throughput import make_workload, percentile
-from quant_decode import CONFIGS, log, resolve_model
+from benchmarks.offline_throughput import make_workload
+from benchmarks.quant_decode import CONFIGS, log, resolve_model
+from controlplane.common import percentile
 
 
 class Facts:

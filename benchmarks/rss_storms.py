@@ -25,9 +25,9 @@ climbing). The drill in the production-hardening issue asks for RSS within 10% o
 
 How to run
 ----------
-    python benchmarks/rss_storms.py                              # both variants, ~10 minutes
-    python benchmarks/rss_storms.py --variants no-trim --storms 6 --bad-storms 0
-    python benchmarks/rss_storms.py --json /tmp/rss.json
+    python -m benchmarks.rss_storms                              # both variants, ~10 minutes
+    python -m benchmarks.rss_storms --variants no-trim --storms 6 --bad-storms 0
+    python -m benchmarks.rss_storms --json /tmp/rss.json
 
 These are figures to read, not assertions; the machine is shared, and RSS depends on the
 allocator's state, so compare variants within one run.
@@ -40,9 +40,6 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,11 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from controlplane.client.loadgen import LoadConfig, parse_range, run_load
+from harness import REPO_ROOT, DaemonProcess, write_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "small"
 MB = 1024 * 1024
 VARIANTS: dict[str, dict[str, str]] = {
@@ -69,66 +65,14 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-
-    @classmethod
-    def start(cls, workdir: Path, model_dir: Path, env_extra: dict[str, str]) -> Daemon:
-        port = free_port()
-        cfg = workdir / "config.toml"
-        cfg.write_text(
-            f"data_dir = {json.dumps(str(workdir / 'data'))}\n"
-            f'[server]\nhost = "127.0.0.1"\nport = {port}\n'
-            f'[engine]\nmodel = {json.dumps(str(model_dir))}\ndtype = "bfloat16"\n'
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-        env.pop("MALLOC_ARENA_MAX", None)
-        env.update(env_extra)
-        log_path = workdir / "daemon.log"
-        with log_path.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "controlplane", "serve", "--config", str(cfg)],
-                cwd=REPO_ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        return cls(proc, f"http://127.0.0.1:{port}", log_path)
-
-    def wait_healthy(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("daemon never became healthy")
-
-    def rss(self) -> int:
-        return psutil.Process(self.proc.pid).memory_info().rss
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start(workdir: Path, model_dir: Path, env_extra: dict[str, str]) -> DaemonProcess:
+    """The daemon on the small model in bfloat16, with `env_extra` on top of the scrubbed
+    environment (harness.clean_env: no CONTROLPLANE_*, no MALLOC_ARENA_MAX); returns once it
+    is ready."""
+    cfg = write_config(
+        workdir / "config.toml", workdir / "data", model_dir, engine={"dtype": "bfloat16"}
+    )
+    return DaemonProcess.start(cfg, timeout=300, env=env_extra)
 
 
 def bad_bodies(i: int) -> tuple[bytes, str]:
@@ -196,9 +140,8 @@ def run_variant(name: str, model_dir: Path, args: argparse.Namespace) -> Result:
     env = VARIANTS[name]
     res = Result(name, env)
     with tempfile.TemporaryDirectory(prefix="cp-rss-") as tmp:
-        d = Daemon.start(Path(tmp), model_dir, env)
+        d = start(Path(tmp), model_dir, env)
         try:
-            d.wait_healthy()
             common = dict(url=d.url, stream=True, prompt_len=args.prompt_len)
             asyncio.run(
                 run_load(
@@ -238,7 +181,7 @@ def run_variant(name: str, model_dir: Path, args: argparse.Namespace) -> Result:
                 log(f"  [{name}] bad-input storm {i + 1}: statuses {statuses}")
                 point(f"bad {i + 1}")
         finally:
-            d.stop()
+            d.stop(timeout=60, check=False)
     return res
 
 

@@ -31,9 +31,9 @@ the same CPUs as the engine.
 
 How to run
 ----------
-    python benchmarks/spec_decode.py                          # all three, ~15 minutes on 2 cores
-    python benchmarks/spec_decode.py --only batch1 --ks 4
-    python benchmarks/spec_decode.py --only online --rates 0.2,2
+    python -m benchmarks.spec_decode                          # all three, ~15 minutes on 2 cores
+    python -m benchmarks.spec_decode --only batch1 --ks 4
+    python -m benchmarks.spec_decode --only online --rates 0.2,2
 """
 
 from __future__ import annotations
@@ -43,14 +43,13 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_cache import _cpu, chat, log, pct, start
+from benchmarks.prefix_cache import _cpu, chat, log, start
+from controlplane.common import percentile
 
 GROUNDED_TEXTS = (
     "The quarterly report shows that revenue grew by twelve percent, driven mostly by new "
@@ -232,10 +231,10 @@ async def online_workload(url: str, rate: float, args: argparse.Namespace) -> di
     tpot = [(r["e2e"] - r["ttft"]) / (r["completion"] - 1) for r in results if r["completion"] > 1]
     return {
         "requests": len(results),
-        "chunk_gap_p50_ms": 1000 * pct(itl, 50),
-        "chunk_gap_p99_ms": 1000 * pct(itl, 99),
+        "chunk_gap_p50_ms": 1000 * percentile(itl, 50),
+        "chunk_gap_p99_ms": 1000 * percentile(itl, 99),
         "tpot_mean_ms": 1000 * statistics.mean(tpot),
-        "ttft_p50_s": pct([r["ttft"] for r in results], 50),
+        "ttft_p50_s": percentile([r["ttft"] for r in results], 50),
         "output_tok_s": sum(r["completion"] for r in results) / wall,
     }
 
@@ -258,7 +257,7 @@ def online(model: str, args: argparse.Namespace) -> dict[str, Any]:
                     log(d.log_tail())
                     raise
                 finally:
-                    d.stop(60)
+                    d.stop(timeout=60, check=False)
             out.setdefault(f"{rate:g}/s", {})[method] = r
             log(f"online {rate:g} req/s {method}: {json.dumps(r)}")
     return out

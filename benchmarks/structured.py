@@ -28,8 +28,8 @@ Figures to read, never timed assertions: the machine is shared.
 
 How to run
 ----------
-    python benchmarks/structured.py                  # ~6 minutes on 2 cores
-    python benchmarks/structured.py --repeats 1 --requests-b16 16
+    python -m benchmarks.structured                  # ~6 minutes on 2 cores
+    python -m benchmarks.structured --repeats 1 --requests-b16 16
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.json_schemas
 
 from controlplane.common import percentile
 from controlplane.engine import Engine, SamplingParams
