@@ -188,6 +188,7 @@ def test_every_controlplane_variable_the_repo_uses_is_accepted():
     """A variable the code, tests, CI or docs use that the check would reject breaks a start."""
     known = set(env_names()) | ENV_NON_KEYS
     files = [REPO / ".ci" / "run", REPO / "README.md", *REPO.glob("deploy/*")]
+    files += [*REPO.glob("docs/**/*.md"), *REPO.glob("docs/**/*.py"), REPO / "mkdocs.yml"]
     for folder in ("controlplane", "tests", "benchmarks", "config", "migrations"):
         files += [p for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".toml", ".md")]
     used = set()
