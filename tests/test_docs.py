@@ -185,3 +185,14 @@ def test_readme_quickstart_commands_are_what_ci_runs():
     ci = ci_commands()
     for command in [*commands, tests]:
         assert command in ci, command
+
+
+def test_readme_links_point_at_files():
+    """The README's map of the docs links to pages that exist (MkDocs checks the pages' own
+    links, not the README's)."""
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 15, local
+    for link in local:
+        assert (REPO / link).is_file(), link
