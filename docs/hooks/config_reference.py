@@ -134,7 +134,6 @@ def toml_comments(path: Path = TOML) -> tuple[dict[str, str], dict[str, str], di
 @dataclasses.dataclass
 class Row:
     key: str  # as in the file: `max_num_seqs` in [engine]
-    dotted: str  # engine.max_num_seqs
     type: str
     default: str
     live: bool
@@ -191,7 +190,8 @@ def _default(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def _doc(name: str, dotted: str, src: FieldSource, meta: Any, toml: tuple) -> str:
+def _doc(dotted: str, src: FieldSource, meta: Any, toml: tuple) -> str:
+    """The field's explanation, in the order the module docstring gives."""
     own, run, _ = toml
     text = meta.get("doc", "") if meta else ""
     text = text or " ".join(t for t in (src.block, src.trailing) if t)
@@ -227,12 +227,11 @@ def sections() -> list[Section]:
             top.rows.append(
                 Row(
                     f.name,
-                    f.name,
                     config_src[f.name].annotation,
                     _literal(_default(f), f.name),
                     f.name in live,
                     name if name in env else "",
-                    _doc(f.name, f.name, config_src[f.name], None, toml),
+                    _doc(f.name, config_src[f.name], None, toml),
                 )
             )
             continue
@@ -251,12 +250,11 @@ def sections() -> list[Section]:
             section.rows.append(
                 Row(
                     g.name,
-                    dotted,
                     srcs[g.name].annotation,
                     "required" if default is dataclasses.MISSING else _literal(default, g.name),
                     dotted in live or (array and f.name in live),
                     "" if array else name,
-                    _doc(g.name, dotted, srcs[g.name], g.metadata, toml),
+                    _doc(dotted, srcs[g.name], g.metadata, toml),
                 )
             )
             if not array:
