@@ -188,7 +188,7 @@ MAX_PRICE_PER_MTOK = 1_000_000.0
 MAX_GPU_HOURLY_USD = 10_000.0
 MAX_RETENTION_DAYS = 36_500.0
 MAX_INTERVAL_S = 86_400.0
-# The daemon keeps about one engine snapshot a second for this long (server/runtime.py).
+# The daemon keeps about one engine snapshot a second for this long (runtime/runtime.py).
 MAX_AUTOPILOT_WINDOW_S = 600.0
 
 

@@ -29,7 +29,8 @@ from controlplane.config import Config, default_model
 from controlplane.http.auth import AdminAuth, resolve_tokens
 from controlplane.runtime.config_file import ConfigFile
 from controlplane.runtime.live_config import FieldChange, LiveConfig
-from controlplane.runtime.runtime import DEAD, DRAINING, READY, STOPPED, Runtime
+from controlplane.runtime.runtime import Runtime
+from controlplane.runtime.state import DaemonState
 from controlplane.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class Daemon:
                 self.config_path,
                 live,
                 self.runtime.change_config,
-                self.runtime.broadcast,
+                self.runtime.events.broadcast,
                 lambda: self.runtime.cfg.server,
             )
             if self.config_path is not None
@@ -117,11 +118,11 @@ class Daemon:
 
     @property
     def aengine(self) -> AsyncEngine | None:
-        return self.runtime.aengine
+        return self.runtime.engine.aengine
 
     @property
     def recorder(self) -> Recorder | None:
-        return self.runtime.recorder
+        return self.runtime.ledger.recorder
 
     @property
     def instance_id(self) -> str:
@@ -139,7 +140,7 @@ class Daemon:
             c.field.split(".", 1)[1]: c.new for c in changes if c.field.startswith("engine.")
         }
         if engine_changes:
-            self.runtime.update_settings(**engine_changes)
+            self.runtime.engine.update_settings(**engine_changes)
         if self.jobs is not None:
             from controlplane.jobs.scheduler import AUTOPILOT_JOB, ROLLUP_JOB, SAMPLE_JOB
 
@@ -155,7 +156,7 @@ class Daemon:
             self.recorder.reload_prices()  # the new rows are in the table already (audit)
         self.runtime.metrics.config_changed(source, len(changes))
         self.runtime.metrics.set_config(self.live.live_values())
-        self.runtime.broadcast(
+        self.runtime.events.broadcast(
             {
                 "type": "config",
                 "time": datetime.now(UTC).isoformat(),
@@ -231,7 +232,7 @@ class Daemon:
         self.runtime.db = db
         where = db.url.render_as_string(hide_password=True)
         if self.cfg.store.record_requests:
-            self.runtime.recorder = Recorder(
+            self.runtime.ledger.recorder = Recorder(
                 db, self.cfg.store, journal_dir=journal_dir if self.cfg.store.journal else None
             )
             log.info("recording requests to %s", where)
@@ -292,14 +293,14 @@ class Daemon:
         await self.fleet.beat_now()  # registers (state loading); never stops the start
         background.append(asyncio.create_task(self.fleet.run_forever()))
         try:
-            self.runtime.aengine = await asyncio.to_thread(self._load_engine)
+            self.runtime.engine.aengine = await asyncio.to_thread(self._load_engine)
         except Exception as exc:
             log.error("model failed to load: %s", exc)
-            self.runtime.state = DEAD
+            self.runtime.state = DaemonState.DEAD
             await self._stop(server, server_task)
             return 1
         self.aengine.start()
-        self.runtime.warm_grammars()
+        self.runtime.engine.warm_grammars()
         # Now that the model's name is known.
         self.runtime.metrics = Metrics(self.runtime.model_name)
         self.runtime.metrics.set_config(self.live.live_values())
@@ -317,10 +318,13 @@ class Daemon:
         background.append(
             asyncio.create_task(trim_when_idle(lambda: aeng.stats().step, configured_idle_s()))
         )
-        self.runtime.state = READY
+        self.runtime.state = DaemonState.READY
         await self.fleet.beat_now()  # serving, now rather than at the next beat
         self.ready.set()
-        print(f"controlplane: ready on {self.url}: {self.runtime.describe_model()}", flush=True)
+        print(
+            f"controlplane: ready on {self.url}: {self.runtime.engine.describe_model(self.runtime.model_name)}",
+            flush=True,
+        )
         log.info("ready", extra={"event": "ready"})
         await self._shutdown.wait()
         await self._drain()
@@ -336,7 +340,7 @@ class Daemon:
             self._shutdown.set()
 
     async def _drain(self) -> None:
-        self.runtime.state = DRAINING
+        self.runtime.state = DaemonState.DRAINING
         if self.fleet is not None:
             await self.fleet.beat_now()  # the fleet sees draining now, not at the next beat
         aeng = self.aengine
@@ -351,7 +355,7 @@ class Daemon:
         if aeng is not None and aeng.num_unfinished:
             left = aeng.unfinished_ids()
             log.warning("drain timeout: aborting %d requests", len(left))
-            self.runtime.shutdown_aborted.update(left)
+            self.runtime.ledger.shutdown_aborted.update(left)
             for rid in left:
                 aeng.abort(rid)
             # Their handlers record them; give the streams a moment to deliver the abort.
@@ -362,7 +366,7 @@ class Daemon:
 
     async def _stop(self, server: _Server, server_task: asyncio.Task) -> None:
         # Event streams end on this event instead of being cut off by the server's shutdown.
-        self.runtime.broadcast({"type": "state", "state": "stopping"})
+        self.runtime.events.broadcast({"type": "state", "state": "stopping"})
         await asyncio.sleep(0.05)  # let handlers that just finished submit their records
         server.should_exit = True
         with contextlib.suppress(Exception):
@@ -378,7 +382,7 @@ class Daemon:
         if self.jobs is not None:
             # After the recorder's last flush, so the last requests are in the rollup.
             await self.jobs.close()
-        self.runtime.state = STOPPED
+        self.runtime.state = DaemonState.STOPPED
         if self.fleet is not None:
             await self.fleet.stopped()
         log.info("stopped", extra={"event": "stopped"})

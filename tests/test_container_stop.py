@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from controlplane.config import ServerSettings, load_config
-from controlplane.runtime.runtime import PROGRESS_INTERVAL_S
+from controlplane.runtime.ledger import PROGRESS_INTERVAL_S
 from harness import DaemonProcess, write_config
 from tests.conftest import require_smollm2
 

@@ -382,7 +382,7 @@ def test_queue_full_gives_429_with_retry_after(tiny_model_dir, tmp_path):
         r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert "max_queue_len 1" in r.json()["error"]["message"]
-        for rid in list(d.daemon.runtime.request_meta):
+        for rid in list(d.daemon.runtime.ledger.in_flight):
             d.daemon.runtime.abort_request(rid, "test")
         for t in threads:
             t.join(60)

@@ -232,13 +232,13 @@ def test_exception_in_the_tokenize_worker_is_a_clean_error(served, exc, size):
     def broken(*args, **kw):
         raise exc("boom")
 
-    runtime.tokenize_chat = broken
+    runtime.engine.tokenize_chat = broken
     body = {"model": MODEL, "messages": [{"role": "user", "content": "y" * size}]}
     r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=20)
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"
     # The server goes on serving.
-    del runtime.tokenize_chat
+    del runtime.engine.tokenize_chat
     body = {"model": MODEL, "messages": [{"role": "user", "content": "y"}], "max_tokens": 2}
     assert httpx.post(served.url + "/v1/chat/completions", json=body, timeout=20).status_code == 200
 

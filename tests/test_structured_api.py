@@ -91,7 +91,7 @@ def _post(d: InProcessDaemon, path: str, body: dict[str, Any]) -> httpx.Response
 
 
 def _engine(d: InProcessDaemon) -> Any:
-    return d.daemon.runtime.aengine.engine
+    return d.daemon.runtime.engine.aengine.engine
 
 
 def _released(d: InProcessDaemon, timeout: float = 30) -> None:

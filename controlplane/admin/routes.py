@@ -179,7 +179,9 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         if block_map is not None:
             if not 8 <= block_map <= 1024:
                 raise _unprocessable("block_map", f"must be in [8, 1024] buckets, got {block_map}")
-            body["kv_block_map"], body["kv_block_map_cached"] = runtime.kv_block_map(block_map)
+            body["kv_block_map"], body["kv_block_map_cached"] = runtime.engine.kv_block_map(
+                block_map
+            )
         return body
 
     @get("/events", summary="Server-Sent Events: stats snapshots and config changes")
@@ -218,7 +220,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             raise _unprocessable(exc.field, exc.message) from None
         live = await runtime.live_requests()
         for row in live:  # what the request row will say, from the record kept in flight
-            meta = runtime.request_meta.get(row["id"])
+            meta = runtime.ledger.in_flight.get(row["id"])
             row["end_user"] = meta.end_user if meta else None
             row["x_request_id"] = meta.x_request_id if meta else None
         if api_key_name is not None:
@@ -305,9 +307,9 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         summary="Drop every cached prefix block no request holds (audited)",
     )
     async def cache_reset(request: Request) -> dict[str, Any]:
-        if runtime.aengine is None:
+        if not runtime.engine.loaded:
             raise APIError(503, "the engine is not loaded yet", type="unavailable", code="loading")
-        if not runtime.engine_running:  # before the audit: a dead engine resets nothing
+        if not runtime.engine.running:  # before the audit: a dead engine resets nothing
             raise APIError(
                 503,
                 "the engine's step loop has stopped (state dead): nothing to reset",
@@ -433,7 +435,7 @@ async def _event_stream(runtime: Runtime, period: float) -> AsyncIterator[Server
     """Snapshots are taken when sent (shared by all subscribers, at most 0.1 s old), so a slow
     client gets fewer, never a backlog; config events wait in a small per-client queue that
     drops the oldest when full."""
-    queue = runtime.subscribe_events()
+    queue = runtime.events.subscribe()
     loop = asyncio.get_running_loop()
     last_ping = loop.time()
     try:
@@ -453,7 +455,7 @@ async def _event_stream(runtime: Runtime, period: float) -> AsyncIterator[Server
                 last_ping = loop.time()
                 yield ServerSentEventMessage(comment="keep-alive")
     finally:
-        runtime.unsubscribe_events(queue)
+        runtime.events.unsubscribe(queue)
 
 
 def metrics_handler(runtime: Runtime):

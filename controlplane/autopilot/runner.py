@@ -32,6 +32,7 @@ from controlplane.autopilot.policy import (
     decide,
 )
 from controlplane.common import percentile
+from controlplane.runtime.state import DaemonState
 
 if TYPE_CHECKING:
     from controlplane.config import Config
@@ -73,7 +74,7 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
     a = runtime.cfg.autopilot
     floor = now - a.max_window_s if since is None else max(since, now - a.max_window_s)
     start = max(floor, now - a.window_s)
-    done = runtime.finished_since(floor)
+    done = runtime.ledger.finished_since(floor)
     if sum(1 for f in done if f.time > start) < a.min_requests:
         # Widen back to the min_requests-th most recent finish (or the floor).
         times = sorted((f.time for f in done), reverse=True)
@@ -85,7 +86,7 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
     snaps = [h for h in history if h.time > start]
     before = [h for h in history if h.time <= start]
     s = runtime.cfg.engine
-    latest = runtime.stats()
+    latest = runtime.engine.stats()
     first = before[-1] if before else (snaps[0] if snaps else latest)
     steps = (latest.step - first.step) if latest and first else 0
     prefill = (latest.prefill_tokens_total - first.prefill_tokens_total) if steps else 0
@@ -94,7 +95,7 @@ def measure(runtime: Runtime, now: float, since: float | None = None) -> Window:
 
     # Step by step (the engine's ring of recent steps): how long decode-only steps take, and
     # the steps carrying prompt tokens (the stalls a prefill chunk causes).
-    ring = runtime.aengine.recent_steps() if runtime.aengine else []
+    ring = runtime.engine.recent_steps()
     recent = [x for x in ring if x.time > start]
     decode_only = [1000 * x.step_duration for x in recent if not x.num_prefill_tokens]
     with_prompt = [x for x in recent if x.num_prefill_tokens]
@@ -141,7 +142,7 @@ def attainment(runtime: Runtime, now: float, window_s: float) -> dict[str, float
     meets the ITL target when its own p99 inter-token gap does); None: no target or none
     finished."""
     a = runtime.cfg.autopilot
-    done = runtime.finished_since(now - window_s)
+    done = runtime.ledger.finished_since(now - window_s)
     out: dict[str, float | None] = {"ttft": None, "itl": None}
     if not done:
         return out
@@ -225,14 +226,13 @@ class Autopilot:
     # -- deciding -------------------------------------------------------------------------------
     async def tick(self) -> Record | None:
         """One decision (None while off, cooling down or not loaded)."""
-        from controlplane.runtime.runtime import DRAINING
 
         rt = self.runtime
         a = rt.cfg.autopilot
-        if not a.enabled or self.suspended or rt.aengine is None:
+        if not a.enabled or self.suspended or not rt.engine.loaded:
             return None
         now = time.time()
-        if rt.state == DRAINING:
+        if rt.state == DaemonState.DRAINING:
             await self.turn_off("the daemon is draining")
             return None
         if self.last_change is not None and now - self.last_change < a.window_s:
@@ -276,7 +276,9 @@ class Autopilot:
             decision.direction,
             attainment(rt, now, window.duration_s),
         )
-        rt.broadcast({"type": "autopilot", "state": self.state, "decision": record.to_dict()})
+        rt.events.broadcast(
+            {"type": "autopilot", "state": self.state, "decision": record.to_dict()}
+        )
         return record
 
     async def _apply(self, decision: Decision, window: Window, now: float) -> bool:
@@ -349,4 +351,4 @@ class Autopilot:
             log.error("autopilot could not record turning itself off (%s); off anyway", exc)
         log.warning("autopilot turned itself off: %s", why, extra={"event": "autopilot_off"})
         self.decisions.append(Record(time.time(), f"turned off: {why}"))
-        self.runtime.broadcast({"type": "autopilot", "state": OFF, "reason": why})
+        self.runtime.events.broadcast({"type": "autopilot", "state": OFF, "reason": why})

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from controlplane import __version__
 from controlplane.fleet import registry
-from controlplane.runtime.runtime import DRAINING, READY
+from controlplane.runtime.state import DaemonState
 
 if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
@@ -29,11 +29,10 @@ log = logging.getLogger("controlplane.fleet")
 
 def figures(runtime: Runtime) -> registry.Heartbeat:
     """The runtime's state and the headline figures of /admin/stats (the same computation)."""
-    state = {READY: registry.SERVING, DRAINING: registry.DRAINING}.get(
-        runtime.state, registry.LOADING
-    )
+    admitting = (DaemonState.READY, DaemonState.DRAINING)  # else loading (or a dead loop)
+    state = runtime.state.fleet_name if runtime.state in admitting else registry.LOADING
     config = runtime.live.live_values()
-    if runtime.aengine is None:
+    if not runtime.engine.loaded:
         return registry.Heartbeat(state, config=config)
     stats = runtime.stats_payload()
     ttft = stats.get("ttft_p50_ms")

@@ -23,18 +23,19 @@ from typing import Any
 from sqlalchemy import Engine, func, insert, select, update
 
 from controlplane.common import check_url
+from controlplane.runtime.state import DaemonState
 from controlplane.store.audit import encode_value
 from controlplane.store.models import CostRollupRow, InstanceRow
 
 INSTANCES = InstanceRow.__table__
 ROLLUPS = CostRollupRow.__table__
-LOADING, SERVING, DRAINING, STOPPED, UNREACHABLE = (
-    "loading",
-    "serving",
-    "draining",
-    "stopped",
-    "unreachable",
+# A daemon's own states (controlplane.runtime.state), as the table names them; and the one
+# state only a reader of the table can see: no heartbeat for unreachable_after_s.
+LOADING, SERVING, DRAINING, STOPPED = (
+    s.fleet_name
+    for s in (DaemonState.LOADING, DaemonState.READY, DaemonState.DRAINING, DaemonState.STOPPED)
 )
+UNREACHABLE = "unreachable"
 STATES = (LOADING, SERVING, DRAINING, STOPPED)  # what a daemon writes
 # A stopped instance stays in the default view this long (it just went away: worth a look),
 # then only `include_stopped` shows it.

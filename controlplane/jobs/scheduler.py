@@ -47,7 +47,7 @@ class Jobs:
     def start(self) -> None:
         j = self.runtime.cfg.jobs
         common: dict[str, Any] = {"coalesce": True, "max_instances": 1, "misfire_grace_time": None}
-        self._last_snapshot = self.runtime.stats()
+        self._last_snapshot = self.runtime.engine.stats()
         self._last_sample_end = time.time()
         self.scheduler.add_job(
             self.sample, IntervalTrigger(seconds=j.utilization_interval_s), id=SAMPLE_JOB, **common

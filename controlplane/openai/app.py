@@ -40,6 +40,7 @@ from controlplane.openai.tools import (
     parse_constrained,
     render_messages,
 )
+from controlplane.runtime.state import DaemonState
 from controlplane.store.records import RequestRecord
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class Flight:
                 if out.index == 0:
                     self.token_times.extend([out.time] * len(out.new_token_ids))
                 self.outputs.put_nowait((self.index * self.n + out.index, out))
-                self.runtime.progress(self.rec, out)  # tokens so far, for a kill (bounded)
+                self.runtime.ledger.progress(self.rec, out)  # tokens so far, for a kill (bounded)
         except asyncio.CancelledError:  # the loop is going away: still one final record
             self.stream.cancel()
             raise
@@ -138,7 +139,7 @@ class Flight:
             self.outputs.put_nowait((self.index * self.n, failure))
         finally:
             self.done = True
-            self.runtime.finish(self.rec, self.last, self.token_times, error=error)
+            self.runtime.ledger.finish(self.rec, self.last, self.token_times, error=error)
             self.on_end(self)
             self.outputs.put_nowait((self.index * self.n, _END))
 
@@ -146,7 +147,7 @@ class Flight:
         """Stop the engine request (idempotent; nothing to do once it has ended)."""
         if not self.done and not self._abort_sent:
             self._abort_sent = True
-            self.runtime.abort(self.rec.id)
+            self.runtime.engine.abort(self.rec.id)
 
 
 @dataclass(eq=False)
@@ -237,9 +238,9 @@ class InferenceAPI:
         found them (`api_key`, before the body was read)."""
         d = self.runtime
         key_name, key_hash = request.state.api_key
-        if d.state != "ready" or not d.engine_loaded:
+        if d.state != DaemonState.READY or not d.engine.loaded:
             raise unavailable(f"server is {d.state}; retry later")
-        if not d.engine_running:
+        if not d.engine.running:
             raise unavailable("engine is not running", retry_after=30)
         if model != d.model_name:
             raise APIError(
@@ -324,7 +325,7 @@ class InferenceAPI:
         """The engine's checks of one prompt (400 naming the field); `where`: which prompt of
         several ("prompt[2]"), said in the error."""
         try:
-            self.runtime.validate(prompt_ids, params)
+            self.runtime.engine.validate(prompt_ids, params)
         except InvalidSettingError as exc:
             name, message = exc.field, exc.message
             if where is not None:
@@ -345,7 +346,7 @@ class InferenceAPI:
         """Validate every prompt, then queue one engine request (and write one running row)
         per prompt: a request with one bad prompt queues nothing."""
         d = self.runtime
-        max_model_len = d.max_model_len
+        max_model_len = d.engine.max_model_len
         assert max_model_len is not None  # admitted: the engine is loaded
         n = len(prompts_ids)
         params = []
@@ -369,7 +370,7 @@ class InferenceAPI:
             for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
                 row_id = response_id if n == 1 else f"{response_id}-{i}"
                 # Validated above (once, here at the front): the engine does not check again.
-                stream = d.add_validated(ids, p, row_id, grammar)
+                stream = d.engine.add_validated(ids, p, row_id, grammar)
                 rec = RequestRecord(
                     id=row_id,
                     instance_id=d.instance_id,
@@ -389,7 +390,7 @@ class InferenceAPI:
                     rec.structured = kind
                     rec.grammar_compile_ms = round((compile_s or 0.0) * 1000, 3)
                     d.metrics.observe_structured(kind, compile_s)
-                d.record(rec)
+                d.ledger.record(rec)
                 flight = Flight(d, stream, rec, self._remember, batch.outputs, i, p.n)
                 batch.flights.append(flight)
                 self._spawn(flight.run())
@@ -415,7 +416,7 @@ class InferenceAPI:
                 "(server.max_grammar_bytes)",
             )
         try:
-            return await self.runtime.compile_grammar(out, server.grammar_compile_timeout_s)
+            return await self.runtime.engine.compile_grammar(out, server.grammar_compile_timeout_s)
         except InvalidSettingError as exc:
             raise invalid(exc.field, exc.message) from None
 
@@ -489,7 +490,7 @@ class InferenceAPI:
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
 
     def _token_str(self, token_id: int) -> str:
-        return self.runtime.token_text(token_id)
+        return self.runtime.engine.token_text(token_id)
 
     # -- /v1/completions -----------------------------------------------------------------------
     def _check_request_id(self, request: Request) -> None:
@@ -538,7 +539,7 @@ class InferenceAPI:
         rt = self.runtime
 
         def tokenize() -> list[list[int]]:
-            return [rt.tokenize(p) if isinstance(p, str) else p for p in parsed.prompts]
+            return [rt.engine.tokenize(p) if isinstance(p, str) else p for p in parsed.prompts]
 
         size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
         prompts_ids = await self._off_loop(size, tokenize)
@@ -596,9 +597,9 @@ class InferenceAPI:
         rt = self.runtime
 
         def prompt() -> list[int]:  # tools go into the messages here, the template in the runtime
-            in_template = has_tools_variable(rt.chat_template)
+            in_template = has_tools_variable(rt.engine.chat_template)
             messages, extra = render_messages(parsed.messages, tools, in_template)
-            return rt.tokenize_chat(messages, True, escape, **extra)
+            return rt.engine.tokenize_chat(messages, True, escape, **extra)
 
         try:
             prompt_ids = await self._off_loop(size, prompt)
@@ -671,7 +672,7 @@ class InferenceAPI:
                     "object": "model",
                     "created": int(d.started_at),
                     "owned_by": "controlplane",
-                    "max_model_len": d.max_model_len,
+                    "max_model_len": d.engine.max_model_len,
                 }
             )
         return {"object": "list", "data": data}
@@ -782,7 +783,7 @@ def create_app(runtime: Runtime) -> Litestar:
     async def health() -> Response:
         d = runtime
         body = {
-            "status": d.state if d.state != "ready" or d.healthy else "dead",
+            "status": d.reported_state,
             "model": d.model_name or None,
             "uptime_s": round(time.time() - d.started_at, 3),
         }
@@ -799,7 +800,7 @@ def create_app(runtime: Runtime) -> Litestar:
     @get("/health/ready", summary="Readiness: 200 only when loaded and admitting requests")
     async def health_ready() -> Response:
         d = runtime
-        body = {"status": d.state if d.state != "ready" or d.healthy else "dead"}
+        body = {"status": d.reported_state}
         return Response(body, status_code=200 if d.healthy else 503)
 
     from controlplane.admin.routes import admin_router, metrics_handler

@@ -479,7 +479,7 @@ def mark_interrupted(engine: Engine | str | URL, instance_id: str) -> int:
                 ).where(c.instance_id == instance_id, c.status == "running")
             ).all()
             # Priced like every final row, on the tokens the row carries: the prompt, and the
-            # completion tokens of its last progress record (server.runtime.PROGRESS_INTERVAL_S).
+            # completion tokens of its last progress record (runtime.ledger.PROGRESS_INTERVAL_S).
             book = PriceBook.load(conn) if left else None
             now = datetime.now(UTC)
             values = []

@@ -1,0 +1,183 @@
+"""The engine handle: the only way the layers above the engine reach it.
+
+They ask it to tokenize, validate and queue a request, for statistics, the live request list,
+the KV block map and the model's size; nothing above the engine touches `Engine` or its
+tokenizer, block pool or model config directly (tests/test_architecture.py checks it).
+`aengine` is None until the daemon has loaded the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from controlplane.engine.errors import InvalidSettingError
+
+if TYPE_CHECKING:
+    from controlplane.engine import AsyncEngine, RequestStream, SamplingParams
+    from controlplane.engine.structured import CompiledGrammar, StructuredOutput
+    from controlplane.engine.types import StepStats
+
+
+class EngineHandle:
+    def __init__(self) -> None:
+        self.aengine: AsyncEngine | None = None  # set by the daemon once loaded
+        # Grammar compiles (structured outputs) run here: off the event loop and the step
+        # thread. Two workers: one slow schema does not hold up every other compile.
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+    @property
+    def _engine(self) -> AsyncEngine:
+        if self.aengine is None:
+            raise RuntimeError("the engine is not loaded")
+        return self.aengine
+
+    @property
+    def loaded(self) -> bool:
+        return self.aengine is not None
+
+    @property
+    def running(self) -> bool:
+        """The step loop runs (False before the model loads and once the loop has died)."""
+        return self.aengine is not None and self.aengine.is_running
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.aengine.engine.max_model_len if self.aengine else None
+
+    # -- the /v1 surface: prompts, checks, queueing ---------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self._engine.engine.tokenizer.encode(text)
+
+    @property
+    def chat_template(self) -> str:
+        """The model's chat template (Jinja text; empty when it has none)."""
+        return self._engine.engine.tokenizer.chat_template or ""
+
+    def tokenize_chat(
+        self, messages: Any, add_generation_prompt: bool, escape: bool, **template_vars: Any
+    ) -> list[int]:
+        """A chat's prompt tokens (its template); ValueError for messages it cannot render.
+        Tools are rendered into the messages and `template_vars` by the /v1 surface
+        (controlplane.openai.tools)."""
+        tok = self._engine.engine.tokenizer
+        return tok.encode_chat(messages, add_generation_prompt, escape=escape, **template_vars)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs)."""
+        return self._engine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def warm_grammars(self) -> None:
+        """Build the grammar engine's view of the vocabulary now, in the background (0.4 s for
+        SmolLM2's 49k tokens), rather than in the first constrained request."""
+        self._grammar_pool.submit(self._engine.engine.grammars.warm)
+
+    async def compile_grammar(self, output: StructuredOutput, timeout_s: float) -> Any:
+        """Compile (or find cached) a request's grammar in a worker thread, never on the
+        step thread or the event loop. InvalidSettingError naming the field when it cannot be
+        compiled or takes longer than `timeout_s` (the compile then finishes in the
+        background and is cached)."""
+        grammars = self._engine.engine.grammars
+        hit = grammars.cached(output)
+        if hit is not None:
+            return hit
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._grammar_pool, grammars.compile, output)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), timeout_s)
+        except TimeoutError:
+            raise InvalidSettingError(
+                output.field,
+                f"compiling its grammar took longer than {timeout_s:g} s "
+                "(server.grammar_compile_timeout_s); simplify the schema",
+            ) from None
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks of one request (InvalidSettingError naming the field): run once,
+        at the front, before anything is queued."""
+        # The /v1 parser built `params` (SamplingParams checks itself as it is built), so only
+        # the model-dependent checks run here: each check once per request.
+        self._engine.engine.validate_request(prompt_ids, params, check_params=False)
+
+    def add_validated(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        grammar: CompiledGrammar | None = None,
+    ) -> RequestStream:
+        """Queue a request `validate` has accepted: the engine does not check it again."""
+        return self._engine.add_request(
+            prompt_ids, params, request_id, validated=True, grammar=grammar
+        )
+
+    def abort(self, request_id: str) -> None:
+        if self.aengine is not None:
+            self.aengine.abort(request_id)
+
+    def is_unfinished(self, request_id: str) -> bool:
+        """The engine still holds it (a request that ended may not have its record yet)."""
+        return self.aengine is not None and request_id in self.aengine.unfinished_ids()
+
+    # -- visibility -----------------------------------------------------------------------------
+    def stats(self) -> StepStats | None:
+        """The engine's latest StepStats; None before it loads."""
+        return self.aengine.stats() if self.aengine else None
+
+    def recent_steps(self, since_step: int = -1) -> list[StepStats]:
+        """The engine's recent StepStats after `since_step`, oldest first (the latest always
+        included: AsyncEngine.recent_steps); none before it loads."""
+        return self.aengine.recent_steps(since_step) if self.aengine else []
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.aengine.num_unfinished if self.aengine else 0
+
+    def queue_length(self, max_num_seqs: int, incoming: int = 0) -> int:
+        """Requests accepted but not running, `incoming` more included: those waiting at the
+        engine's last step, plus those accepted since then (the step's statistics do not show
+        them yet) that the free `max_num_seqs` slots cannot take."""
+        if self.aengine is None:
+            return 0
+        s = self.aengine.stats()
+        waiting = s.num_waiting + s.num_swapped
+        new = max(0, self.aengine.num_unfinished - s.num_running - waiting) + incoming
+        if waiting:  # something besides free slots holds requests back (KV blocks, budget)
+            return waiting + new
+        return max(0, new - max(0, max_num_seqs - s.num_running))
+
+    async def live_requests(self) -> list[dict[str, Any]]:
+        return await self.aengine.live_requests() if self.aengine else []
+
+    def kv_block_map(self, buckets: int) -> tuple[list[float], list[float]]:
+        """Fraction of KV blocks in use, and of blocks cached but unused (evictable), per range
+        of block ids: a compact map of the cache."""
+        if self.aengine is None:
+            return [], []
+        pool = self.aengine.engine.block_pool
+        return pool.occupancy(buckets), pool.cached_occupancy(buckets)
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block nobody holds, on the step thread; the blocks dropped."""
+        return await self._engine.call(lambda engine: engine.reset_prefix_cache())
+
+    def flops_per_token(self) -> float:
+        return self._engine.engine.model_config.flops_per_token()
+
+    def memory(self) -> dict[str, Any] | None:
+        return dataclasses.asdict(self.aengine.engine.memory) if self.aengine else None
+
+    def describe_model(self, name: str) -> str:
+        """The start-up line's model part: `name`, architecture, dtype, device, KV cache size."""
+        eng = self._engine.engine
+        kv, bs = eng.block_pool.num_blocks, eng.settings.block_size
+        return (
+            f"model {name} ({eng.model_config.architecture}, {eng.dtype}, "
+            f"{eng.device}), KV cache {kv} blocks x {bs} tokens = {kv * bs} tokens"
+        )
+
+    def update_settings(self, **changes: Any) -> None:
+        if self.aengine is not None:
+            self.aengine.update_settings(**changes)
