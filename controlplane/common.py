@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 
 __all__ = ["parse_group_by", "parse_report_time", "parse_time", "percentile"]
 
@@ -25,7 +25,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     (x[ceil r] - x[floor r]). Same as numpy's default (method="linear"). None for no values
     (a window with no requests has no p99); a q outside [0, 100] is a ValueError."""
     if not 0 <= q <= 100:
-        raise ValueError(f"percentile: q must be in [0, 100], got {q}")
+        raise FieldError("q", f"must be in [0, 100], got {q}")
     xs = sorted(values)
     if not xs:
         return None
@@ -42,7 +42,7 @@ _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 def parse_time(
     name: str, value: Any, *, relative: bool = True, now: datetime | None = None
 ) -> datetime:
-    """A point in time, always timezone-aware UTC; InvalidSettingError(name, ...) otherwise.
+    """A point in time, always timezone-aware UTC; FieldError(name, ...) otherwise.
 
     Accepts a datetime, a TOML date, an ISO date ("2026-03-01", midnight UTC) or date-time
     (UTC unless it has an offset; "Z" allowed) and, when `relative` (report bounds, not config
@@ -56,7 +56,7 @@ def parse_time(
             try:
                 return now - timedelta(**{_UNITS[m.group(2).lower()]: float(m.group(1))})
             except OverflowError:  # "99999999d": before year 1
-                raise InvalidSettingError(name, f"{value!r} is out of range") from None
+                raise FieldError(name, f"{value!r} is out of range") from None
         try:
             at = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
         except ValueError:
@@ -65,15 +65,15 @@ def parse_time(
                 if relative
                 else "must be an ISO 8601 date or time"
             )
-            raise InvalidSettingError(name, f"{expected}, got {value!r}") from None
+            raise FieldError(name, f"{expected}, got {value!r}") from None
     elif hasattr(value, "year"):  # a TOML date
         at = datetime(value.year, value.month, value.day)
     else:
-        raise InvalidSettingError(name, f"must be a date or time, got {value!r}")
+        raise FieldError(name, f"must be a date or time, got {value!r}")
     try:
         return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
     except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
-        raise InvalidSettingError(
+        raise FieldError(
             name, f"{value!r} is out of range (not a time in UTC years 1 to 9999)"
         ) from None
 
@@ -88,7 +88,7 @@ def parse_report_time(name: str, value: Any, *, now: datetime | None = None) -> 
     """parse_time for a report bound, which must lie in [MIN_REPORT_TIME, MAX_REPORT_TIME]."""
     at = parse_time(name, value, now=now)
     if not MIN_REPORT_TIME <= at <= MAX_REPORT_TIME:
-        raise InvalidSettingError(
+        raise FieldError(
             name,
             f"{value!r} is out of range ({MIN_REPORT_TIME.date()} to {MAX_REPORT_TIME.date()})",
         )
@@ -101,11 +101,9 @@ def parse_group_by(value: str | Sequence[str], allowed: Sequence[str]) -> list[s
     names = [n.strip() for n in names if n.strip()]
     for n in names:
         if n not in allowed:
-            raise InvalidSettingError(
-                "group_by", f"unknown column {n!r}; use any of {', '.join(allowed)}"
-            )
+            raise FieldError("group_by", f"unknown column {n!r}; use any of {', '.join(allowed)}")
     if "day" in names and "hour" in names:
-        raise InvalidSettingError("group_by", "day and hour exclude each other")
+        raise FieldError("group_by", "day and hour exclude each other")
     return [n for n in allowed if n in names]
 
 
@@ -114,19 +112,19 @@ _PRINTABLE_URL_RE = re.compile(r"[\x21-\x7e]{1,255}")
 
 
 def check_url(url: str, what: str = "advertise_url") -> str:
-    """`url` if it is where a fleet member (or any daemon) can be asked: http(s), a host, no user info, no
-    query, no fragment, nothing but printable ASCII; ValueError naming `what` otherwise."""
+    """`url` if it is where a fleet member (or any daemon) can be asked: http(s), a host, no
+    user info, no query, no fragment, nothing but printable ASCII; FieldError(`what`) otherwise."""
     if not isinstance(url, str) or not url or not _PRINTABLE_URL_RE.fullmatch(url):
-        raise ValueError(f"{what}: must be a printable http:// or https:// URL, got {url!r}")
+        raise FieldError(what, f"must be a printable http:// or https:// URL, got {url!r}")
     if "?" in url or "#" in url:
-        raise ValueError(f"{what}: must have no query or fragment, got {url!r}")
+        raise FieldError(what, f"must have no query or fragment, got {url!r}")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises on a malformed port)
     except ValueError as exc:
-        raise ValueError(f"{what}: {exc}, got {url!r}") from None
+        raise FieldError(what, f"{exc}, got {url!r}") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{what}: must be an http:// or https:// URL, got {url!r}")
+        raise FieldError(what, f"must be an http:// or https:// URL, got {url!r}")
     if parts.username is not None or parts.password is not None:
-        raise ValueError(f"{what}: must carry no user or password, got {url!r}")
+        raise FieldError(what, f"must carry no user or password, got {url!r}")
     return url

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.common import check_url, parse_time
-from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_N
 from controlplane.engine.settings import EngineSettings, check
+from controlplane.errors import FieldError
 
 ENV_PREFIX = "CONTROLPLANE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -238,35 +238,33 @@ def _coerce(where: str, value: Any, default: Any) -> Any:
                 return text in ("true", "1", "yes")
             value = kind(text)
         except ValueError:
-            raise InvalidSettingError(where, f"must be a {kind.__name__}, got {value!r}") from None
+            raise FieldError(where, f"must be a {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)
         except OverflowError:  # an integer beyond float's range (JSON and TOML allow them)
-            raise InvalidSettingError(
+            raise FieldError(
                 where, f"must be a finite number, got an integer of {len(str(value))} digits"
             ) from None
     if (kind is not None and not isinstance(value, kind)) or (
         kind is int and isinstance(value, bool)
     ):
-        raise InvalidSettingError(where, f"must be a {kind.__name__}, got {value!r}")
+        raise FieldError(where, f"must be a {kind.__name__}, got {value!r}")
     if kind is float and not math.isfinite(value):
         # TOML (nan, inf), Python's JSON (NaN, Infinity) and float() on env text ("nan",
         # "1e999") all produce these; no setting means anything by them.
-        raise InvalidSettingError(where, f"must be a finite number, got {value!r}")
+        raise FieldError(where, f"must be a finite number, got {value!r}")
     return value
 
 
 def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
     if not isinstance(table, Mapping):
-        raise InvalidSettingError(section, f"must be a table, got {table!r}")
+        raise FieldError(section, f"must be a table, got {table!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     for key, value in table.items():
         if key not in fields:
-            raise InvalidSettingError(
-                f"{section}.{key}", f"unknown key; known keys: {', '.join(fields)}"
-            )
+            raise FieldError(f"{section}.{key}", f"unknown key; known keys: {', '.join(fields)}")
         f = fields[key]
         default = f.default if f.default is not dataclasses.MISSING else None
         if key == "effective_from":
@@ -278,22 +276,22 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
     try:
         return cls(**values)
     except TypeError as exc:  # a required key is missing
-        raise InvalidSettingError(section, str(exc)) from None
+        raise FieldError(section, str(exc)) from None
 
 
 def _in_range(where: str, value: float, lo: float, hi: float) -> None:
     if not lo <= value <= hi:
-        raise InvalidSettingError(where, f"must be in [{lo:g}, {hi:g}], got {value}")
+        raise FieldError(where, f"must be in [{lo:g}, {hi:g}], got {value}")
 
 
 def _validate(cfg: Config) -> Config:
     s = cfg.server
     if not 0 <= s.port <= 65535:
-        raise InvalidSettingError("server.port", f"must be in [0, 65535], got {s.port}")
+        raise FieldError("server.port", f"must be in [0, 65535], got {s.port}")
     if s.max_queue_len < 0:
-        raise InvalidSettingError("server.max_queue_len", f"must be >= 0, got {s.max_queue_len}")
+        raise FieldError("server.max_queue_len", f"must be >= 0, got {s.max_queue_len}")
     if not 1 <= s.max_n <= MAX_N:
-        raise InvalidSettingError("server.max_n", f"must be in [1, {MAX_N}], got {s.max_n}")
+        raise FieldError("server.max_n", f"must be in [1, {MAX_N}], got {s.max_n}")
     _in_range("server.max_choices_share", s.max_choices_share, 0.01, 1)
     _in_range("server.drain_timeout_s", s.drain_timeout_s, 0, MAX_INTERVAL_S)
     # The range GET /admin/events accepts for its `interval` (the default must be one).
@@ -301,43 +299,39 @@ def _validate(cfg: Config) -> Config:
     _in_range("server.config_watch_interval_s", s.config_watch_interval_s, 0.05, MAX_INTERVAL_S)
     _in_range("server.config_settle_s", s.config_settle_s, 0.05, MAX_INTERVAL_S)
     if s.log_level.lower() not in LOG_LEVELS:
-        raise InvalidSettingError(
+        raise FieldError(
             "server.log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {s.log_level!r}"
         )
     if s.log_format not in ("text", "json"):
-        raise InvalidSettingError(
-            "server.log_format", f"must be text or json, got {s.log_format!r}"
-        )
+        raise FieldError("server.log_format", f"must be text or json, got {s.log_format!r}")
     if not 1024 <= s.max_body_bytes <= 1 << 30:
-        raise InvalidSettingError(
+        raise FieldError(
             "server.max_body_bytes", f"must be in [1024, {1 << 30}], got {s.max_body_bytes}"
         )
     if not 16 <= s.max_grammar_bytes <= 1 << 24:
-        raise InvalidSettingError(
+        raise FieldError(
             "server.max_grammar_bytes", f"must be in [16, {1 << 24}], got {s.max_grammar_bytes}"
         )
     _in_range("server.grammar_compile_timeout_s", s.grammar_compile_timeout_s, 0.001, 600)
     if s.chat_special_tokens not in ("escape", "allow"):
-        raise InvalidSettingError(
+        raise FieldError(
             "server.chat_special_tokens",
             f"must be escape or allow, got {s.chat_special_tokens!r}",
         )
     st = cfg.store
     if st.batch_size < 1:
-        raise InvalidSettingError("store.batch_size", f"must be >= 1, got {st.batch_size}")
+        raise FieldError("store.batch_size", f"must be >= 1, got {st.batch_size}")
     for name in ("flush_interval_s", "retry_interval_s"):
         value = getattr(st, name)
         if not 0 < value <= MAX_INTERVAL_S:
-            raise InvalidSettingError(
+            raise FieldError(
                 f"store.{name}", f"must be in (0, {MAX_INTERVAL_S:g}] seconds, got {value}"
             )
     if st.buffer_max_records < 1:
-        raise InvalidSettingError(
-            "store.buffer_max_records", f"must be >= 1, got {st.buffer_max_records}"
-        )
+        raise FieldError("store.buffer_max_records", f"must be >= 1, got {st.buffer_max_records}")
     for i, p in enumerate(cfg.prices):
         if not 1 <= len(p.model) <= 255:  # the prices table's column
-            raise InvalidSettingError(
+            raise FieldError(
                 f"prices[{i}].model", f"must be 1 to 255 characters, got {len(p.model)}"
             )
         for name in ("prompt_per_mtok", "cached_prompt_per_mtok", "completion_per_mtok"):
@@ -345,25 +339,25 @@ def _validate(cfg: Config) -> Config:
     names = [k.name for k in cfg.api_keys]
     for i, k in enumerate(cfg.api_keys):
         if not k.name or not k.key:
-            raise InvalidSettingError(f"api_keys[{i}]", "needs a non-empty name and key")
+            raise FieldError(f"api_keys[{i}]", "needs a non-empty name and key")
         if names.count(k.name) > 1:
-            raise InvalidSettingError(f"api_keys[{i}].name", f"{k.name!r} is used twice")
+            raise FieldError(f"api_keys[{i}].name", f"{k.name!r} is used twice")
         if k.name == "(idle)":
-            raise InvalidSettingError(
+            raise FieldError(
                 f"api_keys[{i}].name", "'(idle)' is reserved for idle GPU time in cost rollups"
             )
     tokens = [t.name for t in cfg.admin_tokens]
     for i, t in enumerate(cfg.admin_tokens):
         if not t.name or len(t.token) < 16:
-            raise InvalidSettingError(
+            raise FieldError(
                 f"admin_tokens[{i}]", "needs a name and a token of at least 16 characters"
             )
         if tokens.count(t.name) > 1:
-            raise InvalidSettingError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
+            raise FieldError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
     j = cfg.jobs
     for name in ("utilization_interval_s", "rollup_interval_s"):
         if not 0.5 <= getattr(j, name) <= MAX_INTERVAL_S:
-            raise InvalidSettingError(
+            raise FieldError(
                 f"jobs.{name}",
                 f"must be in [0.5, {MAX_INTERVAL_S:g}] seconds, got {getattr(j, name)}",
             )
@@ -371,22 +365,19 @@ def _validate(cfg: Config) -> Config:
         _in_range(f"jobs.{name}", getattr(j, name), 0, MAX_RETENTION_DAYS)
     _in_range("jobs.gpu_hourly_usd", j.gpu_hourly_usd, 0, MAX_GPU_HOURLY_USD)
     if j.peak_flops < 0:
-        raise InvalidSettingError("jobs.peak_flops", f"must be >= 0, got {j.peak_flops}")
+        raise FieldError("jobs.peak_flops", f"must be >= 0, got {j.peak_flops}")
     if not 0 <= j.num_gpus <= 1024:
-        raise InvalidSettingError("jobs.num_gpus", f"must be in [0, 1024], got {j.num_gpus}")
+        raise FieldError("jobs.num_gpus", f"must be in [0, 1024], got {j.num_gpus}")
     f = cfg.fleet
     _in_range("fleet.heartbeat_s", f.heartbeat_s, 0.1, MAX_INTERVAL_S)
     if not f.heartbeat_s < f.unreachable_after_s <= MAX_INTERVAL_S:
-        raise InvalidSettingError(
+        raise FieldError(
             "fleet.unreachable_after_s",
             f"must be more than fleet.heartbeat_s ({f.heartbeat_s:g}) and at most "
             f"{MAX_INTERVAL_S:g} seconds, got {f.unreachable_after_s}",
         )
     if s.advertise_url:
-        try:
-            check_url(s.advertise_url, "server.advertise_url")
-        except ValueError as exc:
-            raise InvalidSettingError("server.advertise_url", str(exc).split(": ", 1)[1]) from None
+        check_url(s.advertise_url, "server.advertise_url")
     _check_autopilot(cfg.autopilot)
     check_engine(cfg.engine)
     return cfg
@@ -398,19 +389,19 @@ def _check_autopilot(a: AutopilotSettings) -> None:
     _in_range("autopilot.interval_s", a.interval_s, 0.5, MAX_INTERVAL_S)
     _in_range("autopilot.window_s", a.window_s, 1, MAX_AUTOPILOT_WINDOW_S)
     if not a.window_s <= a.max_window_s <= MAX_AUTOPILOT_WINDOW_S:
-        raise InvalidSettingError(
+        raise FieldError(
             "autopilot.max_window_s",
             f"must be in [autopilot.window_s ({a.window_s:g}), {MAX_AUTOPILOT_WINDOW_S:g}], "
             f"got {a.max_window_s}",
         )
     _in_range("autopilot.min_requests", a.min_requests, 1, 1_000_000)
     if not 0 < a.headroom < 1:
-        raise InvalidSettingError("autopilot.headroom", f"must be in (0, 1), got {a.headroom}")
+        raise FieldError("autopilot.headroom", f"must be in (0, 1), got {a.headroom}")
     _in_range("autopilot.operator_hold_s", a.operator_hold_s, 0, MAX_INTERVAL_S)
     _in_range("autopilot.give_up_after", a.give_up_after, 1, 1000)
     for knob, (lo, hi) in a.bounds().items():
         if not 1 <= lo <= hi <= 1 << 20:
-            raise InvalidSettingError(
+            raise FieldError(
                 f"autopilot.{knob}_max",
                 f"bounds must satisfy 1 <= {knob}_min ({lo}) <= {knob}_max ({hi}) <= {1 << 20}",
             )
@@ -419,8 +410,8 @@ def _check_autopilot(a: AutopilotSettings) -> None:
 def check_engine(settings: EngineSettings) -> EngineSettings:
     try:
         return check(settings)
-    except InvalidSettingError as exc:
-        raise InvalidSettingError(f"engine.{exc.field}", exc.message) from None
+    except FieldError as exc:
+        raise FieldError(f"engine.{exc.field}", exc.message) from None
 
 
 # CONTROLPLANE_* variables that are not config keys, read where they are used.
@@ -466,7 +457,7 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
                 name.upper(), [*known, *ENV_NON_KEYS], n=1, cutoff=0.85
             )
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise InvalidSettingError(
+            raise FieldError(
                 name,
                 f"unknown environment variable: no config key has this name (the form is "
                 f"{ENV_PREFIX}<SECTION>__<KEY>, two underscores, or {ENV_PREFIX}DATA_DIR){hint}",
@@ -485,9 +476,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomllib.loads(p.read_text())
     except FileNotFoundError:
-        raise InvalidSettingError("config", f"{p}: file not found") from None
+        raise FieldError("config", f"{p}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
-        raise InvalidSettingError("config", f"{p}: invalid TOML: {exc}") from None
+        raise FieldError("config", f"{p}: invalid TOML: {exc}") from None
 
 
 def _fleet(raw: Mapping[str, Any]) -> FleetSettings:
@@ -516,15 +507,13 @@ def build_config(
     known = {f.name for f in dataclasses.fields(Config)}
     for key in merged:
         if key not in known:
-            raise InvalidSettingError(
-                key, f"unknown top-level key; known keys: {', '.join(sorted(known))}"
-            )
+            raise FieldError(key, f"unknown top-level key; known keys: {', '.join(sorted(known))}")
     prices = merged.get("prices", [])
     keys = merged.get("api_keys", [])
     tokens = merged.get("admin_tokens", [])
     for name, value in (("prices", prices), ("api_keys", keys), ("admin_tokens", tokens)):
         if not isinstance(value, list | tuple):
-            raise InvalidSettingError(name, f"must be an array of tables ([[{name}]])")
+            raise FieldError(name, f"must be an array of tables ([[{name}]])")
     cfg = Config(
         data_dir=str(merged.get("data_dir", "data")),
         server=_build(ServerSettings, merged.get("server", {}), "server"),

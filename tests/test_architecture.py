@@ -191,9 +191,15 @@ def test_the_layer_rule_sees_the_api_packages() -> None:
     assert all(any(m.startswith(p) for m in GRAPH) for p in BELOW_THE_APIS)
 
 
+def test_the_field_error_is_a_leaf() -> None:
+    # Everything may import it, the engine included: it must import nothing of ours.
+    assert GRAPH["controlplane.errors"] == set()
+
+
 @pytest.mark.parametrize(
     "module",
     [
+        "controlplane.errors",
         "controlplane.engine.types",
         "controlplane.engine",
         "controlplane.common",

@@ -65,11 +65,11 @@ _NEEDED_COLUMNS = {
 def _time_arg(flag: str) -> Callable[[str], datetime]:
     def parse(value: str) -> datetime:
         from controlplane.common import parse_report_time
-        from controlplane.engine.errors import InvalidSettingError
+        from controlplane.errors import FieldError
 
         try:
             return parse_report_time(flag, value)
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise argparse.ArgumentTypeError(exc.message) from None
 
     return parse

@@ -37,7 +37,7 @@ the samples' interval_s) over the samples that carry the reading; GPU means are 
 `max_gpu_temperature_c` the hottest reading.
 
 Totals are computed from the same underlying sums as the rows (never by averaging rows).
-Parameters are validated here; a bad one raises InvalidSettingError (a ValueError) with the
+Parameters are validated here; a bad one raises FieldError (a ValueError) with the
 parameter's name in `field` and the reason in `message`, for the CLI and the API (422).
 """
 
@@ -54,7 +54,7 @@ from sqlalchemy import Connection, Engine, case, func, select
 
 from controlplane.accounting.rollup import HOUR, ROLLUP_JOB, floor_hour, request_groups
 from controlplane.common import parse_group_by
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 from controlplane.store.models import (
     FINAL_STATUSES,
     CostRollupRow,
@@ -162,14 +162,14 @@ def window(since: datetime, until: datetime) -> tuple[datetime, datetime, str, s
     """(effective since, effective until, first hour bucket, last hour bucket)."""
     for name, value in (("since", since), ("until", until)):
         if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
-            raise InvalidSettingError(name, f"must be a timezone-aware datetime, got {value!r}")
+            raise FieldError(name, f"must be a timezone-aware datetime, got {value!r}")
         try:
             value.astimezone(UTC)
         except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
-            raise InvalidSettingError(name, f"{value.isoformat()} is out of range") from None
+            raise FieldError(name, f"{value.isoformat()} is out of range") from None
     since, until = since.astimezone(UTC), until.astimezone(UTC)
     if not since < until:
-        raise InvalidSettingError(
+        raise FieldError(
             "since", f"must be before until ({since.isoformat()} >= {until.isoformat()})"
         )
     start = floor_hour(since)

@@ -94,6 +94,7 @@ from sqlalchemy import (
     select,
 )
 
+from controlplane.errors import FieldError
 from controlplane.store.db import dialect_insert
 from controlplane.store.models import (
     FINAL_STATUSES,
@@ -163,7 +164,7 @@ class RollupResult:
 
 def _aware(name: str, value: datetime) -> datetime:
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{name}: must be a timezone-aware datetime, got {value!r}")
+        raise FieldError(name, f"must be a timezone-aware datetime, got {value!r}")
     return value.astimezone(UTC)
 
 
@@ -203,10 +204,10 @@ def write_sample(
     at = _aware("time", sample.time)
     interval = _finite(sample.interval_s)
     if interval is None or interval <= 0:
-        raise ValueError(f"interval_s: must be a positive number, got {sample.interval_s!r}")
+        raise FieldError("interval_s", f"must be a positive number, got {sample.interval_s!r}")
     busy = _finite(sample.busy_fraction)
     if busy is None:
-        raise ValueError(f"busy_fraction: must be a number, got {sample.busy_fraction!r}")
+        raise FieldError("busy_fraction", f"must be a number, got {sample.busy_fraction!r}")
     row = {
         "instance_id": instance_id,
         "time": at,
@@ -557,9 +558,9 @@ def run_rollup(
     now = _aware("now", now)
     for name, value in (("gpu_hourly_usd", gpu_hourly_usd), ("peak_flops", peak_flops)):
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+            raise FieldError(name, f"must be a finite number >= 0, got {value!r}")
     if num_gpus < 0:
-        raise ValueError(f"num_gpus: must be >= 0, got {num_gpus!r}")
+        raise FieldError("num_gpus", f"must be >= 0, got {num_gpus!r}")
     last = time_buckets(now)[0]
     with engine.begin() as conn:
         old = get_watermark(conn, ROLLUP_JOB, instance_id)
@@ -633,7 +634,7 @@ def prune(
         ("request_retention_days", request_retention_days),
     ):
         if not value >= 0:
-            raise ValueError(f"{name}: must be >= 0, got {value!r}")
+            raise FieldError(name, f"must be >= 0, got {value!r}")
     sample_cutoff = now - timedelta(days=sample_retention_days)
     request_cutoff = now - timedelta(days=request_retention_days)
     with engine.begin() as conn:

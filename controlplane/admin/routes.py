@@ -16,7 +16,7 @@ from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from controlplane.common import parse_group_by, parse_report_time, parse_time
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 from controlplane.fleet.actions import apply_change, fleet_status, fleet_summary
 from controlplane.http.auth import FLEET_STATE, fleet_answers
 from controlplane.http.body import load_json, openapi_body
@@ -55,7 +55,7 @@ def _time_param(name: str, value: str | None) -> datetime | None:
         return None
     try:
         return parse_time(name, value, relative=False)
-    except InvalidSettingError as exc:
+    except FieldError as exc:
         raise _unprocessable(exc.field, exc.message) from None
 
 
@@ -216,7 +216,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
                 instance_id=runtime.instance_id,
                 x_request_id=x_request_id,
             )
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise _unprocessable(exc.field, exc.message) from None
         live = await runtime.live_requests()
         for row in live:  # what the request row will say, from the record kept in flight
@@ -340,7 +340,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             start = parse_report_time("since", since or "24h")
             end = parse_report_time("until", until) if until else datetime.now(UTC)
             keys = parse_group_by(group_by, allowed)
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise _unprocessable(exc.field, exc.message) from None
         if start >= end:
             raise _unprocessable(

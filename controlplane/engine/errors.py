@@ -1,18 +1,15 @@
 """Errors the engine raises. All are ValueError subclasses so callers can map them to 4xx."""
 
+from controlplane.errors import FieldError
+
 
 class ModelLoadError(ValueError):
     """A model directory cannot be loaded: names the file and, where relevant, the tensor."""
 
 
-class InvalidSettingError(ValueError):
-    """A setting or sampling parameter is out of range: names the field and the limit."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        # Both halves kept: callers re-home the field (a prompt index, "engine." prefix) or
-        # answer with the message alone, without parsing str(exc) back apart.
-        self.field, self.message = field, message
+# A setting or sampling parameter out of range, naming the field and the limit: the engine's
+# name (its public API) for the one field error the whole daemon shares; the same class.
+InvalidSettingError = FieldError
 
 
 class GrammarFailedError(InvalidSettingError):

@@ -29,6 +29,7 @@ from typing import Any
 
 from controlplane.client.admin import AdminClient, APIError, ClientError, Unreachable
 from controlplane.common import check_url
+from controlplane.errors import FieldError
 from controlplane.fleet.registry import DRAINING, LOADING, SERVING, UNREACHABLE, Member
 from controlplane.http.signing import Signer, fleet_key
 
@@ -214,7 +215,7 @@ def find_member(members: Sequence[Member], name: str) -> Member:
 async def set_admission(member: Member, token: str | None, action: str) -> dict[str, Any]:
     """POST /admin/drain or /admin/resume on one instance; its answer ({"state": ...})."""
     if action not in ("drain", "resume"):
-        raise ValueError(f"action: must be drain or resume, got {action!r}")
+        raise FieldError("action", f"must be drain or resume, got {action!r}")
     client = fleet_client(member, token)
     try:
         return await (client.drain() if action == "drain" else client.resume())

@@ -20,7 +20,7 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.response import ServerSentEvent
 
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 from controlplane.http.body import load_json, openapi_body
 from controlplane.http.errors import (
     APIError,
@@ -326,7 +326,7 @@ class InferenceAPI:
         several ("prompt[2]"), said in the error."""
         try:
             self.runtime.engine.validate(prompt_ids, params)
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             name, message = exc.field, exc.message
             if where is not None:
                 name, message = (
@@ -417,7 +417,7 @@ class InferenceAPI:
             )
         try:
             return await self.runtime.engine.compile_grammar(out, server.grammar_compile_timeout_s)
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise invalid(exc.field, exc.message) from None
 
     def _note_ignored(self, fields: tuple[str, ...]) -> None:

@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from controlplane.engine.structured import StructuredOutput
+from controlplane.errors import FieldError
 from controlplane.http.body import check_json
 from controlplane.http.errors import invalid
 from controlplane.openai.tools import (
@@ -377,7 +377,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
             skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
             structured=structured_output(body),
         )
-    except InvalidSettingError as exc:
+    except FieldError as exc:
         raise invalid(exc.field, exc.message) from None
 
 
@@ -486,7 +486,7 @@ def parse_completion(body: Any) -> ParsedRequest:
             raise invalid("best_of", "cannot be used with stream: true")
         try:  # best_of choices are sampled as n: the engine's bound on n is best_of's
             params = dataclasses.replace(params, n=best_of)
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise invalid("best_of", exc.message) from None
     return ParsedRequest(
         common.model,

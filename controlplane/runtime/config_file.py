@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.config import ServerSettings
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 from controlplane.runtime.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
 
 log = logging.getLogger("controlplane.daemon")
@@ -281,7 +281,7 @@ class ConfigFile:
             try:
                 live, restart = self.live.file_changes(raw)
                 changes = await self._apply(live, "file") if live else []
-            except (ConfigChangeError, InvalidSettingError) as exc:
+            except (ConfigChangeError, FieldError) as exc:
                 log.error(
                     "config reload (%s) rejected, keeping the running values: %s", reason, exc
                 )

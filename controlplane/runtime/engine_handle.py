@@ -13,7 +13,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 
 if TYPE_CHECKING:
     from controlplane.engine import AsyncEngine, RequestStream, SamplingParams
@@ -76,7 +76,7 @@ class EngineHandle:
 
     async def compile_grammar(self, output: StructuredOutput, timeout_s: float) -> Any:
         """Compile (or find cached) a request's grammar in a worker thread, never on the
-        step thread or the event loop. InvalidSettingError naming the field when it cannot be
+        step thread or the event loop. FieldError naming the field when it cannot be
         compiled or takes longer than `timeout_s` (the compile then finishes in the
         background and is cached)."""
         grammars = self._engine.engine.grammars
@@ -88,14 +88,14 @@ class EngineHandle:
         try:
             return await asyncio.wait_for(asyncio.shield(work), timeout_s)
         except TimeoutError:
-            raise InvalidSettingError(
+            raise FieldError(
                 output.field,
                 f"compiling its grammar took longer than {timeout_s:g} s "
                 "(server.grammar_compile_timeout_s); simplify the schema",
             ) from None
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's checks of one request (InvalidSettingError naming the field): run once,
+        """The engine's checks of one request (FieldError naming the field): run once,
         at the front, before anything is queued."""
         # The /v1 parser built `params` (SamplingParams checks itself as it is built), so only
         # the model-dependent checks run here: each check once per request.

@@ -18,8 +18,8 @@ from datetime import datetime
 from typing import Any
 
 from controlplane.config import AutopilotSettings, Config, Price, build_config, env_overrides
-from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.settings import EngineSettings
+from controlplane.errors import FieldError
 from controlplane.store.models import CONFIG_SOURCES
 
 log = logging.getLogger("controlplane.config")
@@ -41,13 +41,13 @@ LIVE_FIELDS = frozenset(
 )
 
 
-class ConfigChangeError(ValueError):
+class ConfigChangeError(FieldError):
     """`status` is the HTTP status the admin API answers with: 422 invalid, 409 restart needed,
     503 the change could not be audited (nothing was applied)."""
 
     def __init__(self, field: str, message: str, status: int = 422) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message, self.status = field, message, status
+        super().__init__(field, message)
+        self.status = status
 
 
 class ConfigAuditError(ConfigChangeError):
@@ -188,7 +188,7 @@ class LiveConfig:
                 raw[key] = value
         try:
             new = build_config(raw, env={})
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise ConfigChangeError(exc.field, exc.message) from None
         return dataclasses.replace(
             new, api_keys=self.effective.api_keys, admin_tokens=self.effective.admin_tokens
@@ -251,7 +251,7 @@ class LiveConfig:
         old, new = flatten_raw(self._file_raw), flatten_raw(raw)
         try:
             build_config(raw, env=self._env)
-        except InvalidSettingError as exc:
+        except FieldError as exc:
             raise ConfigChangeError(exc.field, exc.message) from None
         touched = {k: new.get(k) for k in set(old) | set(new) if old.get(k) != new.get(k)}
         defaults = flatten(Config())

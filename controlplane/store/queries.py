@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine, and_, or_, select
 
-from controlplane.engine.errors import InvalidSettingError
+from controlplane.errors import FieldError
 from controlplane.store.models import STATUSES, RequestRow
 from controlplane.store.records import MAX_X_REQUEST_ID_CHARS
 
@@ -69,7 +69,7 @@ def encode_cursor(arrival_time: datetime, request_id: str) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """(arrival_time, id) from a cursor; InvalidSettingError("cursor", "malformed") if it is not one."""
+    """(arrival_time, id) from a cursor; FieldError("cursor", "malformed") if it is not one."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         at, request_id = json.loads(raw)
@@ -81,7 +81,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         arrival = arrival.astimezone(UTC)  # OverflowError: year 1 at +05:00, 9999 at -05:00
     except (TypeError, ValueError, OverflowError, binascii.Error, UnicodeError):
         # json.JSONDecodeError is a ValueError; unpacking a non-pair raises one too.
-        raise InvalidSettingError("cursor", "malformed") from None
+        raise FieldError("cursor", "malformed") from None
     return arrival, request_id
 
 
@@ -89,11 +89,11 @@ def _aware(name: str, value: datetime | None) -> datetime | None:
     if value is None:
         return None
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
-        raise InvalidSettingError(name, f"must be a timezone-aware datetime, got {value!r}")
+        raise FieldError(name, f"must be a timezone-aware datetime, got {value!r}")
     try:
         return value.astimezone(UTC)
     except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
-        raise InvalidSettingError(name, f"{value.isoformat()} is out of range") from None
+        raise FieldError(name, f"{value.isoformat()} is out of range") from None
 
 
 def _as_dict(row: Any) -> dict[str, Any]:
@@ -129,19 +129,17 @@ def list_requests(
     it came from; pass the same filters with it.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise InvalidSettingError(
-            "limit", f"must be an integer from 1 to {MAX_LIMIT}, got {limit!r}"
-        )
+        raise FieldError("limit", f"must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
     if status is not None and status not in STATUSES:
-        raise InvalidSettingError("status", f"must be one of {', '.join(STATUSES)}, got {status!r}")
+        raise FieldError("status", f"must be one of {', '.join(STATUSES)}, got {status!r}")
     if x_request_id is not None and not _X_REQUEST_ID.fullmatch(x_request_id):
-        raise InvalidSettingError(
+        raise FieldError(
             "x_request_id",
             f"must be 1 to {MAX_X_REQUEST_ID_CHARS} printable ASCII characters (an X-Request-Id)",
         )
     since, until = _aware("since", since), _aware("until", until)
     if since is not None and until is not None and not since < until:
-        raise InvalidSettingError("since", "must be before until")
+        raise FieldError("since", "must be before until")
     after = decode_cursor(cursor) if cursor is not None else None
 
     c = REQUESTS.c
