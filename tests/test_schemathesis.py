@@ -47,11 +47,35 @@ def test_no_operation_returns_5xx(fuzz_daemon):
     assert len(checked) >= 12
 
 
-def test_v1_schemas_document_every_accepted_field():
-    from controlplane.openai import protocol
+def test_v1_schemas_document_every_field_the_parser_reads():
+    # The accepted-field sets are the schemas' properties (controlplane.openai.schema), so a
+    # field the hand parser reads must be in a schema, or requests would report it ignored.
+    import ast
+    from pathlib import Path
 
-    assert set(protocol.COMPLETION_SCHEMA["properties"]) == protocol.COMPLETION_FIELDS
-    assert set(protocol.CHAT_SCHEMA["properties"]) == protocol.CHAT_FIELDS
+    from controlplane.openai import schema
+
+    root = Path(schema.__file__).parent
+    read: set[str] = set()
+    for path in (root / "protocol.py", *sorted((root / "tools").glob("*.py"))):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            fn, first = node.func, node.args[0]
+            if isinstance(fn, ast.Name) and fn.id == "_opt" and len(node.args) > 1:
+                first = node.args[1]  # _opt(body, "name", ...)
+            elif not (
+                isinstance(fn, ast.Attribute)
+                and fn.attr == "get"
+                and isinstance(fn.value, ast.Name)
+                and fn.value.id == "body"
+            ):
+                continue
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                read.add(first.value)
+    assert {"prompt", "messages", "tools", "max_completion_tokens", "cache_salt"} <= read
+    assert read - (schema.COMPLETION_FIELDS | schema.CHAT_FIELDS) == set()
+    assert set(schema.COMPLETION_SCHEMA["properties"]) == schema.COMPLETION_FIELDS
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -31,7 +31,8 @@ from controlplane.http.errors import (
     invalid,
     unavailable,
 )
-from controlplane.openai import protocol
+from controlplane.http.request_id import new_id, request_id
+from controlplane.openai import protocol, schema
 from controlplane.openai.tools import (
     ToolCallStream,
     ToolRequest,
@@ -279,7 +280,7 @@ class InferenceAPI:
             )
         return found[0].name, found[1]
 
-    def _cache_salt(self, parsed: protocol.ParsedRequest, key_hash: str | None) -> str | None:
+    def _cache_salt(self, parsed: protocol.OpenAIRequest, key_hash: str | None) -> str | None:
         """The request's prefix-cache partition (SamplingParams.cache_salt): its API key's
         (with keys configured and engine.prefix_cache_isolation = key) and its `cache_salt`.
         None: the shared partition (an open API, or isolation none, without a cache_salt)."""
@@ -337,7 +338,7 @@ class InferenceAPI:
     def _start(
         self,
         request: Request,
-        parsed: protocol.ParsedRequest,
+        parsed: protocol.OpenAIRequest,
         prompts_ids: list[list[int]],
         endpoint: str,
         keys: tuple[str | None, str | None],
@@ -355,16 +356,16 @@ class InferenceAPI:
             p = parsed.params
             if salt is not None:
                 p = dataclasses.replace(p, cache_salt=salt)
-            if parsed.default_max_tokens:
+            if isinstance(parsed, protocol.ChatRequest) and parsed.default_max_tokens:
                 # OpenAI chat: no max_tokens means "as much as fits".
                 p = dataclasses.replace(p, max_tokens=max(1, max_model_len - len(ids)))
             self._validate(ids, p, f"prompt[{i}]" if n > 1 else None)
             params.append(p)
-        rid = protocol.request_id(request.scope)
+        rid = request_id(request.scope)
         # The response's id: the generated X-Request-Id (same shape), else a fresh one. Rows
         # take it as their id (one prompt) or with the prompt's index appended (several).
         prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
-        response_id = protocol.new_id(prefix) if rid.from_client else rid.value
+        response_id = new_id(prefix) if rid.from_client else rid.value
         batch = Batch(response_id, d.model_name, [], asyncio.Queue())
         try:
             for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
@@ -400,7 +401,7 @@ class InferenceAPI:
         self._spawn(batch.watch(request.receive))
         return batch
 
-    async def _grammar(self, parsed: protocol.ParsedRequest) -> CompiledGrammar | None:
+    async def _grammar(self, parsed: protocol.OpenAIRequest) -> CompiledGrammar | None:
         """The request's compiled grammar (None: unconstrained), compiled off the event loop
         and the step thread; 400 naming the field when it is too large, cannot be compiled,
         or takes longer than server.grammar_compile_timeout_s."""
@@ -435,7 +436,7 @@ class InferenceAPI:
     # -- shared response flow ------------------------------------------------------------------
     async def _respond(
         self,
-        parsed: protocol.ParsedRequest,
+        parsed: protocol.OpenAIRequest,
         batch: Batch,
         obj: str,
         render_final: Callable[[int, list[RequestOutput], RequestOutput], dict[str, Any]],
@@ -494,7 +495,7 @@ class InferenceAPI:
 
     # -- /v1/completions -----------------------------------------------------------------------
     def _check_request_id(self, request: Request) -> None:
-        rid = protocol.request_id(request.scope)
+        rid = request_id(request.scope)
         if rid.error is not None:
             raise invalid("X-Request-Id", rid.error)
 
@@ -504,13 +505,14 @@ class InferenceAPI:
         cfg = self.runtime.cfg
         return cfg.engine.max_num_seqs + cfg.server.max_queue_len
 
-    def _check_n(self, parsed: protocol.ParsedRequest) -> None:
+    def _check_n(self, parsed: protocol.OpenAIRequest) -> None:
         """`n` and `best_of` against server.max_n and their share of the batch."""
         cfg = self.runtime.cfg
         limit = cfg.server.max_n
         seqs, share = cfg.engine.max_num_seqs, cfg.server.max_choices_share
         slots = max(1, int(seqs * share))
-        for name, value in (("n", parsed.n), ("best_of", parsed.best_of)):
+        best_of = parsed.best_of if isinstance(parsed, protocol.CompletionRequest) else None
+        for name, value in (("n", parsed.n), ("best_of", best_of)):
             if value is not None and value > limit:
                 raise invalid(name, f"must be at most {limit} (server.max_n), got {value}")
             if value is not None and value > slots:
@@ -612,7 +614,7 @@ class InferenceAPI:
         streams: dict[int, ToolCallStream] = {}
 
         def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
-            if not parsed.chat_logprobs:
+            if not parsed.logprobs:
                 return None
 
             def entry(token_id: int, value: float) -> dict[str, Any]:
@@ -643,7 +645,7 @@ class InferenceAPI:
             if calling:
                 assert tools is not None
                 return tool_chunks(streams, index, out, tools, logprobs([out]))
-            if not out.delta_text and not out.finished and not parsed.chat_logprobs:
+            if not out.delta_text and not out.finished and not parsed.logprobs:
                 return None
             delta = {"content": out.delta_text} if out.delta_text else {}
             return {
@@ -678,11 +680,12 @@ class InferenceAPI:
         return {"object": "list", "data": data}
 
 
-def structured_type(parsed: protocol.ParsedRequest) -> str:
+def structured_type(parsed: protocol.OpenAIRequest) -> str:
     """What constrained a request (its rows' `structured`, the metrics' `type` label)."""
     out = parsed.structured
     assert out is not None
-    forced = parsed.tools is not None and parsed.tools.choice.mode in ("required", "named")
+    tools = parsed.tools if isinstance(parsed, protocol.ChatRequest) else None
+    forced = tools is not None and tools.choice.mode in ("required", "named")
     return "tools" if forced else out.kind  # a forced call is the request's only constraint
 
 
@@ -760,7 +763,7 @@ def create_app(runtime: Runtime) -> Litestar:
         status_code=200,
         summary="OpenAI completions",
         guards=[api_key],
-        operation_class=openapi_body(protocol.COMPLETION_SCHEMA),
+        operation_class=openapi_body(schema.COMPLETION_SCHEMA),
     )
     async def completions(request: Request) -> Response:
         return await api.completions(request)
@@ -770,7 +773,7 @@ def create_app(runtime: Runtime) -> Litestar:
         status_code=200,
         summary="OpenAI chat completions",
         guards=[api_key],
-        operation_class=openapi_body(protocol.CHAT_SCHEMA),
+        operation_class=openapi_body(schema.CHAT_SCHEMA),
     )
     async def chat_completions(request: Request) -> Response:
         return await api.chat(request)
@@ -807,9 +810,9 @@ def create_app(runtime: Runtime) -> Litestar:
 
     async def add_request_id(message: Any, scope: Any) -> None:
         """Every /v1 response carries X-Request-Id (errors and unknown routes included): the
-        client's, or the one generated for the request (see protocol.request_id)."""
+        client's, or the one generated for the request (see controlplane.http.request_id)."""
         if message["type"] == "http.response.start" and scope.get("path", "").startswith("/v1/"):
-            value = protocol.request_id(scope).value.encode("ascii")
+            value = request_id(scope).value.encode("ascii")
             message["headers"] = [*message.get("headers", ()), (b"x-request-id", value)]
 
     return Litestar(

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -19,226 +17,60 @@ from controlplane.engine.structured import StructuredOutput
 from controlplane.errors import FieldError
 from controlplane.http.body import check_json
 from controlplane.http.errors import invalid
+from controlplane.openai.schema import (
+    CHAT_FIELDS,
+    CHAT_ROLES,
+    COMPLETION_FIELDS,
+    MAX_CACHE_SALT_CHARS,
+    MAX_USER_CHARS,
+)
 from controlplane.openai.tools import (
     ToolRequest,
     constrained_schema,
     parse_tools,
     validate_history,
 )
-from controlplane.store.records import MAX_END_USER_CHARS, MAX_X_REQUEST_ID_CHARS
 
 # A JSON schema sent as a string (guided_json, response_format.json_schema.schema,
 # structured_outputs.json) is parsed apart from the body: its own bound, serde_json's default
 # recursion limit (what llguidance parses it with). Deeper is a 400 naming the field.
 MAX_SCHEMA_DEPTH = 128
-# vLLM's `cache_salt`: the request's prefix-cache partition (hashed, never stored).
-MAX_CACHE_SALT_CHARS = 256
-
-_COMMON = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stream",
-    "stream_options",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "user",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "ignore_eos",
-    "stop_token_ids",
-    "logit_bias",
-    "skip_special_tokens",
-    "response_format",
-    # vLLM's structured-output fields (so clients written for vLLM work unchanged).
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "structured_outputs",
-    "cache_salt",  # vLLM: prefix-cache partition
-}
-# The fields each endpoint reads (or accepts at their default only, with a 400 naming the field
-# otherwise). Any other field is ignored, as vLLM does (see `ParsedRequest.ignored_fields`):
-# clients such as the openai library's parse() helpers, LangChain and LiteLLM send fields a
-# server may not use.
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _COMMON | {
-    "messages",
-    "max_completion_tokens",
-    "logprobs",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "metadata",
-    "store",
-    "service_tier",
-    "modalities",
-}
-# OpenAI's `user` (an end-user id) and X-Request-Id (printable ASCII) are stored in the request
-# row (requests.end_user, requests.x_request_id), whose columns hold this many characters.
-MAX_USER_CHARS = MAX_END_USER_CHARS
-MAX_REQUEST_ID_CHARS = MAX_X_REQUEST_ID_CHARS
-_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
-
-
-# -- OpenAPI request bodies (documentation, and what schemathesis fuzzes) -------------------
-_NUMBER = {"type": "number"}
-_INT = {"type": "integer"}
-_COMMON_SCHEMA: dict[str, Any] = {
-    "model": {"type": "string", "description": "the served model's id (GET /v1/models)"},
-    "max_tokens": _INT,
-    "temperature": _NUMBER,
-    "top_p": _NUMBER,
-    "top_k": _INT,
-    "min_p": _NUMBER,
-    "n": _INT,
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "seed": _INT,
-    "presence_penalty": _NUMBER,
-    "frequency_penalty": _NUMBER,
-    "repetition_penalty": _NUMBER,
-    "ignore_eos": {"type": "boolean"},
-    "stop_token_ids": {"type": "array", "items": _INT},
-    "skip_special_tokens": {"type": "boolean"},
-    "user": {
-        "type": "string",
-        "maxLength": MAX_USER_CHARS,
-        "description": "end-user id, stored in the request row (reports group by it)",
-    },
-    "logit_bias": {"type": "object", "description": "not supported: must be empty"},
-    "response_format": {
-        "type": "object",
-        "description": "text, json_object, or json_schema ({name, schema, strict}): the output "
-        "is constrained to the schema (strict or not)",
-    },
-    "guided_json": {"description": "vLLM: a JSON schema the output must match"},
-    "guided_regex": {"type": "string", "description": "vLLM: a regex the output must match"},
-    "guided_choice": {"type": "array", "items": {"type": "string"}},
-    "guided_grammar": {"type": "string", "description": "vLLM: a Lark or GBNF grammar"},
-    "guided_decoding_backend": {"type": "string", "description": "vLLM: accepted, ignored"},
-    "structured_outputs": {
-        "type": "object",
-        "description": "vLLM's newer form: one of json, regex, choice, grammar, json_object",
-    },
-    "cache_salt": {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": MAX_CACHE_SALT_CHARS,
-        "description": "vLLM: only requests with the same salt (and, with API keys, the same "
-        "key unless engine.prefix_cache_isolation is none) share cached prefixes",
-    },
-}
-_PROMPT_TEXT = {"type": "string", "minLength": 1}
-_PROMPT_IDS = {"type": "array", "items": _INT, "minItems": 1}
-# Fields not listed here are ignored (not refused): additionalProperties stays open.
-COMPLETION_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "prompt"],
-    "properties": {
-        **_COMMON_SCHEMA,
-        "prompt": {
-            "description": "one prompt (text or token ids), or a list of them: one choice each",
-            "oneOf": [
-                _PROMPT_TEXT,
-                _PROMPT_IDS,
-                {"type": "array", "items": _PROMPT_TEXT, "minItems": 1},
-                {"type": "array", "items": _PROMPT_IDS, "minItems": 1},
-            ],
-        },
-        "logprobs": _INT,
-        # Accepted for compatibility; only their defaults are supported (else a 400).
-        "echo": {"type": "boolean"},
-        "suffix": {"type": "string"},
-        "best_of": _INT,
-    },
-}
-# The message roles of OpenAI's chat API ("function": the deprecated tool result).
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-CHAT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": {
-        **_COMMON_SCHEMA,
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["role"],
-                "properties": {
-                    "role": {"enum": list(CHAT_ROLES)},
-                    "content": {
-                        "oneOf": [
-                            {"type": "string"},
-                            {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "properties": {
-                                        "type": {"enum": ["text"]},
-                                        "text": {"type": "string"},
-                                    },
-                                },
-                            },
-                        ]
-                    },
-                },
-            },
-        },
-        "max_completion_tokens": _INT,
-        "logprobs": {"type": "boolean"},
-        "top_logprobs": _INT,
-        "tools": {"type": "array", "description": "functions the model may call"},
-        "tool_choice": {},
-        "functions": {"type": "array"},
-        "function_call": {},
-        "parallel_tool_calls": {"type": "boolean"},
-        "metadata": {"type": "object"},
-        "store": {"type": "boolean"},
-        "service_tier": {"type": "string"},
-        "modalities": {"type": "array"},
-    },
-}
-
 
 Prompt = str | list[int]  # text, or token ids
 
 
-@dataclass(slots=True)
-class ParsedRequest:
+@dataclass(slots=True, kw_only=True)
+class OpenAIRequest:
+    """What a parsed /v1 request of either endpoint carries."""
+
     model: str
     params: SamplingParams
     stream: bool
     include_usage: bool
-    # Completions: one engine request (and one choice, and one row) per prompt, in order.
-    prompts: list[Prompt] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    chat_logprobs: bool = False
-    default_max_tokens: bool = False  # chat without max_tokens: fill the context
     user: str | None = None  # OpenAI's end-user id (None: not sent, or empty)
-    # Choices returned per prompt: `params.n` (what the engine samples) unless best_of asked
-    # the engine for more and only the best `n` are returned.
-    n: int = 1
-    best_of: int | None = None
+    n: int = 1  # choices returned per prompt (see CompletionRequest.best_of)
     ignored_fields: tuple[str, ...] = ()  # top-level fields this endpoint does not read
-    tools: ToolRequest | None = None  # chat: the tools offered, tool_choice, parallel calls
     cache_salt: str | None = None  # vLLM's cache_salt (the server adds the API key's part)
 
     @property
     def structured(self) -> StructuredOutput | None:
         return self.params.structured
+
+
+@dataclass(slots=True, kw_only=True)
+class CompletionRequest(OpenAIRequest):
+    # One engine request (and one choice per `n`, and one row) per prompt, in order.
+    prompts: list[Prompt]
+    # The engine samples `params.n` choices: best_of when given, of which the best `n` return.
+    best_of: int | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatRequest(OpenAIRequest):
+    messages: list[dict[str, Any]]
+    logprobs: bool = False  # chat's boolean logprobs (top_logprobs is in params.logprobs)
+    default_max_tokens: bool = False  # no max_tokens: fill the context
+    tools: ToolRequest | None = None  # the tools offered, tool_choice, parallel calls
 
 
 def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
@@ -466,7 +298,7 @@ def _prompts(prompt: Any) -> list[Prompt]:
     return list(prompt)
 
 
-def parse_completion(body: Any) -> ParsedRequest:
+def parse_completion(body: Any) -> CompletionRequest:
     common = _common(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"))
     if body.get("echo"):
@@ -488,11 +320,11 @@ def parse_completion(body: Any) -> ParsedRequest:
             params = dataclasses.replace(params, n=best_of)
         except FieldError as exc:
             raise invalid("best_of", exc.message) from None
-    return ParsedRequest(
-        common.model,
-        params,
-        common.stream,
-        common.include_usage,
+    return CompletionRequest(
+        model=common.model,
+        params=params,
+        stream=common.stream,
+        include_usage=common.include_usage,
         prompts=prompts,
         user=common.user,
         n=n,
@@ -502,7 +334,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     )
 
 
-def parse_chat(body: Any) -> ParsedRequest:
+def parse_chat(body: Any) -> ChatRequest:
     common = _common(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -552,13 +384,13 @@ def parse_chat(body: Any) -> ParsedRequest:
         params = dataclasses.replace(
             params, structured=StructuredOutput.json_schema(schema, tools.schema_field)
         )
-    return ParsedRequest(
-        common.model,
-        params,
-        common.stream,
-        common.include_usage,
+    return ChatRequest(
+        model=common.model,
+        params=params,
+        stream=common.stream,
+        include_usage=common.include_usage,
         messages=parsed,
-        chat_logprobs=want,
+        logprobs=want,
         default_max_tokens=mt is None,
         user=common.user,
         n=params.n,
@@ -566,59 +398,6 @@ def parse_chat(body: Any) -> ParsedRequest:
         tools=tools,
         cache_salt=_cache_salt(body),
     )
-
-
-# -- X-Request-Id -----------------------------------------------------------------------------
-
-_REQUEST_ID_STATE = "controlplane.request_id"  # the resolved id, kept in the ASGI scope's state
-# Generated ids look like the response ids of each endpoint (`cmpl-...`), so a client that sent
-# no X-Request-Id gets back its response's `id`.
-_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
-
-
-@dataclass(frozen=True, slots=True)
-class RequestId:
-    """A /v1 request's X-Request-Id: the client's, or one generated for it.
-
-    `error` says why the client's header was refused: the handler then answers 400 naming the
-    header (the response still carries the generated id, for the logs).
-    """
-
-    value: str
-    from_client: bool
-    error: str | None = None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def request_id(scope: Any) -> RequestId:
-    """The request's X-Request-Id, resolved once per request (the handler and the hook that
-    adds the response header see the same one)."""
-    state = scope.setdefault("state", {})
-    found = state.get(_REQUEST_ID_STATE)
-    if found is None:
-        found = state[_REQUEST_ID_STATE] = _resolve_request_id(scope)
-    return found
-
-
-def _resolve_request_id(scope: Any) -> RequestId:
-    sent = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"]
-    generated = new_id(_ID_PREFIXES.get(scope.get("path", ""), "req"))
-    if not sent or sent == [b""]:  # an empty header (a proxy's template) counts as none
-        return RequestId(generated, from_client=False)
-    if len(sent) > 1:
-        return RequestId(generated, False, "must be sent at most once")
-    raw = sent[0]
-    if len(raw) > MAX_REQUEST_ID_CHARS:
-        return RequestId(
-            generated, False, f"is {len(raw)} characters long; the limit is {MAX_REQUEST_ID_CHARS}"
-        )
-    text = raw.decode("latin-1")  # how HTTP header bytes map to characters
-    if not _PRINTABLE_ASCII.fullmatch(text):
-        return RequestId(generated, False, "must be printable ASCII (characters 0x20 to 0x7e)")
-    return RequestId(text, from_client=True)
 
 
 # -- responses ------------------------------------------------------------------------------
