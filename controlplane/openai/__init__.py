@@ -1,5 +1,7 @@
-"""The OpenAI-compatible `/v1` surface: `protocol` (the hand parser: every field checked and
-named in its 400, typed requests for completions and chat), `tools` (tool calls: the request,
-the prompt, forced calls, auto-parsed calls, streaming) and `app` (the routes and serving:
-admission, fan-out of prompts and choices, rendering of choices and chunks; it also assembles
-the daemon's Litestar app for now)."""
+"""The OpenAI-compatible `/v1` surface: `schema` (the request bodies as JSON Schema, and the
+fields each endpoint reads), `protocol` (the hand parser: every field checked and named in its
+400; typed CompletionRequest and ChatRequest), `tools` (tool calls: the request, the prompt,
+forced calls, auto-parsed calls, streaming), `serving` (admission, validation, queueing, the
+completion and chat flows), `flight` (the fan-out of prompts and choices into engine requests),
+`render` (envelopes, SSE, tool calls in messages and chunks) and `app` (the routes and /health;
+it assembles the daemon's Litestar app, admin router included)."""

@@ -1,0 +1,510 @@
+"""Serving /v1 requests: admission (state, model, queue, key), parsing off the event loop,
+validation, queueing one engine request per prompt, and the completion and chat flows."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections import OrderedDict, defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response
+from litestar.connection import ASGIConnection
+from litestar.response import ServerSentEvent
+
+from controlplane.errors import FieldError
+from controlplane.http.body import load_json
+from controlplane.http.errors import (
+    APIError,
+    invalid,
+    unavailable,
+)
+from controlplane.http.request_id import new_id, request_id
+from controlplane.openai import protocol
+from controlplane.openai.tools import (
+    ToolCallStream,
+    has_tools_variable,
+    render_messages,
+)
+from controlplane.runtime.state import DaemonState
+from controlplane.store.records import RequestRecord
+
+if TYPE_CHECKING:
+    from controlplane.engine import RequestOutput, SamplingParams
+    from controlplane.engine.structured import CompiledGrammar
+    from controlplane.runtime.runtime import Runtime
+
+
+from controlplane.openai.flight import Batch, EngineFailure, Flight, returned
+from controlplane.openai.render import envelope, sse, structured_type, tool_chunks, tool_message
+
+log = logging.getLogger("controlplane.api")
+
+
+# Prompts at least this long are tokenized in a worker thread: a multi-megabyte prompt takes
+# seconds to tokenize, and the event loop must keep answering (/health, other streams) meanwhile.
+OFF_LOOP_CHARS = 4096
+# Finished request ids remembered so that an admin abort can say "already finished" (409).
+RECENTLY_FINISHED = 10_000
+
+
+class InferenceAPI:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps weak ones
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
+
+    # -- admission --------------------------------------------------------------------------
+    def _admit(
+        self, request: Request, model: str, incoming: int = 1
+    ) -> tuple[str | None, str | None]:
+        """Admission for `incoming` engine requests (one per prompt): the server state, the
+        model and the waiting queue. Returns the API key's name and hash, as the route's guard
+        found them (`api_key`, before the body was read)."""
+        d = self.runtime
+        key_name, key_hash = request.state.api_key
+        if d.state != DaemonState.READY or not d.engine.loaded:
+            raise unavailable(f"server is {d.state}; retry later")
+        if not d.engine.running:
+            raise unavailable("engine is not running", retry_after=30)
+        if model != d.model_name:
+            raise APIError(
+                404,
+                f"the model `{model}` does not exist; this server serves `{d.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+        limit = d.cfg.server.max_queue_len
+        # Would this request wait beyond the limit? (This counts the requests accepted since
+        # the engine's last step, which that step's statistics do not show yet.)
+        if d.queue_length(incoming=incoming) > limit:
+            waiting = d.queue_length()
+            raise APIError(
+                429,
+                f"the waiting queue is full ({waiting} waiting, max_queue_len {limit}); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        return key_name, key_hash
+
+    def authenticate(self, request: ASGIConnection) -> tuple[str | None, str | None]:
+        """The API key's name and hash ((None, None) on an open API); 401 otherwise. Every /v1
+        route runs this first, as a guard: nothing about an anonymous request is parsed,
+        validated or counted (its body is not even read)."""
+        if not self.runtime.cfg.api_keys:
+            return None, None
+        found = self.runtime.authenticate(request.headers.get("authorization"))
+        if found is None:
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        return found[0].name, found[1]
+
+    def _cache_salt(self, parsed: protocol.OpenAIRequest, key_hash: str | None) -> str | None:
+        """The request's prefix-cache partition (SamplingParams.cache_salt): its API key's
+        (with keys configured and engine.prefix_cache_isolation = key) and its `cache_salt`.
+        None: the shared partition (an open API, or isolation none, without a cache_salt)."""
+        isolate = key_hash is not None and self.runtime.cfg.engine.prefix_cache_isolation == "key"
+        if not isolate and parsed.cache_salt is None:
+            return None
+        # JSON: unambiguous (no salt can pose as a key's part or the other way round).
+        return json.dumps([key_hash if isolate else None, parsed.cache_salt])
+
+    async def _body(self, request: Request) -> Any:
+        return load_json(await request.body())
+
+    async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS).
+        Whatever fn raises reaches the caller: a StopIteration, which asyncio cannot put in a
+        future (the handler would wait forever), comes out as a RuntimeError (a clean 500)."""
+
+        def call() -> Any:
+            try:
+                return fn(*args, **kw)
+            except (StopIteration, StopAsyncIteration) as exc:
+                raise RuntimeError(f"{type(exc).__name__} raised in tokenization") from exc
+
+        if size < OFF_LOOP_CHARS:
+            return call()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, call)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _remember(self, flight: Flight) -> None:
+        last = flight.last
+        reason = last.finish_reason if last is not None and last.finished else None
+        self.recently_finished[flight.rec.id] = reason or "abort"
+        while len(self.recently_finished) > RECENTLY_FINISHED:
+            self.recently_finished.popitem(last=False)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, where: str | None) -> None:
+        """The engine's checks of one prompt (400 naming the field); `where`: which prompt of
+        several ("prompt[2]"), said in the error."""
+        try:
+            self.runtime.engine.validate(prompt_ids, params)
+        except FieldError as exc:
+            name, message = exc.field, exc.message
+            if where is not None:
+                name, message = (
+                    (where, message) if name == "prompt" else (name, f"{message} ({where})")
+                )
+            raise invalid(name, message) from None
+
+    def _start(
+        self,
+        request: Request,
+        parsed: protocol.OpenAIRequest,
+        prompts_ids: list[list[int]],
+        endpoint: str,
+        keys: tuple[str | None, str | None],
+        grammar: CompiledGrammar | None = None,
+    ) -> Batch:
+        """Validate every prompt, then queue one engine request (and write one running row)
+        per prompt: a request with one bad prompt queues nothing."""
+        d = self.runtime
+        max_model_len = d.engine.max_model_len
+        assert max_model_len is not None  # admitted: the engine is loaded
+        n = len(prompts_ids)
+        params = []
+        salt = self._cache_salt(parsed, keys[1])
+        for i, ids in enumerate(prompts_ids):
+            p = parsed.params
+            if salt is not None:
+                p = dataclasses.replace(p, cache_salt=salt)
+            if isinstance(parsed, protocol.ChatRequest) and parsed.default_max_tokens:
+                # OpenAI chat: no max_tokens means "as much as fits".
+                p = dataclasses.replace(p, max_tokens=max(1, max_model_len - len(ids)))
+            self._validate(ids, p, f"prompt[{i}]" if n > 1 else None)
+            params.append(p)
+        rid = request_id(request.scope)
+        # The response's id: the generated X-Request-Id (same shape), else a fresh one. Rows
+        # take it as their id (one prompt) or with the prompt's index appended (several).
+        prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
+        response_id = new_id(prefix) if rid.from_client else rid.value
+        batch = Batch(response_id, d.model_name, [], asyncio.Queue())
+        try:
+            for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
+                row_id = response_id if n == 1 else f"{response_id}-{i}"
+                # Validated above (once, here at the front): the engine does not check again.
+                stream = d.engine.add_validated(ids, p, row_id, grammar)
+                rec = RequestRecord(
+                    id=row_id,
+                    instance_id=d.instance_id,
+                    model=d.model_name,
+                    endpoint=endpoint,
+                    status="running",
+                    arrival_time=datetime.now(UTC),
+                    api_key_name=keys[0],
+                    api_key_hash=keys[1],
+                    prompt_tokens=len(ids),
+                    end_user=parsed.user,
+                    x_request_id=rid.value,
+                )
+                if grammar is not None:
+                    kind = structured_type(parsed)
+                    compile_s = None if grammar.cached else grammar.compile_s
+                    rec.structured = kind
+                    rec.grammar_compile_ms = round((compile_s or 0.0) * 1000, 3)
+                    d.metrics.observe_structured(kind, compile_s)
+                d.ledger.record(rec)
+                flight = Flight(d, stream, rec, self._remember, batch.outputs, i, p.n)
+                batch.flights.append(flight)
+                self._spawn(flight.run())
+        except BaseException:
+            batch.abort()  # the ones already queued end (and are recorded) as aborted
+            raise
+        self._spawn(batch.watch(request.receive))
+        return batch
+
+    async def _grammar(self, parsed: protocol.OpenAIRequest) -> CompiledGrammar | None:
+        """The request's compiled grammar (None: unconstrained), compiled off the event loop
+        and the step thread; 400 naming the field when it is too large, cannot be compiled,
+        or takes longer than server.grammar_compile_timeout_s."""
+        out = parsed.structured
+        if out is None:
+            return None
+        server = self.runtime.cfg.server
+        size = len(out.spec.encode())
+        if size > server.max_grammar_bytes:
+            raise invalid(
+                out.field,
+                f"is {size} bytes; the limit is {server.max_grammar_bytes} "
+                "(server.max_grammar_bytes)",
+            )
+        try:
+            return await self.runtime.engine.compile_grammar(out, server.grammar_compile_timeout_s)
+        except FieldError as exc:
+            raise invalid(exc.field, exc.message) from None
+
+    def _note_ignored(self, fields: tuple[str, ...]) -> None:
+        """Count the request's ignored fields; log each field name the first time (a debug
+        line: clients send them by design, it is no error)."""
+        if not fields:
+            return
+        for label in self.runtime.metrics.ignored_request_fields(fields):
+            log.debug(
+                "ignoring request field %r: this server does not use it (counted in "
+                "controlplane:ignored_request_fields_total)",
+                label,
+            )
+
+    # -- shared response flow ------------------------------------------------------------------
+    async def _respond(
+        self,
+        parsed: protocol.OpenAIRequest,
+        batch: Batch,
+        obj: str,
+        render_final: Callable[[int, list[RequestOutput], RequestOutput], dict[str, Any]],
+        render_chunk: Callable[[int, RequestOutput], dict[str, Any] | list[dict[str, Any]] | None],
+        first_chunk: Callable[[int], dict[str, Any]] | None = None,
+    ) -> Response:
+        """The response: one JSON body with a choice per flight, or SSE chunks (each carrying
+        its choice's index) in the order the engine produced them. `first_chunk(index)` is sent
+        for each choice before anything else (chat's role delta)."""
+        created = protocol.now()
+        if not parsed.stream:
+            pieces: dict[int, list[RequestOutput]] = defaultdict(list)
+            try:
+                async for index, out in batch:
+                    pieces[index].append(out)
+            except EngineFailure as exc:
+                raise exc.error from None
+            finally:
+                batch.abort()  # the handler was cancelled: the requests go with it
+            choices = []
+            for f in batch.flights:
+                for rank, i in enumerate(returned(f, parsed.n, pieces)):
+                    outs = pieces[i]
+                    index = f.index * parsed.n + rank
+                    choices.append({"index": index, **render_final(index, outs, outs[-1])})
+            return Response(envelope(batch, obj, created, choices, usage=batch.usage()))
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse(envelope(batch, obj, created, choices, **extra))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first_chunk is not None:
+                    for f in batch.flights:
+                        for i in range(f.index * f.n, (f.index + 1) * f.n):
+                            yield chunk([{"index": i, **first_chunk(i)}])
+                async for index, out in batch:
+                    choice = render_chunk(index, out)
+                    for c in [choice] if isinstance(choice, dict) else choice or ():
+                        yield chunk([{"index": index, **c}])
+                usage = batch.usage()
+                if parsed.include_usage and usage is not None:
+                    yield chunk([], usage=usage)
+                yield "[DONE]"
+            except EngineFailure as exc:  # say so in-band, then stop (no [DONE])
+                yield sse(exc.error.body())
+            finally:
+                # A body that stops early (cancelled, closed) aborts; after the end, a no-op.
+                # A body that never started is covered by Batch.watch.
+                batch.abort()
+
+        return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
+
+    def _token_str(self, token_id: int) -> str:
+        return self.runtime.engine.token_text(token_id)
+
+    # -- /v1/completions -----------------------------------------------------------------------
+    def _check_request_id(self, request: Request) -> None:
+        rid = request_id(request.scope)
+        if rid.error is not None:
+            raise invalid("X-Request-Id", rid.error)
+
+    def _max_prompts(self) -> int:
+        """Most prompts one request may carry: as many as could ever be admitted together (a
+        full batch plus a full waiting queue)."""
+        cfg = self.runtime.cfg
+        return cfg.engine.max_num_seqs + cfg.server.max_queue_len
+
+    def _check_n(self, parsed: protocol.OpenAIRequest) -> None:
+        """`n` and `best_of` against server.max_n and their share of the batch."""
+        cfg = self.runtime.cfg
+        limit = cfg.server.max_n
+        seqs, share = cfg.engine.max_num_seqs, cfg.server.max_choices_share
+        slots = max(1, int(seqs * share))
+        best_of = parsed.best_of if isinstance(parsed, protocol.CompletionRequest) else None
+        for name, value in (("n", parsed.n), ("best_of", best_of)):
+            if value is not None and value > limit:
+                raise invalid(name, f"must be at most {limit} (server.max_n), got {value}")
+            if value is not None and value > slots:
+                raise invalid(
+                    name,
+                    f"{value} choices would take more than {slots} of the batch's {seqs} slots "
+                    f"(server.max_choices_share {share:g} of engine.max_num_seqs); "
+                    f"at most {slots}",
+                )
+
+    async def completions(self, request: Request) -> Response:
+        self._check_request_id(request)
+        parsed = protocol.parse_completion(await self._body(request))
+        self._note_ignored(parsed.ignored_fields)
+        self._check_n(parsed)
+        # Sequences this request adds: one per prompt and choice.
+        n = len(parsed.prompts) * parsed.params.n
+        if n > (limit := self._max_prompts()):
+            raise invalid(
+                "prompt",
+                f"has {len(parsed.prompts)} prompts x {parsed.params.n} choices = {n} "
+                f"sequences; the limit is {limit} per request "
+                "(engine.max_num_seqs + server.max_queue_len)",
+            )
+        self._admit(request, parsed.model, incoming=n)
+        rt = self.runtime
+
+        def tokenize() -> list[list[int]]:
+            return [rt.engine.tokenize(p) if isinstance(p, str) else p for p in parsed.prompts]
+
+        size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
+        prompts_ids = await self._off_loop(size, tokenize)
+        grammar = await self._grammar(parsed)
+        # Admission again: the queue may have filled (or a drain begun) while tokenizing.
+        keys = self._admit(request, parsed.model, incoming=n)
+        batch = self._start(request, parsed, prompts_ids, "completions", keys, grammar)
+        want_lp = parsed.params.logprobs is not None
+
+        def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
+            if not want_lp:
+                return None
+            lps = [lp for o in outs for lp in o.logprobs if lp is not None]
+            tokens = [self._token_str(lp.token_id) for lp in lps]
+            offsets, pos = [], 0
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            return {
+                "tokens": tokens,
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token_str(i): v for i, v in lp.top} for lp in lps],
+                "text_offset": offsets,
+            }
+
+        def final(_: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
+            return {
+                "text": last.text,
+                "logprobs": logprobs(outs),
+                "finish_reason": last.finish_reason,
+            }
+
+        def chunk(_: int, out: RequestOutput) -> dict[str, Any] | None:
+            if not out.delta_text and not out.finished and not want_lp:
+                return None
+            return {
+                "text": out.delta_text,
+                "logprobs": logprobs([out]),
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+
+        return await self._respond(parsed, batch, "text_completion", final, chunk)
+
+    # -- /v1/chat/completions -----------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        self._check_request_id(request)
+        parsed = protocol.parse_chat(await self._body(request))
+        self._note_ignored(parsed.ignored_fields)
+        self._check_n(parsed)
+        self._admit(request, parsed.model, incoming=parsed.params.n)
+        # "escape": special-token text typed into a message is plain text, not control tokens.
+        escape = self.runtime.cfg.server.chat_special_tokens == "escape"
+        size = len(await request.body())  # read once, kept by Litestar
+        tools = parsed.tools
+        rt = self.runtime
+
+        def prompt() -> list[int]:  # tools go into the messages here, the template in the runtime
+            in_template = has_tools_variable(rt.engine.chat_template)
+            messages, extra = render_messages(parsed.messages, tools, in_template)
+            return rt.engine.tokenize_chat(messages, True, escape, **extra)
+
+        try:
+            prompt_ids = await self._off_loop(size, prompt)
+        except ValueError as exc:
+            raise invalid("messages", str(exc)) from None
+        grammar = await self._grammar(parsed)
+        keys = self._admit(request, parsed.model, incoming=parsed.params.n)
+        batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys, grammar)
+        calling = tools is not None and tools.choice.mode != "none"
+        streams: dict[int, ToolCallStream] = {}
+
+        def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
+            if not parsed.logprobs:
+                return None
+
+            def entry(token_id: int, value: float) -> dict[str, Any]:
+                s = self._token_str(token_id)
+                return {"token": s, "logprob": value, "bytes": list(s.encode())}
+
+            content = []
+            for o in outs:
+                for lp in o.logprobs:
+                    if lp is not None:
+                        content.append(
+                            {
+                                **entry(lp.token_id, lp.logprob),
+                                "top_logprobs": [entry(i, v) for i, v in lp.top],
+                            }
+                        )
+            return {"content": content}
+
+        def final(_: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
+            message: dict[str, Any] = {"role": "assistant", "content": last.text}
+            reason = last.finish_reason
+            if calling and reason == "stop":
+                assert tools is not None
+                message, reason = tool_message(last.text, tools)
+            return {"message": message, "logprobs": logprobs(outs), "finish_reason": reason}
+
+        def chunk(index: int, out: RequestOutput) -> list[dict[str, Any]] | dict[str, Any] | None:
+            if calling:
+                assert tools is not None
+                return tool_chunks(streams, index, out, tools, logprobs([out]))
+            if not out.delta_text and not out.finished and not parsed.logprobs:
+                return None
+            delta = {"content": out.delta_text} if out.delta_text else {}
+            return {
+                "delta": delta,
+                "logprobs": logprobs([out]),
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+
+        def first(_: int) -> dict[str, Any]:
+            return {
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+
+        obj = "chat.completion.chunk" if parsed.stream else "chat.completion"
+        return await self._respond(parsed, batch, obj, final, chunk, first_chunk=first)
+
+    def models(self) -> dict[str, Any]:
+        d = self.runtime
+        data = []
+        if d.model_name:
+            data.append(
+                {
+                    "id": d.model_name,
+                    "object": "model",
+                    "created": int(d.started_at),
+                    "owned_by": "controlplane",
+                    "max_model_len": d.engine.max_model_len,
+                }
+            )
+        return {"object": "list", "data": data}
