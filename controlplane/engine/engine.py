@@ -17,16 +17,10 @@ from typing import Any
 import torch
 
 from controlplane.engine.attention import TorchPagedAttention
-from controlplane.engine.block_pool import BlockPool
+from controlplane.engine.build import build
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
-from controlplane.engine.gguf.known import resolve_model_path
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
-from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
-from controlplane.engine.loader import load_model, load_tokenizer
-from controlplane.engine.model.config import load_model_config
-from controlplane.engine.model.linear import auto_dtype
-from controlplane.engine.model.quant import QuantConfig, memory_use
 from controlplane.engine.output import finish_text, make_output, merge, take_token
 from controlplane.engine.runner import ModelRunner
 from controlplane.engine.sampler import Sampler
@@ -39,25 +33,13 @@ from controlplane.engine.settings import (
     check,
     validate_changes,
 )
-from controlplane.engine.spec_decode import ngram_propose, verify
+from controlplane.engine.spec_decode import propose, verify
 from controlplane.engine.structured import CompiledGrammar, Grammars, grammar_failed
 from controlplane.engine.types import RequestMetrics, RequestOutput, StepStats, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A failed forward pass fails the requests of that step and the engine goes on; this many
-# failed forwards in a row mean the device (not a request) is broken: step() raises, and
-# AsyncEngine declares the engine dead.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InvalidSettingError("device", "cuda requested but torch sees no CUDA device")
-    return torch.device(name)
 
 
 class Engine:
@@ -70,103 +52,19 @@ class Engine:
             )
         self._settings = check(dataclasses.replace(settings or EngineSettings(), **overrides))
         s = self._settings
-        if not s.model:
-            raise InvalidSettingError("model", "a model directory is required")
-        model_dir = resolve_model_path(s.model)  # a directory, a .gguf file, or an alias
-        self.model_config = cfg = load_model_config(model_dir)
-        self.device = resolve_device(s.device)
-        # Explicit values were validated against DTYPES; "auto" is what this device runs fast.
-        if s.dtype == "auto":
-            self.dtype, why = auto_dtype(cfg.torch_dtype, self.device)
-            log.info("dtype auto: %s (%s)", str(self.dtype).removeprefix("torch."), why)
-        else:
-            self.dtype = _DTYPES[s.dtype]
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window is not None and cfg.sliding_window < limit:
-            # Full attention equals sliding-window attention while sequences fit the window.
-            log.info("capping max_model_len at the model's sliding window (%d)", cfg.sliding_window)
-            limit = cfg.sliding_window
-        self.max_model_len = min(s.max_model_len or limit, limit)
-
-        t0 = time.perf_counter()
-        self.tokenizer = load_tokenizer(model_dir)
-        kind = s.quantization
-        if kind == "auto":
-            kind = cfg.stored_quantization
-            log.info("quantization auto: %s (how the checkpoint stores its linear weights)", kind)
-        quant = QuantConfig(kind, s.quantization_group_size, s.quantize_lm_head)
-        self.model = load_model(
-            model_dir, cfg, self.dtype, self.device, self.max_model_len, s.cpu_weight_packing, quant
+        parts = build(s)
+        self.model_config = cfg = parts.model_config
+        self.device, self.dtype, self.max_model_len = parts.device, parts.dtype, parts.max_model_len
+        self.tokenizer, self.model, self.memory = parts.tokenizer, parts.model, parts.memory
+        self.kv_cache, self.block_pool, self.swap_pool = (
+            parts.kv_cache,
+            parts.block_pool,
+            parts.swap_pool,
         )
-        log.info(
-            "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
-            model_dir,
-            cfg.architecture,
-            cfg.num_params / 1e6,
-            self.dtype,
-            self.device,
-            time.perf_counter() - t0,
-        )
-        spec = KVCacheSpec.for_model(cfg, s.block_size, self.dtype)
-        draft_cfg = draft_spec = None
-        share = 1.0  # of the KV budget, for the target's cache
-        if s.speculative_draft_model:
-            draft_dir = resolve_model_path(s.speculative_draft_model)
-            draft_cfg = load_model_config(draft_dir)
-            if draft_cfg.vocab_size != cfg.vocab_size:
-                raise InvalidSettingError(
-                    "speculative_draft_model",
-                    f"vocabulary of {draft_cfg.vocab_size} tokens; the target's has "
-                    f"{cfg.vocab_size} (the draft must share the target's tokenizer)",
-                )
-            draft_spec = KVCacheSpec.for_model(draft_cfg, s.block_size, self.dtype)
-            # One budget, split so that both caches hold the same number of tokens.
-            share = spec.bytes_per_block / (spec.bytes_per_block + draft_spec.bytes_per_block)
-        num_blocks, why = plan_num_blocks(
-            spec,
-            self.device,
-            cpu_bytes=int(s.kv_cache_memory_bytes * share),
-            gpu_fraction=s.gpu_memory_utilization * share,
-            explicit=s.num_kv_blocks,
-        )
-        if num_blocks < 1:
-            raise InvalidSettingError("kv_cache_memory_bytes", f"budget holds no KV block ({why})")
-        num_swap = s.swap_space_bytes // spec.bytes_per_block
-        log.info("KV cache: %s; swap space: %d blocks", why, num_swap)
-        self.kv_cache = KVCache(spec, num_blocks, num_swap, self.device)
-        self.memory = memory_use(self.model, spec, num_blocks, kind, self.dtype)
-        log.info("memory: %s", self.memory.describe())
-        self.block_pool = BlockPool(num_blocks)
-        self.block_pool.enable_caching = s.enable_prefix_caching
-        self.swap_pool = BlockPool(num_swap)
+        num_blocks = self.block_pool.num_blocks
         self.scheduler = Scheduler(s, self.block_pool, self.swap_pool, s.block_size)
-        self.draft: DraftModel | None = None
-        if draft_cfg is not None and draft_spec is not None:
-            t0 = time.perf_counter()
-            draft_quant = s.speculative_draft_quantization
-            if draft_quant == "auto":
-                draft_quant = draft_cfg.stored_quantization
-            draft_model = load_model(
-                draft_dir,
-                draft_cfg,
-                self.dtype,
-                self.device,
-                self.max_model_len,
-                s.cpu_weight_packing,
-                QuantConfig(draft_quant, s.quantization_group_size, s.quantize_lm_head),
-            )
-            self.draft = DraftModel(
-                draft_model, KVCache(draft_spec, num_blocks, 0, self.device), self.device
-            )
-            self.scheduler.draft = self.draft
-            log.info(
-                "draft model %s (%s linears, %.1fM params) in %.2fs; its KV cache: %d blocks",
-                draft_dir,
-                draft_quant,
-                draft_cfg.num_params / 1e6,
-                time.perf_counter() - t0,
-                num_blocks,
-            )
+        self.draft: DraftModel | None = parts.draft
+        self.scheduler.draft = self.draft
         self.runner = ModelRunner(
             self.model, self.kv_cache, TorchPagedAttention(self.kv_cache), self.device
         )
@@ -495,44 +393,11 @@ class Engine:
 
     # -- speculative decoding -----------------------------------------------------------------
     def _propose(self) -> None:
-        """Draft tokens for the running decodes, when speculation is on and the batch is
-        small enough for it to pay."""
-        s = self._settings
-        running = self.scheduler.running
-        if s.speculative_method == "off":
-            self._speculation = "off"
-            return
-        if len(running) > s.speculative_max_batch_size:
-            self._speculation = "paused"
-            return
-        self._speculation = "active"
-        seqs, ks = [], []
-        for seq in running:
-            if seq.num_uncomputed != 1 or not seq.output_token_ids:
-                continue  # not decoding
-            k = min(
-                s.speculative_num_tokens,
-                seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                self.max_model_len - seq.num_tokens - 1,
-            )
-            if k <= 0:
-                continue
-            if s.speculative_method == "ngram":
-                seq.draft_token_ids = ngram_propose(
-                    seq.token_ids, k, s.speculative_ngram_min, s.speculative_ngram_max
-                )
-            else:
-                seqs.append(seq)
-                ks.append(k)
-        if seqs and self.draft is not None:
-            self.draft.propose(seqs, ks, self.sampler.generator)
-            self._drafted = seqs
-        for seq in running:
-            if seq.matcher is not None and seq.draft_token_ids:
-                # Drafts the grammar refuses are dropped before verification: the target
-                # could never accept them (their masked probability is 0).
-                keep = seq.matcher.validate_tokens(seq.draft_token_ids)
-                del seq.draft_token_ids[keep:]
+        self._speculation, drafted = propose(
+            self.scheduler.running, self._settings, self.max_model_len, self.draft, self.sampler
+        )
+        if drafted:
+            self._drafted = drafted
 
     def _verify(self, seq: Sequence, rows: torch.Tensor, now: float) -> list[RequestOutput]:
         """Accept or reject seq's draft tokens against the target's rows, emit the accepted

@@ -14,12 +14,18 @@ accepted with probability p(d) and a rejection draws from p without d.
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
 
 from controlplane.engine.sampler import apply_penalties, filter_probs
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import TokenLogprobs
+
+if TYPE_CHECKING:
+    from controlplane.engine.draft import DraftModel
+    from controlplane.engine.sampler import Sampler
+    from controlplane.engine.settings import EngineSettings
 
 
 def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -40,6 +46,51 @@ def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
                 return token_ids[start : start + k]
             end = at + 4 * n - 1
     return []
+
+
+def propose(
+    running: list[Sequence],
+    s: EngineSettings,
+    max_model_len: int,
+    draft: DraftModel | None,
+    sampler: Sampler,
+) -> tuple[str, list[Sequence]]:
+    """Draft tokens (into `seq.draft_token_ids`) for the running decodes, when speculation is
+    on and the batch is small enough for it to pay. Returns the speculation state (off |
+    paused | active) and the sequences the draft model proposed for."""
+    if s.speculative_method == "off":
+        return "off", []
+    if len(running) > s.speculative_max_batch_size:
+        return "paused", []
+    seqs, ks = [], []
+    for seq in running:
+        if seq.num_uncomputed != 1 or not seq.output_token_ids:
+            continue  # not decoding
+        k = min(
+            s.speculative_num_tokens,
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            max_model_len - seq.num_tokens - 1,
+        )
+        if k <= 0:
+            continue
+        if s.speculative_method == "ngram":
+            seq.draft_token_ids = ngram_propose(
+                seq.token_ids, k, s.speculative_ngram_min, s.speculative_ngram_max
+            )
+        else:
+            seqs.append(seq)
+            ks.append(k)
+    drafted: list[Sequence] = []
+    if seqs and draft is not None:
+        draft.propose(seqs, ks, sampler.generator)
+        drafted = seqs
+    for seq in running:
+        if seq.matcher is not None and seq.draft_token_ids:
+            # Drafts the grammar refuses are dropped before verification: the target could
+            # never accept them (their masked probability is 0).
+            keep = seq.matcher.validate_tokens(seq.draft_token_ids)
+            del seq.draft_token_ids[keep:]
+    return "active", drafted
 
 
 def _row_distribution(

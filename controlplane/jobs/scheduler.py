@@ -102,7 +102,7 @@ class Jobs:
         from controlplane.accounting.utilization import make_sample
 
         d = self.runtime
-        cur, end = d.stats(), time.time()
+        cur, end = d.engine.stats(), time.time()
         if cur is None or d.db is None:
             return
         prev, start = self._last_snapshot or cur, self._last_sample_end
@@ -119,7 +119,7 @@ class Jobs:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             queue_length=d.queue_length(),
-            flops_per_token=d.flops_per_token(),
+            flops_per_token=d.engine.flops_per_token(),
         )
         try:
             gpus = await self._in_worker(self.gpus.read)
