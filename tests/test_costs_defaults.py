@@ -19,7 +19,8 @@ from sqlalchemy import Engine, insert
 
 from controlplane.accounting.cli import add_report_parser
 from controlplane.accounting.reports import cost_report
-from controlplane.accounting.rollup import run_rollup, write_sample
+from controlplane.accounting.rollup import run_rollup
+from controlplane.accounting.samples import write_sample
 from controlplane.accounting.utilization import UtilizationSample
 from controlplane.config import Price, build_config, load_config
 from controlplane.store import RequestRow, make_engine, sync_prices, time_buckets, upgrade

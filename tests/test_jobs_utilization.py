@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import Engine, select
 
-from controlplane.accounting.rollup import write_sample
+from controlplane.accounting.samples import write_sample
 from controlplane.accounting.utilization import UtilizationSample, make_sample
 from controlplane.engine.types import StepStats
 from controlplane.store import UtilizationSampleRow

@@ -12,14 +12,10 @@ import pytest
 from sqlalchemy import Engine, func, insert, inspect, select, text, update
 
 from controlplane.accounting.gpu import GpuReading
+from controlplane.accounting.prune import prune
 from controlplane.accounting.reports import cost_report, utilization_report
-from controlplane.accounting.rollup import (
-    ROLLUP_JOB,
-    get_watermark,
-    prune,
-    run_rollup,
-    write_sample,
-)
+from controlplane.accounting.rollup import ROLLUP_JOB, get_watermark, run_rollup
+from controlplane.accounting.samples import write_sample
 from controlplane.accounting.utilization import UtilizationSample
 from controlplane.common import parse_group_by, parse_time
 from controlplane.config import Price

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from controlplane.accounting.rollup import GpuReading  # the store owns the record shapes
+from controlplane.accounting.samples import GpuReading  # the store owns the record shapes
 
 __all__ = ["GpuReading", "GpuTelemetry"]
 

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -84,13 +83,10 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     Engine,
-    and_,
     case,
     delete,
     func,
     insert,
-    not_,
-    or_,
     select,
 )
 
@@ -121,40 +117,6 @@ _FINAL = sorted(FINAL_STATUSES)
 
 
 @dataclass(frozen=True, slots=True)
-class UtilizationSample:
-    """What one instance's engine did over the `interval_s` seconds ending at `time`."""
-
-    time: datetime  # aware; end of the interval
-    interval_s: float
-    model: str
-    busy_fraction: float  # time inside forward passes / wall time, 0-1
-    batch_fill_seqs: float | None = None  # mean running sequences / max_num_seqs, 0-1
-    batch_fill_tokens: float | None = None  # mean batch tokens / max_num_batched_tokens, 0-1
-    kv_usage: float | None = None  # KV cache in use, 0-1
-    prefill_tokens_per_s: float | None = None
-    decode_tokens_per_s: float | None = None
-    queue_length: int | None = None
-    num_running: int | None = None
-    flops_per_token: float | None = None  # model FLOPs per computed token
-    prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up
-    spec_acceptance_rate: float | None = None  # accepted / proposed draft tokens
-
-
-@dataclass(frozen=True, slots=True)
-class GpuReading:
-    """One GPU's readings for a sample; None where the GPU or driver does not report one."""
-
-    gpu_index: int
-    name: str | None = None
-    utilization_pct: float | None = None
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    power_w: float | None = None
-    temperature_c: float | None = None
-    energy_j: float | None = None  # cumulative counter (NVML: J since the driver loaded)
-
-
-@dataclass(frozen=True, slots=True)
 class RollupResult:
     hours_recomputed: int  # whole hours recomputed (first_hour up to the hour of `now`)
     rows_written: int  # cost_rollups rows inserted
@@ -162,13 +124,13 @@ class RollupResult:
     first_hour: str | None = None  # hour bucket the run started at; None if nothing to do
 
 
-def _aware(name: str, value: datetime) -> datetime:
+def aware(name: str, value: datetime) -> datetime:
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
         raise FieldError(name, f"must be a timezone-aware datetime, got {value!r}")
     return value.astimezone(UTC)
 
 
-def _finite(value: float | None) -> float | None:
+def finite(value: float | None) -> float | None:
     if value is None:
         return None
     value = float(value)
@@ -188,98 +150,6 @@ def floor_hour(at: datetime) -> datetime:
 def hour_start(bucket: str) -> datetime:
     """The start of an hour bucket ("YYYY-MM-DDTHH") as an aware UTC datetime."""
     return datetime.strptime(bucket, "%Y-%m-%dT%H").replace(tzinfo=UTC)
-
-
-# -- samples ------------------------------------------------------------------------------------
-
-
-def write_sample(
-    engine: Engine, instance_id: str, sample: UtilizationSample, gpus: Sequence[GpuReading]
-) -> int:
-    """Store one sample and its GPU readings in one transaction; returns the sample's id.
-
-    Non-finite optional readings are stored as None; busy_fraction is clamped to [0, 1] (timer
-    jitter can overshoot a little).
-    """
-    at = _aware("time", sample.time)
-    interval = _finite(sample.interval_s)
-    if interval is None or interval <= 0:
-        raise FieldError("interval_s", f"must be a positive number, got {sample.interval_s!r}")
-    busy = _finite(sample.busy_fraction)
-    if busy is None:
-        raise FieldError("busy_fraction", f"must be a number, got {sample.busy_fraction!r}")
-    row = {
-        "instance_id": instance_id,
-        "time": at,
-        "hour_bucket": time_buckets(at)[0],
-        "interval_s": interval,
-        "model": sample.model,
-        "busy_fraction": min(1.0, max(0.0, busy)),
-        "queue_length": sample.queue_length,
-        "num_running": sample.num_running,
-    }
-    for name in (
-        "batch_fill_seqs",
-        "batch_fill_tokens",
-        "kv_usage",
-        "prefill_tokens_per_s",
-        "decode_tokens_per_s",
-        "flops_per_token",
-        "prefix_cache_hit_rate",
-        "spec_acceptance_rate",
-    ):
-        row[name] = _finite(getattr(sample, name))
-    with engine.begin() as conn:
-        previous = _previous_energy(conn, instance_id, at, interval) if gpus else {}
-        sample_id = conn.execute(insert(SAMPLES).values(**row)).inserted_primary_key[0]
-        if gpus:
-            gpu_rows = []
-            for g in gpus:
-                energy = _finite(g.energy_j)
-                before = previous.get(g.gpu_index)
-                delta = None
-                if energy is not None and before is not None and energy >= before:
-                    delta = energy - before
-                gpu_rows.append(
-                    {
-                        "sample_id": sample_id,
-                        "gpu_index": g.gpu_index,
-                        "name": g.name,
-                        "utilization_pct": _finite(g.utilization_pct),
-                        "memory_used_bytes": g.memory_used_bytes,
-                        "memory_total_bytes": g.memory_total_bytes,
-                        "power_w": _finite(g.power_w),
-                        "temperature_c": _finite(g.temperature_c),
-                        "energy_j": energy,
-                        "interval_energy_j": delta,
-                    }
-                )
-            conn.execute(insert(GPUS), gpu_rows)
-    return int(sample_id)
-
-
-def _previous_energy(
-    conn: Connection, instance_id: str, at: datetime, interval: float
-) -> dict[int, float]:
-    """gpu_index -> energy counter in this instance's latest sample before `at`, if that sample
-    is contiguous with the new one (ends no more than interval + max(1 s, interval / 2) before
-    `at`); empty otherwise."""
-    prev = conn.execute(
-        select(SAMPLES.c.id, SAMPLES.c.time)
-        .where(SAMPLES.c.instance_id == instance_id, SAMPLES.c.time < at)
-        .order_by(SAMPLES.c.time.desc())
-        .limit(1)
-    ).first()
-    if prev is None or at - prev.time > timedelta(seconds=interval + max(1.0, interval / 2)):
-        return {}
-    return {
-        r.gpu_index: float(r.energy_j)
-        for r in conn.execute(
-            select(GPUS.c.gpu_index, GPUS.c.energy_j).where(
-                GPUS.c.sample_id == prev.id, GPUS.c.energy_j.is_not(None)
-            )
-        )
-    }
 
 
 # -- watermarks ---------------------------------------------------------------------------------
@@ -555,7 +425,7 @@ def run_rollup(
 ) -> RollupResult:
     """Recompute this instance's hourly cost rollups from its watermark up to `now` (see the
     module docstring for every definition). Idempotent; one transaction."""
-    now = _aware("now", now)
+    now = aware("now", now)
     for name, value in (("gpu_hourly_usd", gpu_hourly_usd), ("peak_flops", peak_flops)):
         if not math.isfinite(value) or value < 0:
             raise FieldError(name, f"must be a finite number >= 0, got {value!r}")
@@ -613,59 +483,3 @@ def run_rollup(
         watermark=watermark,
         first_hour=first if hours else None,
     )
-
-
-# -- pruning ------------------------------------------------------------------------------------
-
-
-def prune(
-    engine: Engine,
-    *,
-    now: datetime,
-    sample_retention_days: float,
-    request_retention_days: float,
-) -> dict[str, int]:
-    """Delete utilization samples (with their GPU readings) and final request rows older than
-    their retention; rows of an instance at or after its rollup watermark are kept (not yet
-    rolled up). Cost rollups are never pruned. Returns rows deleted per table."""
-    now = _aware("now", now)
-    for name, value in (
-        ("sample_retention_days", sample_retention_days),
-        ("request_retention_days", request_retention_days),
-    ):
-        if not value >= 0:
-            raise FieldError(name, f"must be >= 0, got {value!r}")
-    sample_cutoff = now - timedelta(days=sample_retention_days)
-    request_cutoff = now - timedelta(days=request_retention_days)
-    with engine.begin() as conn:
-        marks = dict(
-            conn.execute(
-                select(WATERMARKS.c.instance_id, WATERMARKS.c.value).where(
-                    WATERMARKS.c.job == ROLLUP_JOB
-                )
-            ).all()
-        )
-
-        def older(table: Any, time_col: Any, cutoff: datetime) -> Any:
-            clauses = [
-                and_(table.c.instance_id == inst, time_col < min(cutoff, mark))
-                for inst, mark in marks.items()
-            ]
-            if marks:
-                clauses.append(and_(not_(table.c.instance_id.in_(list(marks))), time_col < cutoff))
-            else:
-                clauses.append(time_col < cutoff)
-            return or_(*clauses)
-
-        old_samples = older(SAMPLES, SAMPLES.c.time, sample_cutoff)
-        gpus = conn.execute(
-            delete(GPUS).where(GPUS.c.sample_id.in_(select(SAMPLES.c.id).where(old_samples)))
-        ).rowcount
-        samples = conn.execute(delete(SAMPLES).where(old_samples)).rowcount
-        requests = conn.execute(
-            delete(REQUESTS).where(
-                REQUESTS.c.status.in_(_FINAL),
-                older(REQUESTS, REQUESTS.c.arrival_time, request_cutoff),
-            )
-        ).rowcount
-    return {"utilization_samples": samples, "gpu_samples": gpus, "requests": requests}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from controlplane.accounting.rollup import UtilizationSample  # the store owns the record shapes
+from controlplane.accounting.samples import UtilizationSample  # the store owns the record shapes
 from controlplane.engine.types import StepStats
 
 __all__ = ["UtilizationSample", "make_sample"]

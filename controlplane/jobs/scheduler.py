@@ -98,7 +98,7 @@ class Jobs:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def sample(self) -> None:
-        from controlplane.accounting.rollup import write_sample
+        from controlplane.accounting.samples import write_sample
         from controlplane.accounting.utilization import make_sample
 
         d = self.runtime
@@ -131,7 +131,8 @@ class Jobs:
 
     async def rollup(self) -> bool:
         """One rollup and pruning run; False if it failed (logged) or there is no store."""
-        from controlplane.accounting.rollup import prune, run_rollup
+        from controlplane.accounting.prune import prune
+        from controlplane.accounting.rollup import run_rollup
 
         d = self.runtime
         if d.db is None:
