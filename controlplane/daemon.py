@@ -214,10 +214,15 @@ class Daemon:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _open_store(self) -> None:
-        from controlplane.store import Recorder, make_engine, mark_interrupted, sync_prices
+        from controlplane.store import (
+            Recorder,
+            make_engine,
+            mark_interrupted,
+            replay_journal,
+            sync_prices,
+        )
         from controlplane.store.db import check_store
         from controlplane.store.migrate import upgrade
-        from controlplane.store.recorder import replay_journal
 
         url = self.cfg.store_url
         check_store(url)  # one clear line (StoreUnavailableError, cli.main) if it cannot open

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from controlplane.config import Price, StoreSettings, load_config
 from controlplane.store import Recorder, RequestRecord, RequestRow, mark_interrupted, sync_prices
 from controlplane.store.journal import Journal, encode, read_journal
-from controlplane.store.recorder import replay_journal
+from controlplane.store.recovery import replay_journal
 from harness import DaemonProcess, rows, write_config
 
 MODEL = "model"  # the tiny demo model's directory name, served as the model id

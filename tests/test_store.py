@@ -44,7 +44,7 @@ from controlplane.store import (
 )
 from controlplane.store.cli import add_db_parser
 from controlplane.store.journal import Journal
-from controlplane.store.recorder import replay_journal
+from controlplane.store.recovery import replay_journal
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 REQUESTS = RequestRow.__table__

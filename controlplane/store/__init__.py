@@ -26,8 +26,9 @@ from controlplane.store.models import (
 )
 from controlplane.store.prices import PriceBook, PriceRow, cost, sync_prices
 from controlplane.store.queries import list_requests
-from controlplane.store.recorder import Recorder, mark_interrupted
+from controlplane.store.recorder import Recorder
 from controlplane.store.records import RequestRecord, hash_api_key
+from controlplane.store.recovery import mark_interrupted, replay_journal
 
 __all__ = [
     "CONFIG_SOURCES",
@@ -59,6 +60,7 @@ __all__ = [
     "make_engine",
     "mark_interrupted",
     "normalize_url",
+    "replay_journal",
     "sync_prices",
     "time_buckets",
     "upgrade",

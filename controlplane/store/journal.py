@@ -6,7 +6,7 @@ since its last batch: requests admitted in that window had no row at all. The jo
 the window cheaply. `Recorder.submit` appends each record (the "running" one at admission, the
 final one at the end) as one JSON line with a plain write(2), and the writer thread forgets the
 lines once their rows are committed to SQL; files whose lines are all committed are deleted (or
-truncated, for the one being written). On the next start `replay_journal` (in the recorder
+truncated, for the one being written). On the next start `replay_journal` (in the recovery
 module) upserts what the files still hold and deletes them; `mark_interrupted` then turns the
 rows still "running" into "interrupted".
 

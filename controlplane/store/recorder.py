@@ -12,7 +12,8 @@ An outage logs one warning when it starts and one line when it ends, however lon
 With a journal directory (`store.journal`, on by default) every submitted record is also
 appended to a local journal (see controlplane.store.journal) until its batch is committed, so a
 process killed outright loses nothing it had submitted: the next start replays the journal
-(`replay_journal`) before marking rows left "running" as interrupted (`mark_interrupted`).
+(`replay_journal`, in store.recovery) before marking rows left "running" as interrupted
+(`mark_interrupted`).
 Records still unwritten at close (the database was down) stay in the journal for that replay.
 """
 
@@ -29,12 +30,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import URL, Connection, Engine, bindparam, or_, select, update
+from sqlalchemy import URL, Connection, Engine, or_
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
 from controlplane.config import StoreSettings
 from controlplane.store.db import dialect_insert, make_engine
-from controlplane.store.journal import Journal, encode, read_journal
+from controlplane.store.journal import Journal, encode
 from controlplane.store.models import RequestRow, time_buckets
 from controlplane.store.prices import PriceBook, cost
 from controlplane.store.records import RequestRecord
@@ -48,7 +49,7 @@ _TIME_FIELDS = ("arrival_time", "first_token_time", "finish_time")
 _UPDATE_COLUMNS = tuple(c.name for c in REQUESTS.columns if c.name != "id")
 
 
-def _utc(value: datetime | None) -> datetime | None:
+def as_utc(value: datetime | None) -> datetime | None:
     # Records should carry aware UTC times; a naive one is taken as UTC rather than losing the
     # record (the column type refuses naive datetimes).
     if value is None:
@@ -56,11 +57,11 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def _row(record: RequestRecord, book: PriceBook | None) -> dict[str, Any]:
+def row_values(record: RequestRecord, book: PriceBook | None) -> dict[str, Any]:
     """The `requests` row for a record; final records are priced here, at ingest."""
     row = {name: getattr(record, name) for name in _RECORD_FIELDS}
     for name in _TIME_FIELDS:
-        row[name] = _utc(row[name])
+        row[name] = as_utc(row[name])
     row["hour_bucket"], row["day_bucket"] = time_buckets(row["arrival_time"])
     price = book.lookup(record.model, row["arrival_time"]) if book and record.is_final else None
     row["price_id"] = price.id if price else None
@@ -96,7 +97,7 @@ def upsert_statement(dialect_name: str) -> Any:
     )
 
 
-def _is_outage(exc: BaseException) -> bool:
+def is_outage(exc: BaseException) -> bool:
     """True when the database cannot take writes right now (down, unreachable, locked, not
     migrated): keep the records and retry. False when the records themselves are rejected
     (constraint or data errors, values the driver cannot bind): retrying would fail forever."""
@@ -377,7 +378,7 @@ class Recorder:
             self._write_rows(batch)
             return len(batch), 0, [], None
         except Exception as exc:
-            if _is_outage(exc):
+            if is_outage(exc):
                 return 0, 0, batch, exc
         # The database rejected something in the batch: write the records one at a time so a
         # bad record costs only itself, not its whole batch (and does not block the queue).
@@ -387,7 +388,7 @@ class Recorder:
                 self._write_rows([rec])
                 written += 1
             except Exception as exc:
-                if _is_outage(exc):
+                if is_outage(exc):
                     return written, rejected, batch[i:], exc
                 rejected += 1
                 log.error("request record %r rejected by the database, dropped: %s", rec.id, exc)
@@ -397,7 +398,7 @@ class Recorder:
         rows = collapse(records)
         with self._engine.begin() as conn:
             book = self._prices(conn) if any(r.is_final for r in rows) else None
-            conn.execute(self._stmt, [_row(r, book) for r in rows])
+            conn.execute(self._stmt, [row_values(r, book) for r in rows])
 
     def _prices(self, conn: Connection) -> PriceBook:
         # Reloaded now and then so that prices added by another daemon (or a restart of this
@@ -460,67 +461,6 @@ class Recorder:
             )
 
 
-def mark_interrupted(engine: Engine | str | URL, instance_id: str) -> int:
-    """At daemon start: this instance's rows still "running" belong to a previous process that
-    died or was killed; mark them interrupted. Returns how many rows were marked."""
-    own = not isinstance(engine, Engine)
-    eng = make_engine(engine) if own else engine
-    c = REQUESTS.c
-    try:
-        with eng.begin() as conn:
-            left = conn.execute(
-                select(
-                    c.id,
-                    c.model,
-                    c.arrival_time,
-                    c.prompt_tokens,
-                    c.cached_prompt_tokens,
-                    c.completion_tokens,
-                ).where(c.instance_id == instance_id, c.status == "running")
-            ).all()
-            # Priced like every final row, on the tokens the row carries: the prompt, and the
-            # completion tokens of its last progress record (runtime.ledger.PROGRESS_INTERVAL_S).
-            book = PriceBook.load(conn) if left else None
-            now = datetime.now(UTC)
-            values = []
-            for row in left:
-                price = book.lookup(row.model, _utc(row.arrival_time)) if book else None
-                values.append(
-                    {
-                        "row_id": row.id,
-                        "new_price_id": price.id if price else None,
-                        "new_cost_usd": cost(
-                            price,
-                            row.prompt_tokens,
-                            row.cached_prompt_tokens,
-                            row.completion_tokens,
-                        )
-                        if price
-                        else None,
-                    }
-                )
-            if values:
-                conn.execute(
-                    update(REQUESTS)
-                    .where(c.id == bindparam("row_id"), c.status == "running")
-                    .values(
-                        status="interrupted",
-                        finish_reason="interrupted",
-                        finish_time=now,
-                        price_id=bindparam("new_price_id"),
-                        cost_usd=bindparam("new_cost_usd"),
-                    ),
-                    values,
-                )
-            count = len(values)
-    finally:
-        if own:
-            eng.dispose()
-    if count:
-        log.warning("marked %d request(s) left running by a previous run as interrupted", count)
-    return count
-
-
 def _open_journal(directory: str | Path) -> Journal | None:
     try:
         return Journal(directory)
@@ -532,54 +472,3 @@ def _open_journal(directory: str | Path) -> Journal | None:
             exc,
         )
         return None
-
-
-def replay_journal(engine: Engine, directory: str | Path, batch_size: int = 500) -> int:
-    """At daemon start, before `mark_interrupted`: write the records a previous process of this
-    instance journaled but may not have committed (it was killed), then delete its journal.
-
-    Upserts by the usual rule, so rows already written are unchanged and a final record wins
-    over "running"; requests whose last record is "running" are then marked interrupted by
-    `mark_interrupted`. Returns how many requests the journal held. Damaged lines (a torn last
-    line after a power loss) are skipped and counted in the log."""
-    files, records, damaged = read_journal(Path(directory))
-    if not files:
-        return 0
-    rows = collapse(records)
-    stmt = upsert_statement(engine.dialect.name)
-    with engine.connect() as conn:
-        book = PriceBook.load(conn)
-    rejected = 0
-    for i in range(0, len(rows), batch_size):
-        batch = rows[i : i + batch_size]
-        try:
-            with engine.begin() as conn:
-                conn.execute(stmt, [_row(r, book) for r in batch])
-        except Exception as exc:
-            if _is_outage(exc):
-                raise  # the journal stays for the next start
-            # A record the database refuses must not block every later start: write the batch
-            # one record at a time and skip (and count) the refused ones, as the writer does.
-            for rec in batch:
-                try:
-                    with engine.begin() as conn:
-                        conn.execute(stmt, [_row(rec, book)])
-                except Exception as one:
-                    if _is_outage(one):
-                        raise
-                    rejected += 1
-                    log.error("journaled record %r rejected by the database: %s", rec.id, one)
-    for path in files:
-        path.unlink(missing_ok=True)
-    running = sum(not r.is_final for r in rows)
-    lost = [f"{damaged} damaged lines could not be read"] if damaged else []
-    lost += [f"{rejected} records were rejected"] if rejected else []
-    log.warning(
-        "replayed the request journal of a previous run (%d files): %d requests, %d of them "
-        "last journaled as running%s",
-        len(files),
-        len(rows),
-        running,
-        "; " + ", ".join(lost) if lost else "",
-    )
-    return len(rows)
