@@ -67,7 +67,7 @@ import itertools
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -77,12 +77,16 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.engine.types import RequestMetrics, StepStats
 from controlplane.store.models import CONFIG_SOURCES
 
 __all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetrics"]
+
+from controlplane.telemetry.scrape import (
+    PREFIX,
+    ScrapeTimeCollector,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,6 @@ MEDIA_TYPE = "; ".join(
     part for part in CONTENT_TYPE_LATEST.split("; ") if not part.startswith("charset=")
 )
 
-PREFIX = "controlplane:"
 # "error": one request failed inside the engine, which kept serving the others.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -119,77 +122,10 @@ MAX_IGNORED_FIELD_CHARS = 64
 OTHER_FIELD = "other"
 
 
-# Cumulative StepStats counters and gauges exposed as they are: (name, StepStats field, help).
-ENGINE_COUNTERS = (
-    (
-        "prefix_cache_queries",
-        "prefix_cache_queries_total",
-        "Prefix cache queries, in terms of number of queried tokens.",
-    ),
-    (
-        "prefix_cache_hits",
-        "prefix_cache_hits_total",
-        "Prefix cache hits, in terms of number of cached tokens.",
-    ),
-    (
-        "prefix_cache_evictions",
-        "prefix_cache_evictions_total",
-        "Cached KV blocks evicted to make room for new ones.",
-    ),
-    ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "Number of spec decoding drafts."),
-    (
-        "spec_decode_num_draft_tokens",
-        "spec_decode_num_draft_tokens_total",
-        "Number of draft tokens.",
-    ),
-    (
-        "spec_decode_num_accepted_tokens",
-        "spec_decode_num_accepted_tokens_total",
-        "Number of accepted tokens.",
-    ),
-    (
-        "grammar_cache_hits",
-        "grammar_cache_hits_total",
-        "Structured outputs: requests whose grammar was found compiled in the cache.",
-    ),
-    (
-        "grammar_compiles",
-        "grammar_compiles_total",
-        "Structured outputs: grammars compiled (cache misses).",
-    ),
-    (
-        "grammar_mask_seconds",
-        "grammar_mask_s_total",
-        "Structured outputs: seconds spent computing and applying token masks.",
-    ),
-    (
-        "grammar_mask_wait_seconds",
-        "grammar_mask_wait_s_total",
-        "Structured outputs: seconds steps waited for their masks after the forward pass.",
-    ),
-)
-ENGINE_GAUGES = (
-    (
-        "kv_cache_cached_blocks",
-        "kv_blocks_cached",
-        "KV blocks holding a cached prefix (in use or evictable).",
-    ),
-    (
-        "kv_cache_evictable_blocks",
-        "kv_blocks_evictable",
-        "Cached KV blocks no request holds: reused after the free ones.",
-    ),
-    (
-        "grammar_states",
-        "grammar_states",
-        "Structured outputs: live grammar states (one per constrained sequence).",
-    ),
-)
 # structured_requests_total's `type` label: what constrained the output.
 STRUCTURED_TYPES = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 # Grammar compile times: from a cached-lexer JSON schema (~1 ms) to the compile timeout.
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-SPECULATION_STATES = ("off", "active", "paused")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -223,89 +159,6 @@ def _label_value(value: object) -> str:
     if isinstance(value, enum.Enum):
         value = value.value
     return str(value)
-
-
-class _ScrapeTimeCollector:
-    """config_info and the recorder's numbers, built at each scrape from current state."""
-
-    def __init__(self, owner: Metrics) -> None:
-        self._owner = owner
-
-    def describe(self) -> list[Metric]:
-        return [
-            GaugeMetricFamily(PREFIX + "config_info", "", labels=[]),
-            CounterMetricFamily(PREFIX + "records_dropped", "", labels=[]),
-            GaugeMetricFamily(PREFIX + "records_buffered", "", labels=[]),
-            *(CounterMetricFamily(PREFIX + name, "", labels=[]) for name, _, _ in ENGINE_COUNTERS),
-            *(GaugeMetricFamily(PREFIX + name, "", labels=[]) for name, _, _ in ENGINE_GAUGES),
-            CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "", labels=[]),
-            GaugeMetricFamily(PREFIX + "spec_decode_state", "", labels=[]),
-        ]
-
-    def collect(self) -> Iterator[Metric]:
-        o = self._owner
-        names, values = o._config_labels  # one tuple, swapped atomically by set_config
-        info = GaugeMetricFamily(
-            PREFIX + "config_info",
-            "Live engine and server configuration, as labels; the value is always 1.",
-            labels=["model_name", *names],
-        )
-        if names:
-            info.add_metric([o.model_name, *values], 1.0)
-        yield info
-
-        dropped_fn, buffered_fn = o._recorder
-        dropped = CounterMetricFamily(
-            PREFIX + "records_dropped",
-            "Request records the SQL recorder dropped (buffer full or write failed).",
-            labels=["model_name"],
-        )
-        buffered = GaugeMetricFamily(
-            PREFIX + "records_buffered",
-            "Request records waiting in the SQL recorder's buffer.",
-            labels=["model_name"],
-        )
-        for family, fn in ((dropped, dropped_fn), (buffered, buffered_fn)):
-            try:
-                value = 0 if fn is None else fn()
-            except Exception:
-                log.warning("metrics: reading %s failed", family.name, exc_info=True)
-                continue  # leave the series out of this scrape rather than fail the scrape
-            family.add_metric([o.model_name], float(value))
-        yield dropped
-        yield buffered
-        yield from self._engine(o._latest)
-
-    def _engine(self, st: StepStats | None) -> Iterator[Metric]:
-        """The engine's cumulative counters and gauges, exactly as of its latest step (they
-        are cumulative in StepStats, so nothing between scrapes is lost)."""
-        m = self._owner.model_name
-        for name, attr, doc in ENGINE_COUNTERS:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([m], float(getattr(st, attr)) if st else 0.0)
-            yield family
-        for name, attr, doc in ENGINE_GAUGES:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([m], float(getattr(st, attr)) if st else 0.0)
-            yield family
-        per_pos = CounterMetricFamily(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens, by their position in the draft (0 = first).",
-            labels=["model_name", "position"],
-        )
-        for pos, n in enumerate(st.spec_decode_accepted_per_pos if st else ()):
-            per_pos.add_metric([m, str(pos)], float(n))
-        yield per_pos
-        state = GaugeMetricFamily(
-            PREFIX + "spec_decode_state",
-            "Speculative decoding: 1 for the current state (off, active, or paused because more "
-            "sequences run than speculative_max_batch_size), 0 for the others.",
-            labels=["model_name", "state"],
-        )
-        current = st.speculation if st else "off"
-        for name in SPECULATION_STATES:
-            state.add_metric([m, name], 1.0 if name == current else 0.0)
-        yield state
 
 
 class Metrics:
@@ -443,7 +296,7 @@ class Metrics:
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
 
-        reg.register(_ScrapeTimeCollector(self))
+        reg.register(ScrapeTimeCollector(self))
 
     # -- the autopilot ----------------------------------------------------------------------
     def observe_autopilot(
