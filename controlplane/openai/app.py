@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
 
 
+from controlplane.openai.render import model_list
 from controlplane.openai.serving import InferenceAPI
 
 log = logging.getLogger("controlplane.api")
@@ -62,7 +63,7 @@ def create_app(runtime: Runtime) -> Litestar:
 
     @get("/v1/models", summary="Served models", guards=[api_key])
     async def models() -> dict[str, Any]:
-        return api.models()
+        return model_list(runtime.model_name, runtime.started_at, runtime.engine.max_model_len)
 
     @get("/health", summary="Readiness: 200 only while the engine is loaded and stepping")
     async def health() -> Response:

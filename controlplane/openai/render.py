@@ -109,3 +109,19 @@ def tool_chunks(
     if out.finished:
         chunks.append({"delta": {}, "logprobs": None, "finish_reason": reason})
     return chunks
+
+
+def model_list(name: str, created: float, max_model_len: int | None) -> dict[str, Any]:
+    """GET /v1/models: the one served model (none while its name is unknown)."""
+    data = []
+    if name:
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": int(created),
+                "owned_by": "controlplane",
+                "max_model_len": max_model_len,
+            }
+        )
+    return {"object": "list", "data": data}

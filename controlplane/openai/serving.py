@@ -493,18 +493,3 @@ class InferenceAPI:
 
         obj = "chat.completion.chunk" if parsed.stream else "chat.completion"
         return await self._respond(parsed, batch, obj, final, chunk, first_chunk=first)
-
-    def models(self) -> dict[str, Any]:
-        d = self.runtime
-        data = []
-        if d.model_name:
-            data.append(
-                {
-                    "id": d.model_name,
-                    "object": "model",
-                    "created": int(d.started_at),
-                    "owned_by": "controlplane",
-                    "max_model_len": d.engine.max_model_len,
-                }
-            )
-        return {"object": "list", "data": data}
