@@ -155,9 +155,10 @@ class AutopilotSettings:
     speculative_max_batch_size_max: int = 64
 
     def bounds(self) -> dict[str, tuple[int, int]]:
-        from controlplane.autopilot.policy import KNOBS
-
-        return {k: (getattr(self, f"{k}_min"), getattr(self, f"{k}_max")) for k in KNOBS}
+        """Each knob's (min, max): every `<knob>_min` field with its `<knob>_max` (the knobs are
+        controlplane.autopilot.policy.KNOBS; tests/test_autopilot_decide.py checks they agree)."""
+        knobs = [f.name[:-4] for f in dataclasses.fields(self) if f.name.endswith("_min")]
+        return {k: (getattr(self, f"{k}_min"), getattr(self, f"{k}_max")) for k in knobs}
 
 
 @dataclass(frozen=True, slots=True)

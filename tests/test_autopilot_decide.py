@@ -399,3 +399,13 @@ def test_turning_off_holds_even_when_the_audit_log_is_down():
     asyncio.run(ap.turn_off("the daemon is draining"))
     assert ap.state == "off" and ap.off_reason == "the daemon is draining"
     assert ap.describe()["enabled"] is False
+
+
+def test_the_config_bounds_every_knob_and_nothing_else() -> None:
+    # AutopilotSettings.bounds() reads its <knob>_min/_max fields; the policy turns KNOBS.
+    from controlplane.autopilot.policy import KNOBS
+    from controlplane.config import AutopilotSettings
+
+    bounds = AutopilotSettings().bounds()
+    assert list(bounds) == list(KNOBS)
+    assert all(lo <= hi for lo, hi in bounds.values())
