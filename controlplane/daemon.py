@@ -234,7 +234,7 @@ class Daemon:
         journal_dir = self.cfg.data_path / "journal" / self.instance_id
         replay_journal(db, journal_dir)
         mark_interrupted(db, self.instance_id)  # it logs the count (once)
-        self.runtime.db = db
+        self.runtime.store.db = db
         where = db.url.render_as_string(hide_password=True)
         if self.cfg.store.record_requests:
             self.runtime.ledger.recorder = Recorder(

@@ -321,7 +321,7 @@ def runner(engine=None):
 
     cfg = build_config({"autopilot": {"enabled": True, "itl_p99_ms": 80, "give_up_after": 3}})
     runtime = Runtime(LiveConfig(cfg, {}, {}), "ap", AdminAuth([]))
-    runtime.db = engine
+    runtime.store.db = engine
     return runtime, Autopilot(runtime)
 
 

@@ -47,3 +47,21 @@ def test_engine_and_live_config_errors_are_the_same_kind() -> None:
     assert _raised(SamplingParams, temperature=-1.0).field == "temperature"
     assert issubclass(ConfigChangeError, FieldError) and issubclass(ConfigAuditError, FieldError)
     assert _raised(check_url, "http://u:p@host", "fleet.url").field == "fleet.url"
+
+
+def test_the_store_handle_reads_only_once_open(tmp_path) -> None:
+    import asyncio
+
+    from sqlalchemy import text
+
+    from controlplane.runtime.store_handle import StoreHandle, StoreNotOpenError
+
+    def one(db) -> int:
+        with db.connect() as conn:
+            return conn.execute(text("select 1")).scalar_one()
+
+    store = StoreHandle()
+    with pytest.raises(StoreNotOpenError):
+        asyncio.run(store.read(one))
+    store.db = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    assert store.is_open and asyncio.run(store.read(one)) == 1

@@ -401,13 +401,13 @@ def test_a_database_outage_is_one_warning_and_the_row_comes_back(
         cfg = build_config({})
         runtime = Runtime(LiveConfig(cfg, {}, {}), "outage", AdminAuth([]))
         # Nothing listens on port 1: a real connection failure, every beat.
-        runtime.db = create_engine("postgresql+psycopg://u@127.0.0.1:1/x?connect_timeout=2")
+        runtime.store.db = create_engine("postgresql+psycopg://u@127.0.0.1:1/x?connect_timeout=2")
         member_ = FleetMember(runtime, "http://h:1")
         with caplog.at_level(logging.INFO, logger="controlplane.fleet"):
             for _ in range(3):
                 await member_.beat_now()  # never raises
             assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
-            runtime.db = engine  # the database is back
+            runtime.store.db = engine  # the database is back
             await member_.beat_now()
         assert "written again" in caplog.records[-1].getMessage()
         (row,) = members(engine, now=datetime.now(UTC), unreachable_after_s=15)

@@ -9,7 +9,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from litestar import Request, Response, Router, get, patch, post
 from litestar.params import FromPath, FromQuery, QueryParameter
@@ -22,10 +22,14 @@ from controlplane.http.auth import FLEET_STATE, fleet_answers
 from controlplane.http.body import load_json, openapi_body
 from controlplane.http.errors import APIError
 from controlplane.http.signing import CHANGE_ID_HEADER, SOURCE_HEADER
+from controlplane.runtime.store_handle import StoreNotOpenError
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine as SQLEngine
+
     from controlplane.runtime.runtime import Runtime
 
+T = TypeVar("T")
 log = logging.getLogger("controlplane.admin")
 
 KEEPALIVE_S = 15.0
@@ -63,6 +67,15 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
     """`finished(request_id)`: how a recently finished request ended (None: unknown), so that
     aborting it answers 409 rather than 404."""
     from controlplane.runtime.live_config import ConfigChangeError
+
+    async def _read(query: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """A store query in a worker thread; 503 until the daemon has opened its store."""
+        try:
+            return await runtime.store.read(query, *args, **kwargs)
+        except StoreNotOpenError:
+            raise APIError(
+                503, "the store is not open yet", type="unavailable", code="loading"
+            ) from None
 
     @get("/config", summary="Effective settings: value, source and live-tunability of every field")
     async def get_config() -> dict[str, Any]:
@@ -129,11 +142,8 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         per fleet works, and a URL in the table learns nothing it could reuse)."""
         from controlplane.fleet.registry import members
 
-        if runtime.db is None:
-            raise APIError(503, "the store is not open yet", type="unavailable", code="loading")
-        found = await asyncio.to_thread(
+        found = await _read(
             members,
-            runtime.db,
             now=datetime.now(UTC),
             unreachable_after_s=runtime.cfg.fleet.unreachable_after_s,
         )
@@ -163,9 +173,8 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             raise _unprocessable("before_id", f"must be in [1, {MAX_SQL_INT}], got {before_id}")
         from controlplane.store.audit import history
 
-        entries = await asyncio.to_thread(
+        entries = await _read(
             history,
-            runtime.db,
             limit=limit,
             before_id=before_id,
             field=field,
@@ -204,9 +213,8 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         from controlplane.store.queries import list_requests
 
         try:
-            finished, next_cursor = await asyncio.to_thread(
+            finished, next_cursor = await _read(
                 list_requests,
-                runtime.db,
                 status=status,
                 api_key_name=api_key_name,
                 since=_time_param("since", since),
@@ -257,21 +265,17 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
     async def fleet(include_stopped: FromQuery[bool] = False) -> dict[str, Any]:
         from controlplane.fleet.registry import config_drift, members, totals
 
-        if runtime.db is None:
-            raise APIError(503, "the store is not open yet", type="unavailable", code="loading")
         age, now = runtime.cfg.fleet.unreachable_after_s, datetime.now(UTC)
 
-        def read() -> dict[str, Any]:
-            found = members(
-                runtime.db, now=now, unreachable_after_s=age, include_stopped=include_stopped
-            )
+        def read(db: SQLEngine) -> dict[str, Any]:
+            found = members(db, now=now, unreachable_after_s=age, include_stopped=include_stopped)
             return {
                 "instances": [m.to_dict() for m in found],
-                "totals": totals(runtime.db, found, now=now).to_dict(),
+                "totals": totals(db, found, now=now).to_dict(),
                 "config_drift": config_drift(found),
             }
 
-        body = await asyncio.to_thread(read)
+        body = await _read(read)
         return {**body, "self": runtime.instance_id, "unreachable_after_s": age}
 
     @get("/autopilot", summary="The SLO autopilot: on/off, targets, bounds, recent decisions")
@@ -360,9 +364,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         from controlplane.accounting.reports import cost_report
 
         start, end, keys = _window(since, until, group_by, ("day", "hour", "model", "api_key"))
-        report = await asyncio.to_thread(
-            cost_report, runtime.db, since=start, until=end, group_by=keys
-        )
+        report = await _read(cost_report, since=start, until=end, group_by=keys)
         return report.to_dict()
 
     @get(
@@ -377,9 +379,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         from controlplane.accounting.reports import utilization_report
 
         start, end, keys = _window(since, until, group_by, ("day", "hour", "instance"))
-        report = await asyncio.to_thread(
-            utilization_report, runtime.db, since=start, until=end, group_by=keys
-        )
+        report = await _read(utilization_report, since=start, until=end, group_by=keys)
         return report.to_dict()
 
     return Router(

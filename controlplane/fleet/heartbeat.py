@@ -73,7 +73,7 @@ class FleetMember:
     def register(self) -> None:
         """Insert (or, after a restart with the same instance id, replace) the row."""
         registry.register(
-            self.runtime.db,
+            self.runtime.store.db,
             self.runtime.instance_id,
             advertise_url=self.advertise_url,
             hostname=socket.gethostname(),
@@ -86,10 +86,12 @@ class FleetMember:
     def beat(self) -> None:
         beat = figures(self.runtime)
         with self._lock:
-            if self._stopped or self.runtime.db is None:
+            if self._stopped or self.runtime.store.db is None:
                 return
             now = datetime.now(UTC)
-            if not registry.heartbeat(self.runtime.db, self.runtime.instance_id, beat, now=now):
+            if not registry.heartbeat(
+                self.runtime.store.db, self.runtime.instance_id, beat, now=now
+            ):
                 self.register()  # the row was deleted by hand (or registration failed)
 
     async def beat_now(self) -> None:
@@ -121,7 +123,7 @@ class FleetMember:
         beat = registry.Heartbeat(registry.STOPPED, num_running=0, num_waiting=0)
         with self._lock:
             self._stopped = True
-            if self.runtime.db is not None:
+            if self.runtime.store.db is not None:
                 registry.heartbeat(
-                    self.runtime.db, self.runtime.instance_id, beat, now=datetime.now(UTC)
+                    self.runtime.store.db, self.runtime.instance_id, beat, now=datetime.now(UTC)
                 )

@@ -103,7 +103,7 @@ class Jobs:
 
         d = self.runtime
         cur, end = d.engine.stats(), time.time()
-        if cur is None or d.db is None:
+        if cur is None or d.store.db is None:
             return
         prev, start = self._last_snapshot or cur, self._last_sample_end
         self._last_snapshot, self._last_sample_end = cur, end
@@ -123,7 +123,7 @@ class Jobs:
         )
         try:
             gpus = await self._in_worker(self.gpus.read)
-            await self._in_worker(write_sample, d.db, d.instance_id, sample, gpus)
+            await self._in_worker(write_sample, d.store.db, d.instance_id, sample, gpus)
         except Exception:
             log.exception("utilization sample not written")
             return
@@ -135,14 +135,14 @@ class Jobs:
         from controlplane.accounting.rollup import run_rollup
 
         d = self.runtime
-        if d.db is None:
+        if d.store.db is None:
             return False
         j = d.cfg.jobs
         now = datetime.now(UTC)
         try:
             result = await self._in_worker(
                 lambda: run_rollup(
-                    d.db,
+                    d.store.db,
                     d.instance_id,
                     now=now,
                     gpu_hourly_usd=j.gpu_hourly_usd,
@@ -152,7 +152,7 @@ class Jobs:
             )
             pruned = await self._in_worker(
                 lambda: prune(
-                    d.db,
+                    d.store.db,
                     now=now,
                     sample_retention_days=j.sample_retention_days,
                     request_retention_days=j.request_retention_days,

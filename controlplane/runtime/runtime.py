@@ -9,6 +9,7 @@ one object instead: a small container of narrow parts, each in its own module:
   live      the effective config; `change_config` is the one path a change takes: validate,
             audit, apply (live_config.LiveConfig)
   events    the /admin/events stream (events.Events)
+  store     the SQL store: `db` for writers, `read` for queries (store_handle.StoreHandle)
   metrics   the Prometheus registry (controlplane.telemetry.metrics)
 
 and the few verbs that span them: drain and resume, aborting a request, the /admin/stats body,
@@ -36,13 +37,12 @@ from controlplane.runtime.events import Events
 from controlplane.runtime.ledger import RequestLedger
 from controlplane.runtime.live_config import ConfigAuditError, FieldChange, LiveConfig
 from controlplane.runtime.state import DaemonState
+from controlplane.runtime.store_handle import StoreHandle
 from controlplane.store.records import hash_api_key
 from controlplane.telemetry.metrics import Metrics
 from controlplane.telemetry.stats import cache_and_speculation, structured_outputs, summarize
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine as SQLEngine
-
     from controlplane.engine.types import StepStats
 
 log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
@@ -75,7 +75,7 @@ class Runtime:
         # The daemon's SLO autopilot (controlplane.autopilot.runner.Autopilot; not imported
         # here, even for typing: it is built on this module, not the other way round).
         self.autopilot: Any = None
-        self.db: SQLEngine | None = None  # the store, once open
+        self.store = StoreHandle()
         self.shutting_down = False  # set by the daemon: a drain can no longer be resumed
         self._keys = [(k, hash_api_key(k.key)) for k in live.effective.api_keys]
         self._metrics_step = -1
@@ -306,9 +306,9 @@ class Runtime:
             for c in changes
         ]
         try:
-            if self.db is None:
+            if self.store.db is None:
                 raise RuntimeError("the store is not open")
-            with self.db.begin() as conn:
+            with self.store.db.begin() as conn:
                 if any(c.field == "prices" for c in changes):
                     sync_prices(conn, new.prices)
                 write_changes(conn, self.instance_id, entries)
