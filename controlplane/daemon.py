@@ -269,7 +269,7 @@ class Daemon:
         background = [asyncio.create_task(self._pump_metrics_forever())]
         if self.config_path is not None:
             background.append(asyncio.create_task(self._watch_config()))
-        from controlplane.openai.app import create_app
+        from controlplane.app import create_app
 
         self.app = create_app(self.runtime)
         server = _Server(

@@ -3,5 +3,5 @@ fields each endpoint reads), `protocol` (the hand parser: every field checked an
 400; typed CompletionRequest and ChatRequest), `tools` (tool calls: the request, the prompt,
 forced calls, auto-parsed calls, streaming), `serving` (admission, validation, queueing, the
 completion and chat flows), `flight` (the fan-out of prompts and choices into engine requests),
-`render` (envelopes, SSE, tool calls in messages and chunks) and `app` (the routes and /health;
-it assembles the daemon's Litestar app, admin router included)."""
+`render` (envelopes, SSE, tool calls in messages and chunks) and `app` (the /v1 routes; the
+daemon's whole app is controlplane.app)."""
