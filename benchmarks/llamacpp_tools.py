@@ -185,14 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     lbb = llama_batched(args.llama_bin, model, args.threads, args.npp, args.ntg, npl)
 
     eng = Engine(model, max(npl))
-    long_prompt = make_prompt(eng.llm, args.pp, 0)
-    short = [make_prompt(eng.llm, args.npp, i) for i in range(max(npl))]
-    eng.decode([short[0][:32]], 8)  # warm-up
-    pp = statistics.median(eng.prefill(long_prompt) for _ in range(args.repeats))
-    tg = statistics.median(eng.decode([long_prompt[:1]], args.tg) for _ in range(args.repeats))
+    # Fresh prompts for every run: a repeated prompt would be served from the prefix cache.
+    seeds = iter(range(1, 1_000_000))
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [make_prompt(eng.llm, length, next(seeds)) for _ in range(n)]
+
+    eng.decode(prompts(1, 32), 8)  # warm-up
+    reps = range(args.repeats)
+    pp = statistics.median(eng.prefill(prompts(1, args.pp)[0]) for _ in reps)
+    tg = statistics.median(eng.decode(prompts(1, 1), args.tg) for _ in reps)
     agg = {
-        n: statistics.median(eng.decode(short[:n], args.ntg) for _ in range(args.repeats))
-        for n in npl
+        n: statistics.median(eng.decode(prompts(n, args.npp), args.ntg) for _ in reps) for n in npl
     }
 
     rows: list[dict[str, Any]] = [
