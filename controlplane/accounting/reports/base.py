@@ -131,9 +131,3 @@ def window(since: datetime, until: datetime) -> tuple[datetime, datetime, str, s
     if end < until:
         end += HOUR
     return start, end, time_buckets(start)[0], time_buckets(end - HOUR)[0]
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b

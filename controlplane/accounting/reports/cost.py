@@ -20,10 +20,9 @@ from controlplane.accounting.reports.base import (
     ROLLUPS,
     WATERMARKS,
     Report,
-    _div,
     window,
 )
-from controlplane.accounting.rollup import ROLLUP_JOB, request_groups
+from controlplane.accounting.rollup import ROLLUP_JOB, ratio, request_groups
 from controlplane.common import parse_group_by
 from controlplane.store.models import (
     time_buckets,
@@ -86,16 +85,16 @@ class _CostAcc:
             "requests_failed": self.failed,
             "prompt_tokens": self.prompt,
             "cached_prompt_tokens": self.cached,
-            "cached_share": _div(self.cached, self.prompt),
+            "cached_share": ratio(self.cached, self.prompt),
             "completion_tokens": self.completion,
             "list_cost_usd": round(math.fsum(self.list_cost), 12),
             "cache_savings_usd": round(math.fsum(self.savings), 12),
-            "list_usd_per_mtok_prompt": _div(math.fsum(self.prompt_side), self.prompt),
-            "list_usd_per_mtok_completion": _div(math.fsum(self.completion_side), self.completion),
+            "list_usd_per_mtok_prompt": ratio(math.fsum(self.prompt_side), self.prompt),
+            "list_usd_per_mtok_completion": ratio(math.fsum(self.completion_side), self.completion),
             "gpu_cost_usd": gpu_cost,
-            "gpu_usd_per_mtok": _div(gpu_cost * 1e6, computed),
-            "mean_utilization": _div(util_num, util_den),
-            "mfu": _div(mfu_num, mfu_den),
+            "gpu_usd_per_mtok": ratio(gpu_cost * 1e6, computed),
+            "mean_utilization": ratio(util_num, util_den),
+            "mfu": ratio(mfu_num, mfu_den),
             "provisional": self.provisional,
         }
 
@@ -194,8 +193,8 @@ def _provisional_rows(
                     "completion_tokens": g.completion,
                     "list_cost_usd": g.list_cost,
                     "cache_savings_usd": g.cache_savings,
-                    "list_usd_per_mtok_prompt": _div(g.prompt_side * 1e6, g.prompt),
-                    "list_usd_per_mtok_completion": _div(g.completion_side * 1e6, g.completion),
+                    "list_usd_per_mtok_prompt": ratio(g.prompt_side * 1e6, g.prompt),
+                    "list_usd_per_mtok_completion": ratio(g.completion_side * 1e6, g.completion),
                     "gpu_cost_usd": before["gpu_cost_usd"] if before else 0.0,
                     "covered_s": figures["covered_s"] if figures else 0.0,
                     "mean_utilization": figures["mean_utilization"] if figures else None,

@@ -14,9 +14,9 @@ from controlplane.accounting.reports.base import (
     REQUEST_METRICS,
     REQUESTS,
     Report,
-    _div,
     window,
 )
+from controlplane.accounting.rollup import ratio
 from controlplane.common import parse_group_by
 
 # -- requests -----------------------------------------------------------------------------------
@@ -77,12 +77,12 @@ def _request_result(sums: Mapping[str, Any]) -> dict[str, Any]:
         "requests_failed": final - succeeded,
         "prompt_tokens": int(sums["prompt_tokens"] or 0),
         "cached_prompt_tokens": int(sums["cached_prompt_tokens"] or 0),
-        "cached_share": _div(sums["cached_prompt_tokens"], sums["prompt_tokens"]),
+        "cached_share": ratio(sums["cached_prompt_tokens"], sums["prompt_tokens"]),
         "completion_tokens": int(sums["completion_tokens"] or 0),
         # Money is stored with 12 decimals: no float noise beyond that.
         "list_cost_usd": round(float(sums["cost"] or 0.0), 12),
-        "mean_ttft_s": _div(sums["ttft_sum"], sums["ttft_n"]),
-        "mean_e2e_latency_s": _div(sums["e2e_sum"], sums["e2e_n"]),
+        "mean_ttft_s": ratio(sums["ttft_sum"], sums["ttft_n"]),
+        "mean_e2e_latency_s": ratio(sums["e2e_sum"], sums["e2e_n"]),
     }
 
 

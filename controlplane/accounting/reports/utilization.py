@@ -17,9 +17,9 @@ from controlplane.accounting.reports.base import (
     UTILIZATION_GROUPS,
     UTILIZATION_METRICS,
     Report,
-    _div,
     window,
 )
+from controlplane.accounting.rollup import ratio
 from controlplane.common import parse_group_by
 
 # -- utilization --------------------------------------------------------------------------------
@@ -107,9 +107,9 @@ def utilization_report(
             "covered_s": acc["covered"] or 0.0,
         }
         for name in _SAMPLE_MEANS:
-            out[f"mean_{name}"] = _div(acc[f"{name}_num"], acc[f"{name}_den"])
+            out[f"mean_{name}"] = ratio(acc[f"{name}_num"], acc[f"{name}_den"])
         for name in _GPU_MEANS:
-            out[f"mean_gpu_{name}"] = _div(acc[f"gpu_{name}_num"], acc[f"gpu_{name}_den"])
+            out[f"mean_gpu_{name}"] = ratio(acc[f"gpu_{name}_num"], acc[f"gpu_{name}_den"])
         out["max_gpu_temperature_c"] = acc["max_temp"]
         out["gpu_energy_j"] = acc["energy"]
         return out
