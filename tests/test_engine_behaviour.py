@@ -473,7 +473,8 @@ def test_sharded_checkpoint_loads_and_missing_shard_is_named(tiny_model_dir, tmp
 
 def test_weights_are_memory_mapped_not_copied(tiny_model_dir):
     eng = Engine(model=str(tiny_model_dir), dtype="float32", cpu_weight_packing=False)
-    for w in (eng.model.model.layers[0].mlp.up_proj.weight, eng.model.model.embed_tokens.weight):
+    # down_proj, not a fused projection: fusing q/k/v and gate/up concatenates (copies) them.
+    for w in (eng.model.model.layers[0].mlp.down_proj.weight, eng.model.model.embed_tokens.weight):
         # A tensor backed by the file mapping has no private allocation that could be resized.
         storage = w.untyped_storage()
         with pytest.raises(RuntimeError):
@@ -490,7 +491,7 @@ def test_packed_cpu_linears_match_plain_linears(tiny_model_dir, dtype):
     traces = []
     for packing in (True, False):
         eng = Engine(model=str(tiny_model_dir), dtype=dtype, cpu_weight_packing=packing)
-        q_proj = eng.model.model.layers[0].self_attn.q_proj
+        q_proj = eng.model.model.layers[0].self_attn.qkv_proj
         if packing and fast_path:
             assert isinstance(q_proj, PackedLinear)
         else:

@@ -450,11 +450,11 @@ def test_quantization_auto_keeps_how_the_file_stores_its_linears(gguf_path, tmp_
     assert eng.memory.quantization == "int4"  # SmolLM2 ships as Q4_1
     layer = eng.model.model.layers[0]
     assert isinstance(layer.mlp.down_proj, quant.Int4Linear)
-    assert isinstance(layer.self_attn.q_proj, quant.Int4Linear)
+    assert isinstance(layer.self_attn.qkv_proj, quant.Int4Linear)
     # An explicit setting wins over the file's layout.
     eng = Engine(model=str(gguf_path), quantization="int8", kv_cache_memory_bytes=16 << 20)
     assert eng.memory.quantization == "int8"
-    assert isinstance(eng.model.model.layers[0].mlp.up_proj, quant.Int8Linear)
+    assert isinstance(eng.model.model.layers[0].mlp.gate_up_proj, quant.Int8Linear)
 
 
 # -- the default model -----------------------------------------------------------------------

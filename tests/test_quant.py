@@ -368,8 +368,8 @@ def test_admin_config_and_stats_show_quantization_and_memory(tiny_model_dir, tmp
         assert (
             mem["kv_cache_bytes"] == eng.block_pool.num_blocks * eng.kv_cache.spec.bytes_per_block
         )
-        assert isinstance(eng.model.model.layers[0].mlp.up_proj, quant.Int4Linear)
-        assert eng.model.model.layers[0].mlp.up_proj.group_size == 64
+        assert isinstance(eng.model.model.layers[0].mlp.gate_up_proj, quant.Int4Linear)
+        assert eng.model.model.layers[0].mlp.gate_up_proj.group_size == 64
     finally:
         d.stop()
 

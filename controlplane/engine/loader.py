@@ -19,7 +19,7 @@ from controlplane.engine.errors import ModelLoadError
 from controlplane.engine.gguf.known import is_gguf
 from controlplane.engine.model.config import ModelConfig
 from controlplane.engine.model.linear import cpu_packing_supported, pack_linears
-from controlplane.engine.model.llama import CausalLM, RotaryEmbedding
+from controlplane.engine.model.llama import CausalLM, RotaryEmbedding, fuse_projections
 from controlplane.engine.model.quant import QuantConfig, quantize_model
 from controlplane.engine.tokenizer import Tokenizer
 
@@ -54,6 +54,7 @@ def load_model(
     max_len: int,
     cpu_weight_packing: bool = True,
     quant: QuantConfig | None = None,
+    fuse: bool = True,
 ) -> CausalLM:
     model_dir = Path(model_dir)
     with torch.device("meta"):
@@ -64,6 +65,8 @@ def load_model(
         state = _safetensors_state(model_dir, model, cfg, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    if fuse:
+        fuse_projections(model)
     # Buffers computed, not loaded: build them for real now.
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
     if quant is not None and quant.kind != "none":
