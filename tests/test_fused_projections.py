@@ -8,22 +8,19 @@ loads (Llama, Mistral, Qwen2 with q/k/v biases, and a GGUF file) and every weigh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from controlplane.engine import Engine, SamplingParams
+from controlplane.engine.build import quant_config
 from controlplane.engine.gguf.known import resolve_model_path
 from controlplane.engine.loader import load_model
-from controlplane.engine.model.llama import Attention, MLP
-from controlplane.engine.model.quant import QuantConfig
+from controlplane.engine.model.llama import MLP, Attention
 from tests.conftest import require_smollm2
 
 
 def _unfused(eng: Engine, quantization: str) -> None:
     """Swap the engine's model for the same checkpoint loaded without fusion."""
-    kind = eng.model_config.stored_quantization if quantization == "auto" else quantization
     model = load_model(
         resolve_model_path(eng.settings.model),
         eng.model_config,
@@ -31,7 +28,7 @@ def _unfused(eng: Engine, quantization: str) -> None:
         eng.device,
         eng.max_model_len,
         eng.settings.cpu_weight_packing,
-        QuantConfig(kind, eng.settings.quantization_group_size, eng.settings.quantize_lm_head),
+        quant_config(quantization, eng.settings, eng.model_config),
         fuse=False,
     )
     eng.model = eng.runner.model = model
@@ -51,9 +48,7 @@ def _greedy(eng: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 def _prompts(vocab: int, count: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(7)
     # Lengths from 3 to ~100 tokens: several prefill chunks of 32, mixed with decodes.
-    return [
-        torch.randint(3, vocab - 8, (3 + 7 * i,), generator=gen).tolist() for i in range(count)
-    ]
+    return [torch.randint(3, vocab - 8, (3 + 7 * i,), generator=gen).tolist() for i in range(count)]
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from controlplane.config import load_config
+from controlplane.engine import Engine
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.model import quant
 from controlplane.engine.model.linear import auto_dtype, cpu_has_native_bf16
@@ -268,7 +269,6 @@ def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_model_dir):
-    from controlplane.engine import Engine
 
     kw = {"model": str(tiny_model_dir), "kv_cache_memory_bytes": 16 << 20, "max_num_seqs": 8}
     return {
@@ -328,7 +328,6 @@ def test_memory_use_is_weights_as_loaded_and_the_kv_cache(tiny_engines):
 
 
 def test_quantization_auto_leaves_a_float_checkpoint_float(tiny_model_dir):
-    from controlplane.engine import Engine
 
     eng = Engine(model=str(tiny_model_dir), kv_cache_memory_bytes=4 << 20)
     assert EngineSettings().quantization == "auto"
@@ -420,7 +419,6 @@ PERPLEXITY_BOUNDS = {"none": 0.001, "int8": 0.01, "int4": 0.015}
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["none", "int8", "int4"])
 def test_smollm2_perplexity_against_transformers_float32(kind, smollm2_reference):
-    from controlplane.engine import Engine
 
     path, ids, ref_ppl = smollm2_reference
     assert len(ids) > 300
@@ -449,7 +447,6 @@ AGREEMENT_BOUNDS = {"int8": 0.25, "int4": 0.5}
 
 @pytest.mark.slow
 def test_smollm2_greedy_agreement_with_float32_over_32_prompts(smollm2_reference):
-    from controlplane.engine import Engine
 
     path, ids, _ = smollm2_reference
     # 32 prompts: 16-token windows spread over the fixed English text.
@@ -474,3 +471,48 @@ def test_smollm2_greedy_agreement_with_float32_over_32_prompts(smollm2_reference
             f"difference, {sum(o == r for o, r in zip(outs, ref, strict=True))} of 32 identical"
         )
         assert prefix / total >= AGREEMENT_BOUNDS[kind]
+
+
+# -- the lm_head and embedding as the GGUF stores them ----------------------------------------
+
+
+def test_auto_serves_the_gguf_q8_0_embedding_as_one_int8_table_shared_with_the_lm_head():
+    path = _smollm2()
+    eng = Engine(model=str(path), kv_cache_memory_bytes=16 << 20, max_num_seqs=2)
+    head, embed = eng.model.lm_head, eng.model.model.embed_tokens
+    assert isinstance(head, quant.Int8Linear) and isinstance(embed, quant.Int8Embedding)
+    assert embed.qweight.data_ptr() == head.qweight.data_ptr()  # one table, no float copy
+    assert head.scales.dtype == torch.float32
+    assert not any(p.numel() >= 49152 * 576 for p in eng.model.parameters())
+    # 28 MB of int8 instead of 57 MB of bf16 (113 MB of float32 before): below 100 MB in all.
+    assert eng.memory.weights_bytes == quant.weight_bytes(eng.model) < 100 << 20
+    float_head = Engine(model=str(path), quantization="int4", kv_cache_memory_bytes=16 << 20)
+    assert isinstance(float_head.model.lm_head, torch.nn.Linear)
+    # Both run bf16 activations (quantized linears): the table costs 2 bytes an entry there.
+    table = 49152 * 576
+    assert float_head.memory.weights_bytes - eng.memory.weights_bytes > 0.95 * table
+
+
+@pytest.mark.slow
+def test_int8_lm_head_perplexity_within_half_a_percent_of_the_float_lm_head(smollm2_reference):
+    path, ids, _ = smollm2_reference
+    kw = {"model": str(path), "dtype": "bfloat16", "kv_cache_memory_bytes": 32 << 20}
+    (quantized,) = _prefill_logits(Engine(**kw), [ids])  # auto: int8 lm_head and embedding
+    (floating,) = _prefill_logits(Engine(quantization="int4", **kw), [ids])
+    ppl_q, ppl_f = _perplexity(quantized, ids), _perplexity(floating, ids)
+    print(f"SmolLM2 perplexity, int8 lm_head {ppl_q:.4f}, float lm_head {ppl_f:.4f}")
+    assert abs(ppl_q / ppl_f - 1) < 0.005
+    # Per position, each side's top token is among the other's top 5.
+    top5_q, top5_f = quantized.topk(5).indices, floating.topk(5).indices
+    assert (top5_q == floating.argmax(-1, keepdim=True)).any(-1).all()
+    assert (top5_f == quantized.argmax(-1, keepdim=True)).any(-1).all()
+
+
+def test_auto_dtype_runs_quantized_linears_in_bf16_where_the_cpu_has_it():
+    cpu = torch.device("cpu")
+    dtype, why = auto_dtype("float32", cpu, quantized=True)
+    if cpu_has_native_bf16():
+        assert dtype == torch.bfloat16 and "quantized" in why
+    else:
+        assert dtype == torch.float32
+    assert auto_dtype("float32", cpu, quantized=False)[0] == torch.float32

@@ -9,6 +9,8 @@ PyTorch implementation that runs anywhere.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -171,3 +173,39 @@ class TorchPagedAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+# -- the seam a compiled forward is split at ---------------------------------------------------
+#
+# A compiled graph cannot hold the backend (Python objects, per-step lists of buckets, the
+# cache written in place), so it calls attention as one opaque custom op, as vLLM splits its
+# graph around attention: the op finds the step's backend and metadata here, set by the
+# runner around the forward. Everything between two attention calls (norms, projections,
+# rotary, the MLP) is what the compiler fuses.
+
+_step: tuple[AttentionBackend, AttentionMetadata] | None = None
+
+
+@contextmanager
+def attention_step(backend: AttentionBackend, meta: AttentionMetadata) -> Iterator[None]:
+    """Make `backend` and `meta` the ones `paged_attention` uses, for one forward."""
+    global _step
+    _step = (backend, meta)
+    try:
+        yield
+    finally:
+        _step = None
+
+
+@torch.library.custom_op("controlplane::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """One layer's attention for the current step (writes the new K/V into the paged cache)."""
+    if _step is None:
+        raise RuntimeError("paged_attention called outside attention_step()")
+    backend, meta = _step
+    return backend.forward(layer, q, k, v, meta)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)

@@ -52,6 +52,27 @@ class EngineParts:
     draft: DraftModel | None
 
 
+def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> QuantConfig:
+    """What `quantization` (auto, none, int8, int4) means for a checkpoint stored as `cfg` says.
+
+    auto keeps what the checkpoint stores quantized quantized as served: the linears in their
+    nearest layout, a block-quantized lm_head and embedding table (a GGUF's Q8_0 token_embd)
+    in int8, one shared table when tied. Otherwise `quantize_lm_head` decides the lm_head (with
+    the linears quantized) and the embedding stays float.
+    """
+    if quantization == "auto":
+        return QuantConfig(
+            cfg.stored_quantization,
+            s.quantization_group_size,
+            lm_head=cfg.stored_quantized_lm_head
+            or (s.quantize_lm_head and cfg.stored_quantization != "none"),
+            embedding=cfg.stored_quantized_embedding,
+        )
+    return QuantConfig(
+        quantization, s.quantization_group_size, s.quantize_lm_head and quantization != "none"
+    )
+
+
 def build(s: EngineSettings) -> EngineParts:
     """The parts of an engine for checked settings `s` (ModelLoadError, InvalidSettingError)."""
     if not s.model:
@@ -59,9 +80,10 @@ def build(s: EngineSettings) -> EngineParts:
     model_dir = resolve_model_path(s.model)  # a directory, a .gguf file, or an alias
     cfg = load_model_config(model_dir)
     device = resolve_device(s.device)
+    quant = quant_config(s.quantization, s, cfg)
     # Explicit values were validated against DTYPES; "auto" is what this device runs fast.
     if s.dtype == "auto":
-        dtype, why = auto_dtype(cfg.torch_dtype, device)
+        dtype, why = auto_dtype(cfg.torch_dtype, device, quantized=quant.kind != "none")
         log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), why)
     else:
         dtype = _DTYPES[s.dtype]
@@ -74,11 +96,9 @@ def build(s: EngineSettings) -> EngineParts:
 
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(model_dir)
-    kind = s.quantization
-    if kind == "auto":
-        kind = cfg.stored_quantization
+    kind = quant.kind
+    if s.quantization == "auto":
         log.info("quantization auto: %s (how the checkpoint stores its linear weights)", kind)
-    quant = QuantConfig(kind, s.quantization_group_size, s.quantize_lm_head)
     model = load_model(model_dir, cfg, dtype, device, max_model_len, s.cpu_weight_packing, quant)
     log.info(
         "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
@@ -124,23 +144,15 @@ def build(s: EngineSettings) -> EngineParts:
     draft: DraftModel | None = None
     if draft_cfg is not None and draft_spec is not None:
         t0 = time.perf_counter()
-        draft_quant = s.speculative_draft_quantization
-        if draft_quant == "auto":
-            draft_quant = draft_cfg.stored_quantization
+        draft_quant = quant_config(s.speculative_draft_quantization, s, draft_cfg)
         draft_model = load_model(
-            draft_dir,
-            draft_cfg,
-            dtype,
-            device,
-            max_model_len,
-            s.cpu_weight_packing,
-            QuantConfig(draft_quant, s.quantization_group_size, s.quantize_lm_head),
+            draft_dir, draft_cfg, dtype, device, max_model_len, s.cpu_weight_packing, draft_quant
         )
         draft = DraftModel(draft_model, KVCache(draft_spec, num_blocks, 0, device), device)
         log.info(
             "draft model %s (%s linears, %.1fM params) in %.2fs; its KV cache: %d blocks",
             draft_dir,
-            draft_quant,
+            draft_quant.kind,
             draft_cfg.num_params / 1e6,
             time.perf_counter() - t0,
             num_blocks,

@@ -69,7 +69,7 @@ def load_model(
         fuse_projections(model)
     # Buffers computed, not loaded: build them for real now.
     model.rotary = RotaryEmbedding(cfg, max_len).to(device)
-    if quant is not None and quant.kind != "none":
+    if quant is not None and (quant.kind != "none" or quant.lm_head or quant.embedding):
         del state  # each layer's float weight is freed as soon as its quantized one replaces it
         quantize_model(model, quant)
     if device.type == "cpu" and cpu_weight_packing and cpu_packing_supported(dtype):

@@ -58,10 +58,11 @@ class EngineSettings:
         "On CPU, pre-pack linear weights for oneDNN (faster).", True
     )
     quantization: str = _restart(
-        "Weight-only quantization of the linear layers, done at load: auto (a GGUF file's "
-        "quantized linears stay quantized: 4-bit blocks as int4, 5- to 8-bit ones as int8; "
-        "float checkpoints: none), none, int8 (per output channel) or int4 (group-wise). "
-        "Embeddings and norms stay float.",
+        "Weight-only quantization of the linear layers, done at load: auto (what a GGUF file "
+        "stores quantized stays quantized: 4-bit linears as int4, 5- to 8-bit ones as int8, "
+        "a quantized embedding table and lm_head as int8, one table when tied; float "
+        "checkpoints: none), none, int8 (per output channel) or int4 (group-wise). Norms stay "
+        "float, and embeddings unless auto keeps the file's.",
         "auto",
     )
     quantization_group_size: int = _restart(
@@ -69,7 +70,8 @@ class EngineSettings:
     )
     quantize_lm_head: bool = _restart(
         "With quantization on, quantize lm_head too, to int8 (a tied one becomes an int8 copy: "
-        "the embedding table stays float). Faster decode, some quality.",
+        "the embedding table stays float). Faster decode, some quality. Under auto, a GGUF "
+        "file's quantized lm_head is int8 whatever this says.",
         False,
     )
     speculative_draft_model: str = _restart(

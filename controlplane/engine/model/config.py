@@ -38,6 +38,10 @@ class ModelConfig:
     # What `quantization = "auto"` keeps: the engine layout nearest to how the checkpoint stores
     # its linear weights ("none" for float checkpoints; see gguf_stored_quantization).
     stored_quantization: str = "none"
+    # Whether the checkpoint stores the token embedding table / the lm_head block-quantized
+    # (a tied lm_head is the embedding table): `quantization = "auto"` then serves them int8.
+    stored_quantized_embedding: bool = False
+    stored_quantized_lm_head: bool = False
 
     @property
     def num_params(self) -> int:
@@ -211,6 +215,8 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         sliding_window=sliding if isinstance(sliding, int) and sliding > 0 else None,
         eos_token_ids=eos_ids,
         stored_quantization=gguf_stored_quantization(f),
+        stored_quantized_embedding=embed.type_name in _GGUF_LAYOUTS,
+        stored_quantized_lm_head=f.tensors.get("output.weight", embed).type_name in _GGUF_LAYOUTS,
     )
 
 

@@ -100,8 +100,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        backend: AttentionBackend,
-        meta: AttentionMetadata,
+        backend: AttentionBackend | None,
+        meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_proj is not None:
@@ -111,7 +111,10 @@ class Attention(nn.Module):
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = backend.forward(self.layer_idx, q, k, v, meta)  # [T, heads, head_dim]
+        if backend is None:  # compiled: the opaque op of the current attention_step
+            out = torch.ops.controlplane.paged_attention(q, k, v, self.layer_idx)
+        else:
+            out = backend.forward(self.layer_idx, q, k, v, meta)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -203,8 +206,8 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        backend: AttentionBackend,
-        meta: AttentionMetadata,
+        backend: AttentionBackend | None,  # None: attention through attention_step's op
+        meta: AttentionMetadata | None,
         logits_indices: torch.Tensor,  # [N] rows of the flat batch whose next token we sample
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]

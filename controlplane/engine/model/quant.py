@@ -126,7 +126,12 @@ class Int8Linear(nn.Module):
     dequant_min_rows = 64
 
     def __init__(
-        self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, kernel: str = ""
+        self,
+        weight: Int8Weight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        kernel: str = "",
+        float_scales: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.qweight.shape
@@ -134,7 +139,15 @@ class Int8Linear(nn.Module):
         self.kernel = kernel or _int8_kernel(device, self.in_features)
         self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
         self.register_buffer("qweight", weight.qweight)
-        self.register_buffer("scales", weight.scales.to(self.act_dtype))
+        # float_scales (the lm_head): the kernel runs with unit scales and the float32 ones
+        # multiply its output. Rounded to bf16 (8 mantissa bits) a row's scale is off by up to
+        # 0.4%, the same for every logit of that token: on SmolLM2 perplexity rose 0.59% with
+        # bf16 scales, 0.44% with float32 ones (tests/data/perplexity.txt).
+        self.float_scales = float_scales
+        scales_dtype = torch.float32 if float_scales else self.act_dtype
+        self.register_buffer("scales", weight.scales.to(scales_dtype))
+        unit = torch.ones_like(self.scales, dtype=self.act_dtype) if float_scales else None
+        self.register_buffer("_unit", unit, persistent=False)
         self.bias = None if bias is None else bias.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +155,10 @@ class Int8Linear(nn.Module):
         rows = x.numel() // self.in_features
         if self.kernel == "dequant" or rows >= self.dequant_min_rows:
             y = F.linear(x.reshape(rows, self.in_features), self.dequantize(x.dtype))
+        elif self._unit is not None:
+            x2 = _kernel_input(x, self.in_features, self.act_dtype)
+            y = torch._weight_int8pack_mm(x2, self.qweight, self._unit).float() * self.scales
+            y = y.to(x.dtype)
         else:
             x2 = _kernel_input(x, self.in_features, self.act_dtype)
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
@@ -157,6 +174,25 @@ class Int8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"kernel={self.kernel}, act_dtype={self.act_dtype}"
         )
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table held as int8 rows with one scale each; a lookup dequantizes only the
+    rows it gathers. A tied embedding shares the lm_head's Int8Linear table (no float copy)."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight[ids].float() * self.scales[ids].float().unsqueeze(-1)
+        return rows.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8, dtype={self.dtype}"
 
 
 def _int8_kernel(device: torch.device, k: int) -> str:
@@ -268,30 +304,47 @@ def quantize_linear(linear: nn.Linear, kind: str, group_size: int) -> nn.Module:
 class QuantConfig:
     """What `engine.quantization`, `quantization_group_size` and `quantize_lm_head` ask for."""
 
-    kind: str = "none"  # none | int8 | int4
+    kind: str = "none"  # none | int8 | int4: the transformer's linear layers
     group_size: int = 32
-    lm_head: bool = False  # quantize lm_head (to int8) too
+    lm_head: bool = False  # lm_head in int8
+    embedding: bool = False  # the token embedding table in int8 (shared with a tied lm_head)
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
-    """Quantize every linear of `model` (lm_head as configured); returns how many.
+    """Quantize every linear of `model` (lm_head and embedding as configured); returns how many
+    linears.
 
-    lm_head, when quantized, is always int8: its precision matters most (llama.cpp keeps it at
-    6-8 bits too), and on SmolLM2 a 4-bit lm_head cost +7% perplexity, an 8-bit one +0.7%.
+    lm_head, when quantized, is always int8 per output row: its precision matters most
+    (llama.cpp keeps it at 6-8 bits too); on SmolLM2 a 4-bit lm_head cost +7% perplexity, an
+    8-bit one +0.44%. A tied lm_head with `embedding` on shares one int8 table with the
+    embedding (rows dequantized on gather); without it, the lm_head is an int8 copy and the
+    embedding stays float, as `quantize_lm_head` always did for float checkpoints.
     """
     before = weight_bytes(model)
-    count = quantize_linears(model, quant.kind, quant.group_size, skip=("lm_head",))
+    count = 0
+    if quant.kind != "none":
+        count = quantize_linears(model, quant.kind, quant.group_size, skip=("lm_head",))
     lm_head = getattr(model, "lm_head", None)
+    embed = model.model.embed_tokens
+    tied = isinstance(lm_head, nn.Linear) and lm_head.weight is getattr(embed, "weight", None)
+    dtype = embed.weight.dtype
     if quant.lm_head and isinstance(lm_head, nn.Linear):
-        # A tied lm_head becomes a quantized copy; the embedding table it shared stays float.
-        model.lm_head = quantize_linear(lm_head, "int8", quant.group_size)
+        head = Int8Linear(quantize_int8(lm_head.weight), lm_head.bias, dtype, float_scales=True)
+        model.lm_head = head
         count += 1
+        if tied and quant.embedding:
+            model.model.embed_tokens = Int8Embedding(head.qweight, head.scales, dtype)
+    if quant.embedding and isinstance(model.model.embed_tokens, nn.Embedding):
+        q = quantize_int8(model.model.embed_tokens.weight)
+        model.model.embed_tokens = Int8Embedding(q.qweight, q.scales, dtype)
     log.info(
-        "quantized %d linear layers to %s%s (lm_head %s): weights %.1f MiB -> %.1f MiB",
+        "quantized %d linear layers to %s%s (lm_head %s, embedding %s): weights %.1f MiB -> "
+        "%.1f MiB",
         count,
         quant.kind,
         f" (group size {quant.group_size})" if quant.kind == "int4" else "",
         "int8" if quant.lm_head else "kept float",
+        "int8" if quant.embedding else "kept float",
         before / 2**20,
         weight_bytes(model) / 2**20,
     )
@@ -321,7 +374,7 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     for module in model.modules():
         tensors = list(module.parameters(recurse=False))
-        if isinstance(module, Int8Linear | Int4Linear):
+        if isinstance(module, Int8Linear | Int4Linear | Int8Embedding):
             tensors += list(module.buffers(recurse=False))
         packed = getattr(module, "packed", None)  # PackedLinear's opaque oneDNN weight
         if isinstance(packed, torch.Tensor) and not isinstance(module, Int4Linear):
