@@ -18,6 +18,7 @@ import torch
 
 from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.build import build
+from controlplane.engine.compiled import CompiledDecode, compile_enabled
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
@@ -68,6 +69,9 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, TorchPagedAttention(self.kv_cache), self.device
         )
+        if compile_enabled(s.compile, self.device):
+            self.runner.compiled = CompiledDecode(self.model)
+            self.runner.compiled.warm_up(self.runner.backend, self.device)
         self.sampler = Sampler(s.seed, self.device)
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, s.grammar_cache_size)
         self.masks = MaskBatch(cfg.vocab_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from controlplane.engine.attention import AttentionBackend, SeqSpan
+from controlplane.engine.compiled import CompiledDecode
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -25,6 +26,7 @@ class ModelRunner:
         self.kv = kv_cache
         self.backend = backend
         self.device = device
+        self.compiled: CompiledDecode | None = None  # set (and warmed up) by the engine
         # Tests set this to a list to receive (request_id, positions, logits) for every row
         # of every step, prefill-chunk rows included; None in production (no extra work).
         self.trace: list[tuple[str, list[int], torch.Tensor]] | None = None
@@ -62,13 +64,13 @@ class ModelRunner:
         meta = self.backend.prepare(spans, self.device)
         dev = self.device
         rows = list(range(len(input_ids))) if self.trace is not None else logits_rows
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.backend,
-            meta,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        if self.compiled is not None and self.compiled.applies(meta, len(input_ids)):
+            logits = self.compiled(ids_t, pos_t, rows_t, self.backend, meta)
+        else:
+            logits = self.model(ids_t, pos_t, self.backend, meta, rows_t)
         if self.trace is not None:
             row = 0
             for item in step.scheduled:

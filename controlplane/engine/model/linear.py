@@ -96,6 +96,34 @@ def padded_rows(t: int) -> int:
     return -(-t // step) * step
 
 
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # x: [T, in_features] -> [T, out_features]. oneDNN builds (JIT-compiles) and caches a
+    # kernel per row count; ragged batches have hundreds of row counts, so unpadded the
+    # cache churned (a tiny model ran 3.5x slower than unpacked) and the process grew by
+    # ~265 MB over 4000 requests. Padding T to a few buckets bounds both.
+    t = x.shape[0]
+    padded = padded_rows(t)
+    if padded != t:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - t))
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y[:t] if padded != t else y
+
+
+@torch.library.custom_op("controlplane::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """PackedLinear's matmul as one op a compiled graph calls as is."""
+    return _packed_linear(x, packed, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    return x.new_empty(x.shape[0], out_features)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -105,16 +133,13 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features] -> [T, out_features]. oneDNN builds (JIT-compiles) and caches a
-        # kernel per row count; ragged batches have hundreds of row counts, so unpadded the
-        # cache churned (a tiny model ran 3.5x slower than unpacked) and the process grew by
-        # ~265 MB over 4000 requests. Padding T to a few buckets bounds both.
-        t = x.shape[0]
-        padded = padded_rows(t)
-        if padded != t:
-            x = torch.nn.functional.pad(x, (0, 0, 0, padded - t))
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return y[:t] if padded != t else y
+        if torch.compiler.is_compiling():
+            # Opaque to the compiler: inductor cannot lower the oneDNN call on a weight it did
+            # not pack itself, and the row padding would specialize the graph on T.
+            return torch.ops.controlplane.packed_linear(
+                x, self.packed, self.bias, self.out_features
+            )
+        return _packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -112,8 +112,9 @@ def _kernel_input(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     x2 = x.reshape(-1, k)
     if x2.dtype != dtype:
         return x2.to(dtype)  # a fresh, aligned tensor
-    # The CPU int8 kernel reads activation rows with aligned vector loads.
-    if not x2.is_contiguous() or x2.data_ptr() % 64:
+    # The CPU int8 kernel reads activation rows with aligned vector loads. (A compiled graph
+    # cannot read pointers; its buffers come from the same 64-byte-aligned CPU allocator.)
+    if not x2.is_contiguous() or (not torch.compiler.is_compiling() and x2.data_ptr() % 64):
         return x2.clone(memory_format=torch.contiguous_format)
     return x2
 

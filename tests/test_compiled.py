@@ -1,0 +1,125 @@
+"""The compiled decode step (engine.compile = on) against the eager one.
+
+Greedy outputs must be token-identical for 16 concurrent mixed requests under chunked
+prefill, recompute and swap preemption, prefix-cache hits, speculation and structured output,
+for every architecture the engine loads; a live change of the knobs must never compile in the
+hot path (checked under the compiler's fail_on_recompile stance). Tiny models keep the
+warm-up short (inductor compiles C++ on the CPU): the module is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from controlplane.engine import Engine, SamplingParams
+from controlplane.engine.compiled import compile_enabled
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.structured import StructuredOutput
+from tests.conftest import require_smollm2
+
+pytestmark = pytest.mark.slow
+
+
+def _run(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
+    prompts = []
+    for i in range(16):
+        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
+        # Every other prompt starts with the same 40 tokens: prefix-cache hits.
+        prompts.append(shared + own if i % 2 else own)
+    params = [
+        SamplingParams(max_tokens=12 + i, temperature=0.0, ignore_eos=True) for i in range(16)
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_compiled_decode_gives_the_eager_tokens(kind, preemption, hf_model_dirs):
+    kw = dict(
+        model=str(hf_model_dirs[kind]),
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=32,
+        num_kv_blocks=40,  # 640 slots for 16 sequences of up to ~130 tokens: preemption
+        block_size=16,
+        preemption_mode=preemption,
+    )
+    eager = Engine(compile="off", **kw)
+    compiled = Engine(compile="on", **kw)
+    assert eager.runner.compiled is None and compiled.runner.compiled is not None
+    prompts, params = _workload(eager.model_config.vocab_size)
+    assert _run(compiled, prompts, params) == _run(eager, prompts, params)
+    assert compiled.runner.compiled.steps > 0  # decode-only steps ran compiled
+    assert compiled.scheduler.num_preemptions > 0
+    assert compiled.stats().prefix_cache_hits_total > 0
+
+
+def test_compiled_decode_with_speculation_and_structured_output(hf_model_dirs):
+    kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", max_num_seqs=8)
+    eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11], [12, 13, 14, 15]]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            structured=StructuredOutput("json_schema", json.dumps(schema)),
+        ),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    ]
+    for eng in (eager, compiled):
+        eng.update_settings(speculative_method="ngram", speculative_num_tokens=2)
+    assert _run(compiled, prompts, params) == _run(eager, prompts, params)
+
+
+def test_live_knob_changes_never_compile_in_the_hot_path(hf_model_dirs):
+    eng = Engine(model=str(hf_model_dirs["qwen2"]), dtype="float32", compile="on", max_num_seqs=4)
+    compiled = eng.runner.compiled
+    assert compiled.warmup_s > 0
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with torch.compiler.set_stance("fail_on_recompile"):  # a recompile would raise here
+        for seqs, budget in ((4, 64), (1, 16), (12, 512), (7, 100), (32, 2048)):
+            eng.update_settings(max_num_seqs=seqs, max_num_batched_tokens=budget)
+            prompts = [torch.randint(3, 1000, (9,), generator=gen).tolist() for _ in range(seqs)]
+            before = compiled.steps
+            _run(eng, prompts, [params] * seqs)
+            assert compiled.steps > before
+    assert not compiled._eager_rows
+
+
+def test_compile_setting():
+    with pytest.raises(InvalidSettingError, match="compile"):
+        Engine(model="unused", compile="yes")
+    assert compile_enabled("on", torch.device("cpu"))
+    assert not compile_enabled("auto", torch.device("cpu"))
+    assert compile_enabled("auto", torch.device("cuda"))
+    assert not compile_enabled("off", torch.device("cuda"))
+
+
+def test_compiled_decode_on_smollm2():
+    path = require_smollm2()
+    kw = dict(model=str(path), kv_cache_memory_bytes=64 << 20, max_num_seqs=4)
+    eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)
+    ids = eager.tokenizer.encode("The three primary colours are red, yellow and")
+    prompts = [ids, ids[:5], ids[2:]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+    assert _run(compiled, prompts, params) == _run(eager, prompts, params)
+    assert compiled.runner.compiled.steps > 0
