@@ -155,7 +155,7 @@ def fuse_projections(model: nn.Module) -> int:
     weights (a memory-mapped checkpoint's pages of those tensors are then left to the OS).
     """
     count = 0
-    for module in model.modules():
+    for module in list(model.modules()):  # a list: the loop replaces children
         if isinstance(module, Attention) and module.qkv_proj is None:
             module.qkv_proj = _concat([module.q_proj, module.k_proj, module.v_proj])
             del module.q_proj, module.k_proj, module.v_proj

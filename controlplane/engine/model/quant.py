@@ -144,7 +144,6 @@ class Int8Linear(nn.Module):
         # multiply its output. Rounded to bf16 (8 mantissa bits) a row's scale is off by up to
         # 0.4%, the same for every logit of that token: on SmolLM2 perplexity rose 0.59% with
         # bf16 scales, 0.44% with float32 ones (tests/data/perplexity.txt).
-        self.float_scales = float_scales
         scales_dtype = torch.float32 if float_scales else self.act_dtype
         self.register_buffer("scales", weight.scales.to(scales_dtype))
         unit = torch.ones_like(self.scales, dtype=self.act_dtype) if float_scales else None
