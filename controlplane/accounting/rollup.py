@@ -199,6 +199,21 @@ class RequestGroup:
     def computed(self) -> int:
         return self.prompt - self.cached + self.completion
 
+    def columns(self) -> dict[str, Any]:
+        """The cost rollup's columns that come from the requests alone (the stored rollup and
+        the report's live view of the current hour both write these)."""
+        return {
+            "requests_succeeded": self.succeeded,
+            "requests_failed": self.failed,
+            "prompt_tokens": self.prompt,
+            "cached_prompt_tokens": self.cached,
+            "completion_tokens": self.completion,
+            "list_cost_usd": self.list_cost,
+            "cache_savings_usd": self.cache_savings,
+            "list_usd_per_mtok_prompt": ratio(self.prompt_side * 1e6, self.prompt),
+            "list_usd_per_mtok_completion": ratio(self.completion_side * 1e6, self.completion),
+        }
+
 
 @dataclass(slots=True)
 class _Hour:
@@ -378,16 +393,8 @@ def _hour_rows(
                 **common,
                 "model": model,
                 "api_key_name": key,
-                "requests_succeeded": g.succeeded,
-                "requests_failed": g.failed,
-                "prompt_tokens": g.prompt,
-                "cached_prompt_tokens": g.cached,
-                "completion_tokens": g.completion,
-                "list_cost_usd": g.list_cost,
-                "cache_savings_usd": g.cache_savings,
+                **g.columns(),
                 "gpu_cost_usd": gpu_cost,
-                "list_usd_per_mtok_prompt": ratio(g.prompt_side * 1e6, g.prompt),
-                "list_usd_per_mtok_completion": ratio(g.completion_side * 1e6, g.completion),
                 "gpu_usd_per_mtok_prompt": gpu_rate,
                 "gpu_usd_per_mtok_completion": gpu_rate,
             }
