@@ -30,6 +30,7 @@ How to run
     python -m benchmarks.decode_latency                     # ~5 minutes, 3 repeats
     python -m benchmarks.decode_latency --repeats 1 --contenders transformers
     python -m benchmarks.decode_latency --json /tmp/decode.json
+    python -m benchmarks.decode_latency --contenders engine --engine compile=on
 
 The checkpoint is generated once into ``.bench/llama-1b`` (repo root; ~2.2 GB: config.json,
 model.safetensors written directly with safetensors from a seeded torch.Generator, plus the
@@ -323,7 +324,9 @@ class _StepTimer:
 class EngineContender:
     name = "engine"
 
-    def __init__(self, model_dir: Path, dtype: str, kv_bytes: int) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, kv_bytes: int, overrides: dict[str, Any]
+    ) -> None:
         from controlplane.engine import LLM, SamplingParams
 
         self._params = SamplingParams
@@ -334,6 +337,7 @@ class EngineContender:
             device="cpu",
             max_num_seqs=1,
             kv_cache_memory_bytes=kv_bytes,
+            **overrides,
         )
         log(f"  [engine] LLM constructed in {time.perf_counter() - t0:.1f}s")
         self.weight_bytes, self.weight_dtype = loaded_weight_bytes(self.llm.engine.model)
@@ -442,6 +446,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads"
     )
+    p.add_argument(
+        "--engine",
+        default="",
+        help="engine settings overrides, e.g. compile=on (key=value, comma-separated)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write summary JSON")
     args = p.parse_args(argv)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
@@ -496,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
                     errors[name] = f"import controlplane.engine failed: {exc!r}"
                     log(f"[engine] SKIPPED: {errors[name]}")
                     continue
+                from benchmarks.llamacpp_tools import parse_overrides
+
                 contenders[name] = EngineContender(
-                    model_dir, args.dtype, args.kv_cache_memory_bytes
+                    model_dir, args.dtype, args.kv_cache_memory_bytes, parse_overrides(args.engine)
                 )
             else:
                 contenders[name] = TransformersContender(model_dir, args.dtype)
