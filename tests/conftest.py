@@ -10,9 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
+
+# Triton kernels run on a CPU only under its interpreter, chosen when triton is first
+# imported, and torch.compile imports triton whenever it is installed: so the whole session
+# says it up front (where no GPU runs the kernels natively).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 PG_ADMIN_URL = os.environ.get(
     "CONTROLPLANE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"

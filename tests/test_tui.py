@@ -313,6 +313,7 @@ def fake_stats(i: int) -> dict[str, Any]:
             "kv_cache_blocks": 1024,
             "quantization": "int8",
             "dtype": "float32",
+            "kv_cache_dtype": "int8",
         },
     }
 

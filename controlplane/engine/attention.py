@@ -141,35 +141,31 @@ class TorchPagedAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        self.kv.write(layer, meta.slot_mapping, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k.shape[1]
         group = num_heads // kv_heads
-        k_blocks = k_cache.view(-1, self.block_size, kv_heads, head_dim)
-        v_blocks = v_cache.view(-1, self.block_size, kv_heads, head_dim)
         out = torch.empty_like(q)
         for b in meta.decodes:
             n = b.end - b.start
             # q: [n, Hkv, group, D] (a group's heads act as `group` queries); k/v: [n, Hkv, L, D]
-            kd = k_blocks.index_select(0, b.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            vd = v_blocks.index_select(0, b.blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            kd, vd = self.kv.read_blocks(layer, b.blocks, q.dtype)
+            kd = kd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            vd = vd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
             qd = q[b.start : b.end].view(n, kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.mask)
             out[b.start : b.end] = o.reshape(n, num_heads, head_dim)
         for p in meta.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if p.context_blocks is None:
-                kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
-                vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                kp = self.kv.as_stored(k[p.start : p.end]).transpose(0, 1).unsqueeze(0)
+                vp = self.kv.as_stored(v[p.start : p.end]).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
                 ctx = p.context_len
-                kp = k_blocks.index_select(0, p.context_blocks).view(-1, kv_heads, head_dim)[:ctx]
-                vp = v_blocks.index_select(0, p.context_blocks).view(-1, kv_heads, head_dim)[:ctx]
-                kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-                vp = vp.transpose(0, 1).unsqueeze(0)
+                kp, vp = self.kv.read_blocks(layer, p.context_blocks, q.dtype)
+                kp = kp[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+                vp = vp[:ctx].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from controlplane.engine.attention import AttentionBackend, TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.gguf.known import resolve_model_path
-from controlplane.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from controlplane.engine.kv_cache import STORAGE_DTYPES, KVCache, KVCacheSpec, plan_num_blocks
 from controlplane.engine.loader import load_model, load_tokenizer
 from controlplane.engine.model.config import ModelConfig, load_model_config
 from controlplane.engine.model.linear import auto_dtype
@@ -52,6 +53,30 @@ class EngineParts:
     draft: DraftModel | None
 
 
+def make_backend(name: str, kv_cache: KVCache, device: torch.device) -> AttentionBackend:
+    """The `engine.attention_backend` setting's backend: auto is Triton on CUDA (when the
+    triton package is installed: it is an optional extra) and torch elsewhere."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                log.warning("attention_backend auto: triton is not installed, using torch")
+            else:
+                name = "triton"
+    if name == "torch":
+        return TorchPagedAttention(kv_cache)
+    if device.type == "cpu":
+        log.warning(
+            "attention_backend triton on CPU: Triton's interpreter runs the kernels, "
+            "for tests and debugging only (orders of magnitude slower than torch)"
+        )
+    from controlplane.engine.triton_attention import TritonPagedAttention
+
+    return TritonPagedAttention(kv_cache)  # turns the interpreter on for a CPU cache
+
+
 def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> QuantConfig:
     """What `quantization` (auto, none, int8, int4) means for a checkpoint stored as `cfg` says.
 
@@ -80,6 +105,10 @@ def build(s: EngineSettings) -> EngineParts:
     model_dir = resolve_model_path(s.model)  # a directory, a .gguf file, or an alias
     cfg = load_model_config(model_dir)
     device = resolve_device(s.device)
+    if s.attention_backend == "triton" and device.type == "cpu":
+        from controlplane.engine.triton_attention import ensure_interpreter_on_cpu
+
+        ensure_interpreter_on_cpu(device)  # before loading: torch itself imports triton
     quant = quant_config(s.quantization, s, cfg)
     # Explicit values were validated against DTYPES; "auto" is what this device runs fast.
     if s.dtype == "auto":
@@ -109,7 +138,8 @@ def build(s: EngineSettings) -> EngineParts:
         device,
         time.perf_counter() - t0,
     )
-    spec = KVCacheSpec.for_model(cfg, s.block_size, dtype)
+    kv_dtype = STORAGE_DTYPES.get(s.kv_cache_dtype, dtype)  # auto: the model's dtype
+    spec = KVCacheSpec.for_model(cfg, s.block_size, kv_dtype)
     draft_cfg = draft_spec = None
     share = 1.0  # of the KV budget, for the target's cache
     if s.speculative_draft_model:
@@ -121,7 +151,7 @@ def build(s: EngineSettings) -> EngineParts:
                 f"vocabulary of {draft_cfg.vocab_size} tokens; the target's has "
                 f"{cfg.vocab_size} (the draft must share the target's tokenizer)",
             )
-        draft_spec = KVCacheSpec.for_model(draft_cfg, s.block_size, dtype)
+        draft_spec = KVCacheSpec.for_model(draft_cfg, s.block_size, kv_dtype)
         # One budget, split so that both caches hold the same number of tokens.
         share = spec.bytes_per_block / (spec.bytes_per_block + draft_spec.bytes_per_block)
     num_blocks, why = plan_num_blocks(

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from controlplane.engine.attention import TorchPagedAttention
-from controlplane.engine.build import build
+from controlplane.engine.build import build, make_backend
 from controlplane.engine.compiled import CompiledDecode, compile_enabled
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
@@ -66,9 +65,9 @@ class Engine:
         self.scheduler = Scheduler(s, self.block_pool, self.swap_pool, s.block_size)
         self.draft: DraftModel | None = parts.draft
         self.scheduler.draft = self.draft
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, TorchPagedAttention(self.kv_cache), self.device
-        )
+        backend = make_backend(s.attention_backend, self.kv_cache, self.device)
+        log.info("attention: %s", type(backend).__name__)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
         if compile_enabled(s.compile, self.device):
             self.runner.compiled = CompiledDecode(self.model)
             self.runner.compiled.warm_up(self.runner.backend, self.device)

@@ -24,6 +24,8 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PREFIX_CACHE_ISOLATIONS = ("key", "none")
 COMPILE_MODES = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
@@ -47,6 +49,18 @@ class EngineSettings:
     )
     device: str = _restart("auto (cuda if available), cpu or cuda.", "auto")
     block_size: int = _restart("Tokens per KV block.", 16)
+    kv_cache_dtype: str = _restart(
+        "KV cache storage: auto (the model's dtype), float32, bfloat16, float16, or 8 bits: "
+        "int8 or fp8_e4m3, with a float32 scale per token and KV head (2x the blocks of a "
+        "16-bit cache in the same memory, less the scales; perplexity within 1%).",
+        "auto",
+    )
+    attention_backend: str = _restart(
+        "Paged attention kernels: auto (triton on CUDA, torch elsewhere), torch (runs "
+        "anywhere), triton (needs the triton package; on CPU it runs under Triton's "
+        "interpreter, for tests and debugging only: very slow).",
+        "auto",
+    )
     kv_cache_memory_bytes: int = _restart("KV cache budget on CPU, in bytes.", 1 << 30)
     gpu_memory_utilization: float = _restart(
         "KV cache budget on GPU: fraction of free memory.", 0.8
@@ -196,6 +210,8 @@ def check(settings: EngineSettings) -> EngineSettings:
         )
     _bool("quantize_lm_head", s.quantize_lm_head)
     _choice("compile", s.compile, COMPILE_MODES)
+    _choice("kv_cache_dtype", s.kv_cache_dtype, KV_CACHE_DTYPES)
+    _choice("attention_backend", s.attention_backend, ATTENTION_BACKENDS)
     _int("max_num_seqs", s.max_num_seqs, 1, 4096)
     _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
     _int("prefill_chunk_size", s.prefill_chunk_size, 1, 1 << 20)

@@ -149,11 +149,13 @@ class MemoryUse:
     kv_cache_bytes: int  # the device KV cache (swap space excluded)
     kv_cache_blocks: int
     quantization: str
-    dtype: str  # of activations, KV cache and the float weights
+    dtype: str  # of activations and the float weights
+    kv_cache_dtype: str  # the KV cache's storage: dtype, or int8 / float8_e4m3fn (with scales)
 
     def describe(self) -> str:
         quant = "" if self.quantization == "none" else f", {self.quantization} linears"
         return (
-            f"weights {self.weights_bytes / 2**20:.1f} MiB ({self.dtype}{quant}), "
-            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_blocks} blocks)"
+            f"weights {self.weights_bytes / 2**20:.1f} MiB ({self.dtype}{quant}), KV cache "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_blocks} blocks, "
+            f"{self.kv_cache_dtype})"
         )

@@ -215,6 +215,7 @@ class KVPanel(Panel):
         self.query_one("#kv-memory", Static).update(
             f"weights [b]{fmt_bytes(mem.get('weights_bytes'))}[/]  "
             f"KV [b]{fmt_bytes(mem.get('kv_cache_bytes'))}[/]"
+            + (f" {mem['kv_cache_dtype']}" if mem.get("kv_cache_dtype") else "")
         )
 
 

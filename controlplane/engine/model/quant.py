@@ -400,4 +400,5 @@ def memory_use(
         num_blocks,
         quantization,
         str(dtype).removeprefix("torch."),
+        str(spec.dtype).removeprefix("torch."),
     )

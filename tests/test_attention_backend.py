@@ -1,0 +1,101 @@
+"""engine.attention_backend: which backend each setting gives, that the CPU daemon never imports
+triton, and the Triton kernels (under the interpreter) serving whole engines: greedy outputs
+token-identical to the torch backend for 16 concurrent mixed requests under chunked prefill,
+recompute and swap preemption, prefix hits, speculation and an 8-bit cache. The kernels
+themselves are tested in tests/test_triton_attention.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from controlplane.engine import Engine, SamplingParams
+from controlplane.engine.attention import TorchPagedAttention
+from controlplane.engine.build import make_backend
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.kv_cache import KVCache, KVCacheSpec
+from tests.conftest import run_to_end
+
+CPU = torch.device("cpu")
+
+
+def test_setting_and_choice():
+    with pytest.raises(InvalidSettingError, match="attention_backend"):
+        Engine(model="unused", attention_backend="flash")
+    kv = KVCache(KVCacheSpec(1, 1, 16, 16, torch.float32), 2, 0, CPU)
+    assert type(make_backend("auto", kv, CPU)) is TorchPagedAttention
+    assert type(make_backend("torch", kv, CPU)) is TorchPagedAttention
+
+
+def test_the_default_cpu_engine_never_loads_the_triton_backend(tiny_model_dir):
+    # (torch itself imports the triton package when it is installed: what matters is that
+    # the CPU engine neither needs it nor loads our kernels.)
+    code = (
+        "import sys; from controlplane.engine import Engine; "
+        f"e = Engine(model={str(tiny_model_dir)!r}, kv_cache_memory_bytes=1 << 20); "
+        "print(type(e.runner.backend).__name__); "
+        "sys.exit('controlplane.engine.triton_attention' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, f"the engine loaded the kernels\n{result.stderr[-2000:]}"
+    assert result.stdout.strip().endswith("TorchPagedAttention")
+
+
+def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
+    prompts = []
+    for i in range(16):
+        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
+        prompts.append(shared + own if i % 2 else own)  # every other one: a prefix hit
+    params = [
+        SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True) for i in range(16)
+    ]
+    return prompts, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, preemption, kv_dtype",
+    [("llama", "recompute", "auto"), ("mistral", "swap", "auto"), ("qwen2", "swap", "int8")],
+)
+def test_triton_engine_gives_the_torch_tokens(kind, preemption, kv_dtype, hf_model_dirs):
+    pytest.importorskip("triton")
+    kw = dict(
+        model=str(hf_model_dirs[kind]),
+        dtype="float32",
+        kv_cache_dtype=kv_dtype,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=32,
+        num_kv_blocks=40,  # 640 slots for 16 sequences of up to ~130 tokens: preemption
+        block_size=16,
+        preemption_mode=preemption,
+    )
+    ref, tri = Engine(attention_backend="torch", **kw), Engine(attention_backend="triton", **kw)
+    assert type(tri.runner.backend).__name__ == "TritonPagedAttention"
+    prompts, params = _workload(ref.model_config.vocab_size)
+    assert run_to_end(tri, prompts, params) == run_to_end(ref, prompts, params)
+    assert tri.scheduler.num_preemptions > 0
+    assert tri.stats().prefix_cache_hits_total > 0
+
+
+@pytest.mark.slow
+def test_triton_engine_with_speculation(hf_model_dirs):
+    pytest.importorskip("triton")
+    kw = dict(model=str(hf_model_dirs["qwen2"]), dtype="float32", max_num_seqs=4)
+    ref, tri = Engine(attention_backend="torch", **kw), Engine(attention_backend="triton", **kw)
+    for eng in (ref, tri):
+        eng.update_settings(
+            speculative_method="ngram", speculative_num_tokens=3, speculative_ngram_min=1
+        )
+    # Three prompts of 300 distinct tokens and 1-gram matching: a sampled token is often in
+    # the prompt, so drafts are proposed at many steps (and mostly rejected: verification).
+    perm = (torch.randperm(900, generator=torch.Generator().manual_seed(2)) + 3).tolist()
+    prompts = [perm[:300], perm[300:600], perm[600:]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+    assert run_to_end(tri, prompts, params) == run_to_end(ref, prompts, params)
+    assert tri.stats().spec_decode_num_draft_tokens_total > 0
