@@ -16,8 +16,8 @@ another graph (a shape or dtype never seen) never compiles in the hot path. Live
 `max_rows` run eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the one shape
 branch inside the model.
 
-The same seam is where CUDA graphs capture the step on a GPU (the GPU issue); torch.compile's
-graph is device-neutral, so what compiles on CPU compiles on CUDA.
+On a GPU, `cuda_graphs.CudaGraphDecode` captures this step as CUDA graphs for padded batch
+sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles on CUDA.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ from controlplane.engine.attention import (
     attention_step,
 )
 from controlplane.engine.model.llama import CausalLM
+from controlplane.engine.settings import MAX_DECODE_ROWS
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 32  # below Int8Linear.dequant_min_rows (64): no shape branch in the graph
+# 32: below Int8Linear.dequant_min_rows (64), so no shape branch in the graph. Defined in the
+# torch-free settings module, which validates cuda_graph_max_rows against it.
+MAX_ROWS = MAX_DECODE_ROWS
 
 
 class CompiledDecode:

@@ -12,12 +12,20 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from controlplane.engine.build import build, make_backend
 from controlplane.engine.compiled import CompiledDecode, compile_enabled
+from controlplane.engine.cuda_graphs import (
+    CudaGraphDecode,
+    Replayer,
+    cuda_replayers,
+    eager_step,
+    graphs_enabled,
+)
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
@@ -43,7 +51,15 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class Engine:
-    def __init__(self, settings: EngineSettings | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings | None = None,
+        *,
+        graph_replayers: Callable[[], Replayer] | None = None,
+        **overrides: Any,
+    ) -> None:
+        """`graph_replayers` (tests): capture decode steps with these replayers whatever
+        `cuda_graphs` says, e.g. `CallAgain` on a CPU (see cuda_graphs.py)."""
         unknown = set(overrides) - set(EngineSettings.field_names())
         if unknown:
             key = sorted(unknown)[0]
@@ -71,6 +87,19 @@ class Engine:
         if compile_enabled(s.compile, self.device):
             self.runner.compiled = CompiledDecode(self.model)
             self.runner.compiled.warm_up(self.runner.backend, self.device)
+        compiled = self.runner.compiled
+        if graph_replayers is not None or graphs_enabled(
+            s.cuda_graphs, self.device, backend, compiled is not None
+        ):
+            self.runner.graphs = CudaGraphDecode(
+                compiled or eager_step(self.model),
+                backend,  # Triton's: graphs_enabled checks it, tests forcing replayers use it
+                s.cuda_graph_max_rows,
+                -(-self.max_model_len // s.block_size),
+                self.device,
+                graph_replayers or cuda_replayers(),
+            )
+            self.runner.graphs.capture()
         self.sampler = Sampler(s.seed, self.device)
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, s.grammar_cache_size)
         self.masks = MaskBatch(cfg.vocab_size)

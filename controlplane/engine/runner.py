@@ -6,6 +6,7 @@ import torch
 
 from controlplane.engine.attention import AttentionBackend, SeqSpan
 from controlplane.engine.compiled import CompiledDecode
+from controlplane.engine.cuda_graphs import CudaGraphDecode
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -27,6 +28,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.compiled: CompiledDecode | None = None  # set (and warmed up) by the engine
+        self.graphs: CudaGraphDecode | None = None  # set (and captured) by the engine
         # Tests set this to a list to receive (request_id, positions, logits) for every row
         # of every step, prefill-chunk rows included; None in production (no extra work).
         self.trace: list[tuple[str, list[int], torch.Tensor]] | None = None
@@ -61,16 +63,11 @@ class ModelRunner:
             if samples(item):  # each draft token's row verifies the next draft too
                 logits_rows += range(len(input_ids) - 1 - len(drafts), len(input_ids))
                 samplers.append(seq)
-        meta = self.backend.prepare(spans, self.device)
-        dev = self.device
         rows = list(range(len(input_ids))) if self.trace is not None else logits_rows
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        if self.compiled is not None and self.compiled.applies(meta, len(input_ids)):
-            logits = self.compiled(ids_t, pos_t, rows_t, self.backend, meta)
+        if self.graphs is not None and self.graphs.applies(spans):
+            logits = self.graphs(input_ids, positions, spans, rows)
         else:
-            logits = self.model(ids_t, pos_t, self.backend, meta, rows_t)
+            logits = self._forward(input_ids, positions, spans, rows)
         if self.trace is not None:
             row = 0
             for item in step.scheduled:
@@ -81,3 +78,16 @@ class ModelRunner:
                 row += n
             logits = logits[logits_rows]
         return logits, samplers
+
+    def _forward(
+        self, input_ids: list[int], positions: list[int], spans: list[SeqSpan], rows: list[int]
+    ) -> torch.Tensor:
+        """A step without a graph: compiled when the compiled step applies, else eager."""
+        meta = self.backend.prepare(spans, self.device)
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        if self.compiled is not None and self.compiled.applies(meta, len(input_ids)):
+            return self.compiled(ids_t, pos_t, rows_t, self.backend, meta)
+        return self.model(ids_t, pos_t, self.backend, meta, rows_t)

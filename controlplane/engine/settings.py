@@ -24,6 +24,10 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PREFIX_CACHE_ISOLATIONS = ("key", "none")
 COMPILE_MODES = ("auto", "on", "off")
+CUDA_GRAPH_MODES = ("auto", "off")
+# The compiled decode step's largest batch (compiled.MAX_ROWS; here because settings stay
+# torch-free and cuda_graph_max_rows is checked against it).
+MAX_DECODE_ROWS = 32
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MAX_SPECULATIVE_TOKENS = 16
@@ -95,6 +99,19 @@ class EngineSettings:
         "and 1.06-1.14x at 4 and 16 sequences, for 11-53 s of warm-up at start). Warm-up "
         "compiles at start; later steps never compile.",
         "auto",
+    )
+    cuda_graphs: str = _restart(
+        "CUDA graphs for decode steps: auto (captured once at start on CUDA when "
+        "attention_backend is triton and the decode step is compiled; off otherwise) or off. "
+        "Replaying a graph saves the per-kernel launch cost of every step.",
+        "auto",
+    )
+    cuda_graph_max_rows: int = _restart(
+        f"Largest decode batch captured as a CUDA graph (1 to {MAX_DECODE_ROWS}): batch sizes "
+        "1, 2, 4, 8, 16, 24, 32 below it, and it, are captured at start (a step pads to the "
+        "next one); larger decode steps, e.g. after max_num_seqs is raised, run compiled "
+        "without a graph.",
+        MAX_DECODE_ROWS,
     )
     speculative_draft_model: str = _restart(
         "Draft model for speculative_method = draft: a path like `model` (safetensors "
@@ -210,6 +227,8 @@ def check(settings: EngineSettings) -> EngineSettings:
         )
     _bool("quantize_lm_head", s.quantize_lm_head)
     _choice("compile", s.compile, COMPILE_MODES)
+    _choice("cuda_graphs", s.cuda_graphs, CUDA_GRAPH_MODES)
+    _int("cuda_graph_max_rows", s.cuda_graph_max_rows, 1, MAX_DECODE_ROWS)
     _choice("kv_cache_dtype", s.kv_cache_dtype, KV_CACHE_DTYPES)
     _choice("attention_backend", s.attention_backend, ATTENTION_BACKENDS)
     _int("max_num_seqs", s.max_num_seqs, 1, 4096)

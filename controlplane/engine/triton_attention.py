@@ -29,6 +29,7 @@ triton lazily (on the first `TritonPagedAttention`), after `ensure_interpreter_o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -394,6 +395,67 @@ class TritonPagedAttention(AttentionBackend):
             num_decodes=num_decodes,
             num_partitions=max(1, -(-decode_span // PARTITION)),
             max_query_len=max(q_lens[num_decodes:], default=0),
+        )
+
+    def static_decode_metadata(
+        self, sizes: list[int], max_blocks_per_seq: int, device: torch.device
+    ) -> dict[int, TritonAttentionMetadata]:
+        """Decode-only metadata for each batch size in `sizes`, for CUDA graphs: views of the
+        first rows of one set of tensors (max(sizes) padding rows) that never move, refilled
+        in place by `prepare_into`. The block-table width, and with it the decode grid, is
+        fixed by `max_blocks_per_seq`."""
+        rows = max(sizes)
+        full = TritonAttentionMetadata(
+            slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=device),
+            query_start=torch.arange(rows + 1, dtype=torch.int32, device=device),
+            query_lens=torch.ones(rows, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(rows, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((rows, max_blocks_per_seq), dtype=torch.int32, device=device),
+            num_decodes=rows,
+            num_partitions=max(1, -(-max_blocks_per_seq * self.block_size // PARTITION)),
+            max_query_len=0,
+        )
+        return {
+            n: dataclasses.replace(
+                full,
+                slot_mapping=full.slot_mapping[:n],
+                query_start=full.query_start[: n + 1],
+                query_lens=full.query_lens[:n],
+                seq_lens=full.seq_lens[:n],
+                block_tables=full.block_tables[:n],
+                num_decodes=n,
+            )
+            for n in sizes
+        }
+
+    def prepare_into(self, meta: TritonAttentionMetadata, spans: list[SeqSpan]) -> None:
+        """Refill decode-only `meta` (from `static_decode_metadata`) in place for `spans`,
+        single-token ones, at most `meta.num_decodes` of them; the rows after
+        them become padding: slot -1 (writes nothing) and one key, slot 0 of block 0 (the
+        reduce assumes every row has a key). Shapes and `num_partitions` stay as they are.
+
+        Only the block-table columns the longest context uses are written: the kernels read
+        no column past those a row's own `seq_len` covers, so older entries there are harmless."""
+        bs = self.block_size
+        pad = meta.num_decodes - len(spans)
+        ctx = [s.context_len for s in spans] + [1] * pad
+        width = max(-(-c // bs) for c in ctx)
+        if width > meta.block_tables.shape[1]:
+            raise ValueError(
+                f"a context of {max(ctx)} tokens exceeds {meta.block_tables.shape[1]} blocks"
+            )
+        tables: list[int] = []
+        slots: list[int] = []
+        for s in spans:
+            used = s.block_table[: -(-s.context_len // bs)]
+            tables += used + [0] * (width - len(used))
+            last = s.context_len - 1
+            slots.append(used[last // bs] * bs + last % bs)
+        tables += [0] * (width * pad)
+        meta.seq_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
+        meta.slot_mapping.copy_(torch.tensor(slots + [-1] * pad, dtype=torch.long))
+        meta.block_tables[:, :width].copy_(
+            torch.tensor(tables, dtype=torch.int32).view(meta.num_decodes, width)
         )
 
     def _layer_cache(
