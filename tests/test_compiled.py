@@ -18,23 +18,9 @@ from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.compiled import compile_enabled
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
-from tests.conftest import require_smollm2, run_to_end
+from tests.conftest import mixed_workload, require_smollm2, run_to_end
 
 pytestmark = pytest.mark.slow
-
-
-def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    gen = torch.Generator().manual_seed(3)
-    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
-    prompts = []
-    for i in range(16):
-        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
-        # Every other prompt starts with the same 40 tokens: prefix-cache hits.
-        prompts.append(shared + own if i % 2 else own)
-    params = [
-        SamplingParams(max_tokens=12 + i, temperature=0.0, ignore_eos=True) for i in range(16)
-    ]
-    return prompts, params
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
@@ -53,7 +39,7 @@ def test_compiled_decode_gives_the_eager_tokens(kind, preemption, hf_model_dirs)
     eager = Engine(compile="off", **kw)
     compiled = Engine(compile="on", **kw)
     assert eager.runner.compiled is None and compiled.runner.compiled is not None
-    prompts, params = _workload(eager.model_config.vocab_size)
+    prompts, params = mixed_workload(eager.model_config.vocab_size, 3, 12)
     assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
     assert compiled.runner.compiled.steps > 0  # decode-only steps ran compiled
     assert compiled.scheduler.num_preemptions > 0

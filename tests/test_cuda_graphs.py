@@ -21,7 +21,7 @@ from controlplane.engine.cuda_graphs import CallAgain, CudaGraphDecode, graphs_e
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from controlplane.engine.triton_attention import PARTITION, TritonPagedAttention
-from tests.conftest import run_to_end
+from tests.conftest import mixed_workload, run_to_end
 
 pytest.importorskip("triton")
 
@@ -135,19 +135,6 @@ def test_settings_and_when_auto_captures(tiny_model_dir):
     assert Engine(model=str(tiny_model_dir), kv_cache_memory_bytes=1 << 20).runner.graphs is None
 
 
-def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    gen = torch.Generator().manual_seed(7)
-    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
-    prompts = []
-    for i in range(16):
-        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
-        prompts.append(shared + own if i % 2 else own)  # every other one: a prefix hit
-    params = [
-        SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True) for i in range(16)
-    ]
-    return prompts, params
-
-
 # 16 sequences, chunked prefill, 640 KV slots for up to ~130 tokens each: recompute preemption.
 MIXED = dict(
     dtype="float32",
@@ -168,7 +155,7 @@ def test_replayed_decode_gives_the_plain_engine_tokens(hf_model_dirs):
     kw = dict(model=str(hf_model_dirs["llama"]), cuda_graph_max_rows=8, **MIXED)
     plain, graphed = Engine(**kw), Engine(graph_replayers=CallAgain, **kw)
     assert plain.runner.graphs is None and graphed.runner.graphs.sizes == [1, 2, 4, 8]
-    prompts, params = _workload(plain.model_config.vocab_size)
+    prompts, params = mixed_workload(plain.model_config.vocab_size, 7, 10)
     assert run_to_end(graphed, prompts, params) == run_to_end(plain, prompts, params)
     assert graphed.runner.graphs.replays > 0
     assert graphed.scheduler.num_preemptions > 0
@@ -202,7 +189,7 @@ def test_gpu_capture_at_start_and_replay_gives_the_compiled_tokens(hf_model_dirs
     assert plain.runner.graphs is None and graphs is not None
     assert graphs.sizes == [1, 2, 4, 8, 16, 24, 32] and graphs.captures == 7
     assert graphs.capture_s > 0
-    prompts, params = _workload(plain.model_config.vocab_size)
+    prompts, params = mixed_workload(plain.model_config.vocab_size, 7, 10)
     assert run_to_end(graphed, prompts, params) == run_to_end(plain, prompts, params)
     assert graphs.replays > 0 and graphs.captures == 7
     assert not graphed.runner.compiled._eager_rows  # the captures ran the compiled graphs

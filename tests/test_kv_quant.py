@@ -16,7 +16,7 @@ import torch
 from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec, dequantize_kv, quantize_kv
-from tests.conftest import require_smollm2, run_to_end
+from tests.conftest import mixed_workload, require_smollm2, run_to_end
 from tests.test_quant import TEXT, _perplexity, _prefill_logits
 
 EIGHT_BIT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -70,19 +70,6 @@ def test_swap_and_copy_move_values_and_scales(name):
         assert ((got[0] - x).abs() <= x.abs().amax(-1, keepdim=True) / 16).all()
 
 
-def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    gen = torch.Generator().manual_seed(7)
-    shared = torch.randint(3, vocab - 8, (40,), generator=gen).tolist()
-    prompts = []
-    for i in range(16):
-        own = torch.randint(3, vocab - 8, (2 + 5 * i,), generator=gen).tolist()
-        prompts.append(shared + own if i % 2 else own)  # every other one: a prefix hit
-    params = [
-        SamplingParams(max_tokens=12 + i, temperature=0.0, ignore_eos=True) for i in range(16)
-    ]
-    return prompts, params
-
-
 @pytest.mark.parametrize("name", sorted(EIGHT_BIT))
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preemption_chunking_and_prefix_hits_do_not_change_8bit_outputs(
@@ -100,7 +87,7 @@ def test_preemption_chunking_and_prefix_hits_do_not_change_8bit_outputs(
         block_size=16,
         preemption_mode=preemption,
     )
-    prompts, params = _workload(ref.model_config.vocab_size)
+    prompts, params = mixed_workload(ref.model_config.vocab_size, 7, 12)
     assert run_to_end(tight, prompts, params) == run_to_end(ref, prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert tight.stats().prefix_cache_hits_total > 0
