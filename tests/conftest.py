@@ -57,6 +57,24 @@ def run_to_end(engine: Any, prompts: list[list[int]], params: list[Any]) -> list
     return [done[i] for i in ids]
 
 
+# The engine settings mixed_workload runs under in equivalence tests: 16 sequences at once,
+# chunked prefill, and 640 KV slots for sequences of up to ~130 tokens: preemption.
+MIXED_ENGINE = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=64,
+    prefill_chunk_size=32,
+    num_kv_blocks=40,
+    block_size=16,
+)
+
+
+def speculation_prompts() -> list[list[int]]:
+    """Three prompts of 300 distinct tokens: with 1-gram matching a sampled token is often in
+    the prompt, so drafts are proposed at many steps (and mostly rejected: verification)."""
+    perm = (torch.randperm(900, generator=torch.Generator().manual_seed(2)) + 3).tolist()
+    return [perm[:300], perm[300:600], perm[600:]]
+
+
 def mixed_workload(vocab: int, seed: int, first_max_tokens: int) -> tuple[list[list[int]], Any]:
     """16 greedy requests (EOS ignored) for engine-equivalence tests: prompts of 2 to 77 own
     tokens, every other one behind the same 40-token prefix (prefix-cache hits), request i

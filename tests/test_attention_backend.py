@@ -17,7 +17,7 @@ from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.build import make_backend
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
-from tests.conftest import mixed_workload, run_to_end
+from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end, speculation_prompts
 
 CPU = torch.device("cpu")
 
@@ -55,11 +55,7 @@ def test_triton_engine_gives_the_torch_tokens(kind, preemption, kv_dtype, hf_mod
         model=str(hf_model_dirs[kind]),
         dtype="float32",
         kv_cache_dtype=kv_dtype,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        prefill_chunk_size=32,
-        num_kv_blocks=40,  # 640 slots for 16 sequences of up to ~130 tokens: preemption
-        block_size=16,
+        **MIXED_ENGINE,
         preemption_mode=preemption,
     )
     ref, tri = Engine(attention_backend="torch", **kw), Engine(attention_backend="triton", **kw)
@@ -79,10 +75,7 @@ def test_triton_engine_with_speculation(hf_model_dirs):
         eng.update_settings(
             speculative_method="ngram", speculative_num_tokens=3, speculative_ngram_min=1
         )
-    # Three prompts of 300 distinct tokens and 1-gram matching: a sampled token is often in
-    # the prompt, so drafts are proposed at many steps (and mostly rejected: verification).
-    perm = (torch.randperm(900, generator=torch.Generator().manual_seed(2)) + 3).tolist()
-    prompts = [perm[:300], perm[300:600], perm[600:]]
+    prompts = speculation_prompts()
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
     assert run_to_end(tri, prompts, params) == run_to_end(ref, prompts, params)
     assert tri.stats().spec_decode_num_draft_tokens_total > 0

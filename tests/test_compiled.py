@@ -18,7 +18,7 @@ from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.compiled import compile_enabled
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
-from tests.conftest import mixed_workload, require_smollm2, run_to_end
+from tests.conftest import MIXED_ENGINE, mixed_workload, require_smollm2, run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,7 @@ def test_compiled_decode_gives_the_eager_tokens(kind, preemption, hf_model_dirs)
     kw = dict(
         model=str(hf_model_dirs[kind]),
         dtype="float32",
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        prefill_chunk_size=32,
-        num_kv_blocks=40,  # 640 slots for 16 sequences of up to ~130 tokens: preemption
-        block_size=16,
+        **MIXED_ENGINE,
         preemption_mode=preemption,
     )
     eager = Engine(compile="off", **kw)

@@ -21,7 +21,7 @@ from controlplane.engine.cuda_graphs import CallAgain, CudaGraphDecode, graphs_e
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from controlplane.engine.triton_attention import PARTITION, TritonPagedAttention
-from tests.conftest import mixed_workload, run_to_end
+from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end
 
 pytest.importorskip("triton")
 
@@ -135,16 +135,8 @@ def test_settings_and_when_auto_captures(tiny_model_dir):
     assert Engine(model=str(tiny_model_dir), kv_cache_memory_bytes=1 << 20).runner.graphs is None
 
 
-# 16 sequences, chunked prefill, 640 KV slots for up to ~130 tokens each: recompute preemption.
 MIXED = dict(
-    dtype="float32",
-    attention_backend="triton",
-    max_num_seqs=16,
-    max_num_batched_tokens=64,
-    prefill_chunk_size=32,
-    num_kv_blocks=40,
-    block_size=16,
-    preemption_mode="recompute",
+    dtype="float32", attention_backend="triton", preemption_mode="recompute", **MIXED_ENGINE
 )
 
 

@@ -16,7 +16,13 @@ import torch
 from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec, dequantize_kv, quantize_kv
-from tests.conftest import mixed_workload, require_smollm2, run_to_end
+from tests.conftest import (
+    MIXED_ENGINE,
+    mixed_workload,
+    require_smollm2,
+    run_to_end,
+    speculation_prompts,
+)
 from tests.test_quant import TEXT, _perplexity, _prefill_logits
 
 EIGHT_BIT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -80,11 +86,7 @@ def test_preemption_chunking_and_prefix_hits_do_not_change_8bit_outputs(
     ref = Engine(**common, max_num_seqs=1, num_kv_blocks=400, enable_prefix_caching=False)
     tight = Engine(
         **common,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        prefill_chunk_size=32,
-        num_kv_blocks=40,  # 640 slots for 16 sequences of up to ~130 tokens: preemption
-        block_size=16,
+        **MIXED_ENGINE,
         preemption_mode=preemption,
     )
     prompts, params = mixed_workload(ref.model_config.vocab_size, 7, 12)
@@ -101,10 +103,7 @@ def test_speculation_on_an_8bit_cache_gives_the_plain_tokens(hf_model_dirs):
     spec.update_settings(
         speculative_method="ngram", speculative_num_tokens=3, speculative_ngram_min=1
     )
-    # Three prompts of 300 distinct tokens and 1-gram matching: a sampled token is often in
-    # the prompt, so drafts are proposed at many steps (and mostly rejected: verification).
-    perm = (torch.randperm(900, generator=torch.Generator().manual_seed(2)) + 3).tolist()
-    prompts = [perm[:300], perm[300:600], perm[600:]]
+    prompts = speculation_prompts()
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
     assert run_to_end(spec, prompts, params) == run_to_end(plain, prompts, params)
     assert spec.stats().spec_decode_num_draft_tokens_total > 0
