@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                     errors[name] = f"import controlplane.engine failed: {exc!r}"
                     log(f"[engine] SKIPPED: {errors[name]}")
                     continue
-                from benchmarks.llamacpp_tools import parse_overrides
+                from benchmarks.engine_overrides import parse_overrides
 
                 contenders[name] = EngineContender(
                     model_dir, args.dtype, args.kv_cache_memory_bytes, parse_overrides(args.engine)

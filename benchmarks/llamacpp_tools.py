@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.engine_overrides import parse_overrides
 from benchmarks.llamacpp_compare import gguf_model, log
 from benchmarks.quant_decode import make_prompt
 
@@ -117,17 +118,6 @@ def llama_batched(
 
 
 # -- the engine ---------------------------------------------------------------------------------
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    """`compile=on,dtype=float32` -> engine settings (ints, booleans and strings)."""
-    out: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        out[key.strip()] = (
-            int(value) if value.isdigit() else {"true": True, "false": False}.get(value, value)
-        )
-    return out
 
 
 class Engine:

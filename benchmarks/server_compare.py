@@ -38,8 +38,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.engine_overrides import parse_overrides
 from benchmarks.llamacpp_compare import gguf_model, log
-from benchmarks.llamacpp_tools import parse_overrides
 from controlplane.client.loadgen import LoadConfig, run_load
 from harness import DaemonProcess, free_port, write_config
 
