@@ -112,14 +112,13 @@ def test_speculation_on_an_8bit_cache_gives_the_plain_tokens(hf_model_dirs):
 def test_kv_cache_dtype_setting_and_block_count(tiny_model_dir):
     with pytest.raises(InvalidSettingError, match="kv_cache_dtype"):
         Engine(model=str(tiny_model_dir), kv_cache_dtype="int4")
-    budget = 8 << 20
-    full = Engine(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=budget)
-    eight = Engine(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        kv_cache_memory_bytes=budget,
-        kv_cache_dtype="int8",
+    # kv_cache_memory_bytes is the CPU's budget (a GPU's is gpu_memory_utilization).
+    kw = dict(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20
     )
+    budget = kw["kv_cache_memory_bytes"]
+    full = Engine(**kw)
+    eight = Engine(kv_cache_dtype="int8", **kw)
     d = full.model_config.head_dim
     assert eight.block_pool.num_blocks == budget // eight.kv_cache.spec.bytes_per_block
     # float32 values (4 bytes) against int8 values plus a float32 scale per head.

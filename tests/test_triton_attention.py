@@ -1,4 +1,5 @@
-"""The Triton paged-attention backend against the PyTorch one, under Triton's interpreter.
+"""The Triton paged-attention backend against the PyTorch one: under Triton's interpreter on a
+CPU, compiled for the GPU where one is (the same cases, the same tolerances).
 
 Random ragged batches (decode rows of 1 to ~3k context, on and off block and partition
 boundaries; prefill chunks with and without cached context; both mixed) for GQA ratios 1, 3,
@@ -11,14 +12,14 @@ the end of the module. Kernels run in Python under the interpreter: tensors stay
 from __future__ import annotations
 
 import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
 pytest.importorskip("triton")
 
@@ -31,6 +32,8 @@ from controlplane.engine.triton_attention import (
 )
 
 CPU = torch.device("cpu")
+# Where the kernels run: natively on a GPU, else interpreted on the CPU.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Max |triton - reference| / max |reference|, per case label. 16/32-bit: both sides round to
 # the dtype (bf16 keeps 8 mantissa bits: ~4e-3 per rounding near the max). 8-bit: the
@@ -80,8 +83,8 @@ class QuantKV:
     @classmethod
     def random(cls, spec: KVCacheSpec, num_blocks: int, gen: torch.Generator) -> QuantKV:
         shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
-        k, ks = quantize_kv(torch.randn(shape, generator=gen), spec.dtype)
-        v, vs = quantize_kv(torch.randn(shape, generator=gen), spec.dtype)
+        k, ks = quantize_kv(torch.randn(shape, generator=gen).to(DEV), spec.dtype)
+        v, vs = quantize_kv(torch.randn(shape, generator=gen).to(DEV), spec.dtype)
         return cls(spec, [k], [v], [ks], [vs])
 
 
@@ -107,7 +110,7 @@ def _qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random q [rows, heads, dim], k and v [rows, kv_heads, dim]; `fused`: as views of one
     [rows, heads + 2 * kv_heads, dim] tensor (a fused QKV projection's split: row-strided)."""
-    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen).to(DEV, dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     return (q, k, v) if fused else (q.contiguous(), k.contiguous(), v.contiguous())
 
@@ -134,9 +137,9 @@ def _check_16bit(
     gen = torch.Generator().manual_seed(seed)
     spans = _spans(ctx_rows, bs, gen)
     num_blocks = max(max(s.block_table) for s in spans) + 1
-    caches = [KVCache(KVCacheSpec(1, kv_heads, dim, bs, dtype), num_blocks, 0, CPU) for _ in "ab"]
-    k0 = torch.randn(caches[0].k[0].shape, generator=gen).to(dtype)
-    v0 = torch.randn(caches[0].v[0].shape, generator=gen).to(dtype)
+    caches = [KVCache(KVCacheSpec(1, kv_heads, dim, bs, dtype), num_blocks, 0, DEV) for _ in "ab"]
+    k0 = torch.randn(caches[0].k[0].shape, generator=gen).to(DEV, dtype)
+    v0 = torch.randn(caches[0].v[0].shape, generator=gen).to(DEV, dtype)
     k0[:bs] = v0[:bs] = 5.0  # padding block: any unmasked read of it shows in the output
     for c in caches:
         c.k[0].copy_(k0)
@@ -145,8 +148,8 @@ def _check_16bit(
     q, k, v = _qkv(rows, group * kv_heads, kv_heads, dim, dtype, gen, fused)
     ref_backend = TorchPagedAttention(caches[0])
     backend = TritonPagedAttention(caches[1], max_blocks_per_seq)
-    ref = ref_backend.forward(0, q, k, v, ref_backend.prepare(spans, CPU))
-    out = backend.forward(0, q, k, v, backend.prepare(spans, CPU))
+    ref = ref_backend.forward(0, q, k, v, ref_backend.prepare(spans, DEV))
+    out = backend.forward(0, q, k, v, backend.prepare(spans, DEV))
     assert out.dtype == dtype
     assert torch.equal(caches[0].k[0], caches[1].k[0])
     assert torch.equal(caches[0].v[0], caches[1].v[0])
@@ -173,7 +176,7 @@ def test_decode_only_one_partition(dtype: torch.dtype) -> None:
     row-strided views, as a fused QKV projection gives them."""
     rows = [(PARTITION, 1), (200, 1), (64, 1), (9, 1), (2, 1)]
     backend = _check_16bit(rows, dtype=dtype, group=4, kv_heads=2, dim=64, bs=16, fused=True)
-    assert backend.prepare(_spans(rows, 16, torch.Generator()), CPU).num_partitions == 1
+    assert backend.prepare(_spans(rows, 16, torch.Generator()), DEV).num_partitions == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -188,7 +191,7 @@ def test_fixed_block_table_width() -> None:
     rows = [(300, 1), (16, 1), (50, 10)]
     backend = _check_16bit(rows, dtype=torch.float32, group=4, kv_heads=2, dim=64, bs=16,
                            max_blocks_per_seq=96)  # fmt: skip
-    meta = backend.prepare(_spans(rows, 16, torch.Generator()), CPU)
+    meta = backend.prepare(_spans(rows, 16, torch.Generator()), DEV)
     assert meta.block_tables.shape == (3, 96) and meta.num_partitions == 3
 
 
@@ -216,18 +219,18 @@ def _check_8bit(label: str, ctx_rows: list[tuple[int, int]], group: int, dim: in
     kv = QuantKV.random(KVCacheSpec(1, kv_heads, dim, bs, kv_dtype), num_blocks, gen)
     q, k, v = _qkv(sum(r for _, r in ctx_rows), group * kv_heads, kv_heads, dim, q_dtype, gen)
     backend = TritonPagedAttention(kv)  # type: ignore[arg-type]
-    meta = backend.prepare(spans, CPU)
+    meta = backend.prepare(spans, DEV)
     out = backend.forward(0, q, k, v, meta)
     assert out.dtype == q_dtype
     # Reference: fp32 attention over the dequantized cache (the new rows as the kernel stored
     # them, which test_write_8bit checks against quantize_kv).
-    ref_kv = KVCache(KVCacheSpec(1, kv_heads, dim, bs, torch.float32), num_blocks, 0, CPU)
+    ref_kv = KVCache(KVCacheSpec(1, kv_heads, dim, bs, torch.float32), num_blocks, 0, DEV)
     ref_kv.k[0].copy_(dequantize_kv(kv.k[0], kv.k_scale[0], torch.float32))
     ref_kv.v[0].copy_(dequantize_kv(kv.v[0], kv.v_scale[0], torch.float32))
     ref_backend = TorchPagedAttention(ref_kv)
     slots = meta.slot_mapping
     ref = ref_backend.forward(
-        0, q.float(), ref_kv.k[0][slots], ref_kv.v[0][slots], ref_backend.prepare(spans, CPU)
+        0, q.float(), ref_kv.k[0][slots], ref_kv.v[0][slots], ref_backend.prepare(spans, DEV)
     )
     _record(label, out, ref)
 
@@ -250,11 +253,11 @@ def test_8bit_long_context() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_16bit_touches_only_its_slots(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    kv = KVCache(KVCacheSpec(2, 3, 64, 8, dtype), 6, 0, CPU)
+    kv = KVCache(KVCacheSpec(2, 3, 64, 8, dtype), 6, 0, DEV)
     for t in (*kv.k, *kv.v):
         t.copy_(torch.randn(t.shape, generator=gen))
     before = [t.clone() for t in (*kv.k, *kv.v)]
-    slots = torch.tensor([5, 40, -1, 17, 0, 47])  # -1: a padding row, written nowhere
+    slots = torch.tensor([5, 40, -1, 17, 0, 47], device=DEV)  # -1: a padding row, written nowhere
     _, k, v = _qkv(6, 3, 3, 64, dtype, gen)
     TritonPagedAttention(kv).write_kv(1, k, v, slots)
     keep = slots >= 0
@@ -272,9 +275,9 @@ def test_write_8bit_is_quantize_kv(kv_dtype: torch.dtype, x_dtype: torch.dtype) 
     spec = KVCacheSpec(1, 3, 128, 16, kv_dtype)
     kv = QuantKV.random(spec, 4, gen)
     before = [t.clone() for t in (kv.k[0], kv.v[0], kv.k_scale[0], kv.v_scale[0])]
-    slots = torch.tensor([3, 63, 20, -1, 21])
+    slots = torch.tensor([3, 63, 20, -1, 21], device=DEV)
     _, k, v = _qkv(5, 3, 3, 128, x_dtype, gen)
-    k = k * torch.logspace(-3, 3, 5).to(x_dtype)[:, None, None]  # scales over 6 decades
+    k = k * torch.logspace(-3, 3, 5).to(DEV, x_dtype)[:, None, None]  # scales over 6 decades
     k[2, 1] = 0  # all-zero head: codes 0 (scale FLT_MIN)
     TritonPagedAttention(kv).write_kv(0, k, v, slots)  # type: ignore[arg-type]
     keep = slots >= 0
@@ -285,7 +288,7 @@ def test_write_8bit_is_quantize_kv(kv_dtype: torch.dtype, x_dtype: torch.dtype) 
         want_codes, want_scales = quantize_kv(x[keep], kv_dtype)
         assert torch.equal(codes[slots[keep]].view(torch.uint8), want_codes.view(torch.uint8))
         assert torch.equal(scales[slots[keep]], want_scales)
-        untouched = torch.ones(codes.shape[0], dtype=torch.bool)
+        untouched = torch.ones(codes.shape[0], dtype=torch.bool, device=DEV)
         untouched[slots[keep]] = False
         assert torch.equal(
             codes[untouched].view(torch.uint8), old_codes[untouched].view(torch.uint8)
@@ -311,10 +314,11 @@ def test_codes_round_like_torch(kv_dtype: torch.dtype) -> None:
     rows = -(-values.numel() // 127)
     x = torch.zeros(rows * 127)
     x[: values.numel()] = values
-    x = torch.cat([torch.full((rows, 1), qmax), x.view(rows, 127)], 1).view(rows, 1, 128)
+    x = torch.cat([torch.full((rows, 1), qmax), x.view(rows, 127)], 1).view(rows, 1, 128).to(DEV)
     kv = QuantKV.random(KVCacheSpec(1, 1, 128, 8, kv_dtype), -(-rows // 8), torch.Generator())
-    TritonPagedAttention(kv).write_kv(0, x, x, torch.arange(rows))  # type: ignore[arg-type]
-    assert torch.equal(kv.k_scale[0][:rows], torch.ones(rows, 1))
+    slots = torch.arange(rows, device=DEV)
+    TritonPagedAttention(kv).write_kv(0, x, x, slots)  # type: ignore[arg-type]
+    assert torch.equal(kv.k_scale[0][:rows], torch.ones(rows, 1, device=DEV))
     want = (x.round() if kv_dtype == torch.int8 else x).to(kv_dtype)
     assert torch.equal(kv.k[0][:rows].view(torch.uint8), want.view(torch.uint8))
 
@@ -352,20 +356,21 @@ def test_8bit_kvcache_matches_torch_backend(label: str) -> None:
     spans = _spans(MIXED, 16, gen)
     num_blocks = max(max(s.block_table) for s in spans) + 1
     spec = KVCacheSpec(1, 2, 64, 16, kv_dtype)
-    caches = [KVCache(spec, num_blocks, 0, CPU) for _ in "ab"]
+    caches = [KVCache(spec, num_blocks, 0, DEV) for _ in "ab"]
     init = QuantKV.random(spec, num_blocks, gen)
     for c in caches:
         for name in ("k", "v", "k_scale", "v_scale"):
             _raw(getattr(c, name)[0]).copy_(_raw(getattr(init, name)[0]))
     q, k, v = _qkv(sum(r for _, r in MIXED), 8, 2, 64, q_dtype, gen)
     ref_backend, backend = TorchPagedAttention(caches[0]), TritonPagedAttention(caches[1])
-    ref = ref_backend.forward(0, q, k, v, ref_backend.prepare(spans, CPU))
-    out = backend.forward(0, q, k, v, backend.prepare(spans, CPU))
+    ref = ref_backend.forward(0, q, k, v, ref_backend.prepare(spans, DEV))
+    out = backend.forward(0, q, k, v, backend.prepare(spans, DEV))
     for name in ("k", "v", "k_scale", "v_scale"):
         assert torch.equal(_raw(getattr(caches[0], name)[0]), _raw(getattr(caches[1], name)[0]))
     _record(f"{label} (torch)", out, ref)
 
 
+@pytest.mark.skipif(DEV.type == "cuda", reason="the interpreter is for a CPU")
 def test_ensure_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     ensure_interpreter_on_cpu(CPU)  # already on: nothing to do
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -377,9 +382,9 @@ def test_ensure_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_prepare_builds_the_step_tensors() -> None:
     bs = 16
     spans = _spans(MIXED, bs, torch.Generator().manual_seed(4))
-    kv = KVCache(KVCacheSpec(1, 2, 64, bs, torch.float32), 64, 0, CPU)
-    meta = TritonPagedAttention(kv).prepare(spans, CPU)
-    torch_meta = TorchPagedAttention(kv).prepare(spans, CPU)
+    kv = KVCache(KVCacheSpec(1, 2, 64, bs, torch.float32), 64, 0, DEV)
+    meta = TritonPagedAttention(kv).prepare(spans, DEV)
+    torch_meta = TorchPagedAttention(kv).prepare(spans, DEV)
     assert torch.equal(meta.slot_mapping, torch_meta.slot_mapping)
     assert meta.num_decodes == 5 and meta.num_partitions == 2 and meta.max_query_len == 64
     assert meta.query_start.tolist() == [0, 1, 2, 3, 4, 5, 42, 62, 126]

@@ -37,7 +37,11 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     """[T, Hkv, D] K or V rows -> (8-bit rows, float32 scales [T, Hkv]); x ~= q * scale."""
     qmax = QMAX[dtype]
     xf = x.float()
-    scale = (xf.abs().amax(-1) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
+    amax = xf.abs().amax(-1)
+    # Divided by a tensor, not the Python number: CUDA divides by a scalar as a multiply by
+    # its reciprocal, 1 ulp off the correctly rounded quotient the Triton write kernel
+    # (div_rn) and the CPU give, and the two backends' caches must hold the same bytes.
+    scale = (amax / torch.full_like(amax, qmax)).clamp_min(torch.finfo(torch.float32).tiny)
     y = xf / scale.unsqueeze(-1)
     if dtype == torch.int8:
         y = y.round_()
