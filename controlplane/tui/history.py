@@ -1,4 +1,5 @@
-"""Pure helpers: a 5-minute history of stats snapshots and value formatting (no Textual)."""
+"""Pure helpers: a 15-minute history of stats snapshots, text trend lines and value formatting
+(no Textual)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ from collections import deque
 from datetime import UTC, datetime
 from typing import Any
 
-WINDOW_S = 300.0
+# Trend lines cover 15 minutes: long enough to see an incident start, and whether a fix
+# (confirmed in the 10 s latency figures) holds.
+WINDOW_S = 900.0
+BARS = "▁▂▃▄▅▆▇█"
 
 
 class StatsHistory:
@@ -32,6 +36,10 @@ class StatsHistory:
     def series(self, key: str) -> list[float]:
         return [float(p.get(key) or 0.0) for p in self.points]
 
+    def trend(self, key: str, width: int) -> str:
+        """`key` over the window as a text sparkline of at most `width` cells."""
+        return spark([_num(p.get(key)) for p in self.points], width)
+
     def rate(self, key: str, over_s: float) -> float | None:
         """Per-second increase of a cumulative counter over the last `over_s` seconds."""
         if len(self.points) < 2:
@@ -45,6 +53,33 @@ class StatsHistory:
         return (b - a) / dt
 
 
+def spark(values: list[float | None], width: int, top: float | None = None) -> str:
+    """Values (oldest first) as a line of block characters, at most `width` cells: each cell
+    the max of its share of the values (a spike never averages away), scaled from 0 to the
+    largest value (or `top`); unknown values draw as a space."""
+    if width <= 0 or not values:
+        return ""
+    n = len(values)
+    cells: list[float | None] = []
+    for i in range(min(width, n)):
+        chunk = [
+            v
+            for v in values[i * n // min(width, n) : (i + 1) * n // min(width, n)]
+            if v is not None
+        ]
+        cells.append(max(chunk) if chunk else None)
+    peak = top if top is not None else max((c for c in cells if c is not None), default=0.0)
+    out = []
+    for c in cells:
+        if c is None:
+            out.append(" ")
+        elif peak <= 0:
+            out.append(BARS[0])
+        else:
+            out.append(BARS[max(0, min(7, round(c / peak * 7)))])
+    return "".join(out)
+
+
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -56,6 +91,14 @@ def fmt_num(v: Any, digits: int = 1) -> str:
     if abs(n) >= 10_000:
         return f"{n / 1000:.1f}k"
     return f"{n:.{digits}f}" if digits else f"{n:.0f}"
+
+
+def fmt_ms(v: Any) -> str:
+    """Milliseconds as ms below 10 s, seconds above (units never wrap in a cramped panel)."""
+    n = _num(v)
+    if n is None:
+        return "–"
+    return f"{n:.0f} ms" if n < 10_000 else f"{n / 1000:.1f} s"
 
 
 def fmt_usd(v: Any) -> str:
