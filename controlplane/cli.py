@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_fleet_parser(sub)
 
+    from controlplane.client.config_cli import add_config_parser
+
+    add_config_parser(sub)
+
     from controlplane.tui import add_tui_parser
 
     add_tui_parser(sub)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.common import check_url, parse_time
+from controlplane.engine import settings as engine_settings
 from controlplane.engine.sampling_params import MAX_N
 from controlplane.engine.settings import EngineSettings, check
 from controlplane.errors import FieldError
@@ -75,6 +77,9 @@ class ServerSettings:
     # instances table); default http://<host, or the hostname when listening on all
     # interfaces>:<port>.
     advertise_url: str = ""
+    # [live] Names of API keys ([[api_keys]] name) whose requests get 403 (an operator's
+    # suspension: POST /admin/keys/{name}/suspend); requests already running are not touched.
+    suspended_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +167,41 @@ class AutopilotSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AlertsSettings:
+    """[alerts] (every key live): the severity thresholds GET /admin/stats reports as
+    `thresholds` ({"warn", "crit"} per figure) and the dashboard colours by. A figure at or
+    above its warn value reads as a warning, at or above crit as critical. When the autopilot
+    has a p99 target T, that figure's thresholds are 0.8 x T and T instead."""
+
+    # TTFT p99 over the last minute, milliseconds; crit is also the SLO target without one.
+    ttft_p99_ms_warn: float = 1000.0
+    ttft_p99_ms_crit: float = 3000.0
+    # Inter-token latency p99 over the last minute, milliseconds (like ttft_p99_ms_*).
+    itl_p99_ms_warn: float = 100.0
+    itl_p99_ms_crit: float = 300.0
+    # KV cache blocks in use, percent (0-100).
+    kv_usage_perc_warn: float = 85.0
+    kv_usage_perc_crit: float = 97.0
+    # Waiting queue length / server.max_queue_len (0-1).
+    queue_fill_warn: float = 0.5
+    queue_fill_crit: float = 0.9
+    # Requests answered 429 or 503 at admission, per second (last 10 s).
+    rejected_per_s_warn: float = 0.1
+    rejected_per_s_crit: float = 1.0
+    # Requests that ended in an error (5xx, engine error), per second (last 10 s).
+    failed_per_s_warn: float = 0.01
+    failed_per_s_crit: float = 0.5
+    # A fleet member's heartbeat age, seconds.
+    heartbeat_age_s_warn: float = 10.0
+    heartbeat_age_s_crit: float = 30.0
+
+    def pairs(self) -> dict[str, tuple[float, float]]:
+        """Each figure's (warn, crit): every `<figure>_warn` field with its `<figure>_crit`."""
+        names = [f.name[:-5] for f in dataclasses.fields(self) if f.name.endswith("_warn")]
+        return {n: (getattr(self, f"{n}_warn"), getattr(self, f"{n}_crit")) for n in names}
+
+
+@dataclass(frozen=True, slots=True)
 class Price:
     """USD per million tokens, in force from `effective_from` (UTC) until a later price."""
 
@@ -191,6 +231,86 @@ MAX_RETENTION_DAYS = 36_500.0
 MAX_INTERVAL_S = 86_400.0
 # The daemon keeps about one engine snapshot a second for this long (runtime/runtime.py).
 MAX_AUTOPILOT_WINDOW_S = 600.0
+# The largest value of an autopilot bound (<knob>_min, <knob>_max).
+MAX_AUTOPILOT_BOUND = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A numeric field's allowed values: [lo, hi], either end open; hi None: no upper limit."""
+
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    unit: str = ""  # said after the range in the error ("seconds")
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+        return above and below
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+        unit = f" {self.unit}" if self.unit else ""
+        return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}{unit}"
+
+
+def _num(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+# The ranges `_validate` enforces, declared once: GET /admin/config shows them too
+# (field_limits). Relations between fields (fleet.unreachable_after_s > fleet.heartbeat_s,
+# autopilot.max_window_s >= autopilot.window_s, a bound's min <= its max) are checked besides.
+RANGES: dict[str, Range] = {
+    "server.port": Range(0, 65535),
+    "server.max_queue_len": Range(0),
+    "server.max_n": Range(1, MAX_N),
+    "server.max_choices_share": Range(0.01, 1),
+    "server.drain_timeout_s": Range(0, MAX_INTERVAL_S),
+    # The range GET /admin/events accepts for its `interval` (the default must be one).
+    "server.events_interval_s": Range(0.1, 60),
+    "server.config_watch_interval_s": Range(0.05, MAX_INTERVAL_S),
+    "server.config_settle_s": Range(0.05, MAX_INTERVAL_S),
+    "server.max_body_bytes": Range(1024, 1 << 30),
+    "server.max_grammar_bytes": Range(16, 1 << 24),
+    "server.grammar_compile_timeout_s": Range(0.001, 600),
+    "store.batch_size": Range(1),
+    "store.flush_interval_s": Range(0, MAX_INTERVAL_S, lo_open=True, unit="seconds"),
+    "store.retry_interval_s": Range(0, MAX_INTERVAL_S, lo_open=True, unit="seconds"),
+    "store.buffer_max_records": Range(1),
+    "jobs.utilization_interval_s": Range(0.5, MAX_INTERVAL_S, unit="seconds"),
+    "jobs.rollup_interval_s": Range(0.5, MAX_INTERVAL_S, unit="seconds"),
+    "jobs.sample_retention_days": Range(0, MAX_RETENTION_DAYS),
+    "jobs.request_retention_days": Range(0, MAX_RETENTION_DAYS),
+    "jobs.gpu_hourly_usd": Range(0, MAX_GPU_HOURLY_USD),
+    "jobs.peak_flops": Range(0),
+    "jobs.num_gpus": Range(0, 1024),
+    "fleet.heartbeat_s": Range(0.1, MAX_INTERVAL_S),
+    "fleet.unreachable_after_s": Range(0.1, MAX_INTERVAL_S, lo_open=True),
+    "autopilot.ttft_p99_ms": Range(0, MAX_INTERVAL_S * 1000),
+    "autopilot.itl_p99_ms": Range(0, MAX_INTERVAL_S * 1000),
+    "autopilot.interval_s": Range(0.5, MAX_INTERVAL_S),
+    "autopilot.window_s": Range(1, MAX_AUTOPILOT_WINDOW_S),
+    "autopilot.max_window_s": Range(1, MAX_AUTOPILOT_WINDOW_S),
+    "autopilot.min_requests": Range(1, 1_000_000),
+    "autopilot.headroom": Range(0, 1, lo_open=True, hi_open=True),
+    "autopilot.operator_hold_s": Range(0, MAX_INTERVAL_S),
+    "autopilot.give_up_after": Range(1, 1000),
+    **{
+        f"autopilot.{f.name}": Range(1, MAX_AUTOPILOT_BOUND)
+        for f in dataclasses.fields(AutopilotSettings)
+        if f.name.endswith(("_min", "_max"))
+    },
+}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "server.log_format": ("text", "json"),
+    "server.log_level": LOG_LEVELS,
+    "server.chat_special_tokens": ("escape", "allow"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +333,7 @@ class Config:
     jobs: JobsSettings = field(default_factory=JobsSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
     autopilot: AutopilotSettings = field(default_factory=AutopilotSettings)
+    alerts: AlertsSettings = field(default_factory=AlertsSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     prices: tuple[Price, ...] = DEFAULT_PRICES
     api_keys: tuple[ApiKey, ...] = ()
@@ -270,6 +391,8 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
         default = f.default if f.default is not dataclasses.MISSING else None
         if key == "effective_from":
             values[key] = parse_time(f"{section}.{key}", value, relative=False)
+        elif isinstance(default, tuple):  # a list of names (server.suspended_keys)
+            values[key] = _names(f"{section}.{key}", value)
         elif default is None and key in ("num_kv_blocks", "max_model_len"):
             values[key] = _coerce(f"{section}.{key}", value, 0)
         else:
@@ -280,56 +403,46 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
         raise FieldError(section, str(exc)) from None
 
 
+def _names(where: str, value: Any) -> tuple[str, ...]:
+    """A list of names: an array of strings (TOML, JSON) or comma-separated text (the
+    environment); duplicates are dropped, order kept."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise FieldError(where, f"must be an array of non-empty strings, got {value!r}")
+    return tuple(dict.fromkeys(value))
+
+
 def _in_range(where: str, value: float, lo: float, hi: float) -> None:
     if not lo <= value <= hi:
         raise FieldError(where, f"must be in [{lo:g}, {hi:g}], got {value}")
 
 
+def _ranged(section: str, obj: Any, skip: frozenset[str] = frozenset()) -> None:
+    """Every field of `obj` (the [section] table) that RANGES declares, within its range."""
+    for f in dataclasses.fields(obj):
+        where = f"{section}.{f.name}"
+        r = None if f.name in skip else RANGES.get(where)
+        if r is not None and getattr(obj, f.name) not in r:
+            raise FieldError(where, f"must be {r.describe()}, got {getattr(obj, f.name)}")
+
+
 def _validate(cfg: Config) -> Config:
     s = cfg.server
-    if not 0 <= s.port <= 65535:
-        raise FieldError("server.port", f"must be in [0, 65535], got {s.port}")
-    if s.max_queue_len < 0:
-        raise FieldError("server.max_queue_len", f"must be >= 0, got {s.max_queue_len}")
-    if not 1 <= s.max_n <= MAX_N:
-        raise FieldError("server.max_n", f"must be in [1, {MAX_N}], got {s.max_n}")
-    _in_range("server.max_choices_share", s.max_choices_share, 0.01, 1)
-    _in_range("server.drain_timeout_s", s.drain_timeout_s, 0, MAX_INTERVAL_S)
-    # The range GET /admin/events accepts for its `interval` (the default must be one).
-    _in_range("server.events_interval_s", s.events_interval_s, 0.1, 60)
-    _in_range("server.config_watch_interval_s", s.config_watch_interval_s, 0.05, MAX_INTERVAL_S)
-    _in_range("server.config_settle_s", s.config_settle_s, 0.05, MAX_INTERVAL_S)
+    _ranged("server", s)
     if s.log_level.lower() not in LOG_LEVELS:
         raise FieldError(
             "server.log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {s.log_level!r}"
         )
-    if s.log_format not in ("text", "json"):
+    if s.log_format not in CHOICES["server.log_format"]:
         raise FieldError("server.log_format", f"must be text or json, got {s.log_format!r}")
-    if not 1024 <= s.max_body_bytes <= 1 << 30:
-        raise FieldError(
-            "server.max_body_bytes", f"must be in [1024, {1 << 30}], got {s.max_body_bytes}"
-        )
-    if not 16 <= s.max_grammar_bytes <= 1 << 24:
-        raise FieldError(
-            "server.max_grammar_bytes", f"must be in [16, {1 << 24}], got {s.max_grammar_bytes}"
-        )
-    _in_range("server.grammar_compile_timeout_s", s.grammar_compile_timeout_s, 0.001, 600)
-    if s.chat_special_tokens not in ("escape", "allow"):
+    if s.chat_special_tokens not in CHOICES["server.chat_special_tokens"]:
         raise FieldError(
             "server.chat_special_tokens",
             f"must be escape or allow, got {s.chat_special_tokens!r}",
         )
     st = cfg.store
-    if st.batch_size < 1:
-        raise FieldError("store.batch_size", f"must be >= 1, got {st.batch_size}")
-    for name in ("flush_interval_s", "retry_interval_s"):
-        value = getattr(st, name)
-        if not 0 < value <= MAX_INTERVAL_S:
-            raise FieldError(
-                f"store.{name}", f"must be in (0, {MAX_INTERVAL_S:g}] seconds, got {value}"
-            )
-    if st.buffer_max_records < 1:
-        raise FieldError("store.buffer_max_records", f"must be >= 1, got {st.buffer_max_records}")
+    _ranged("store", st)
     for i, p in enumerate(cfg.prices):
         if not 1 <= len(p.model) <= 255:  # the prices table's column
             raise FieldError(
@@ -347,6 +460,13 @@ def _validate(cfg: Config) -> Config:
             raise FieldError(
                 f"api_keys[{i}].name", "'(idle)' is reserved for idle GPU time in cost rollups"
             )
+    for name in s.suspended_keys:
+        if name not in names:
+            known = ", ".join(repr(n) for n in names) or "none"
+            raise FieldError(
+                "server.suspended_keys",
+                f"{name!r} is not a configured API key (configured: {known})",
+            )
     tokens = [t.name for t in cfg.admin_tokens]
     for i, t in enumerate(cfg.admin_tokens):
         if not t.name or len(t.token) < 16:
@@ -355,22 +475,9 @@ def _validate(cfg: Config) -> Config:
             )
         if tokens.count(t.name) > 1:
             raise FieldError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
-    j = cfg.jobs
-    for name in ("utilization_interval_s", "rollup_interval_s"):
-        if not 0.5 <= getattr(j, name) <= MAX_INTERVAL_S:
-            raise FieldError(
-                f"jobs.{name}",
-                f"must be in [0.5, {MAX_INTERVAL_S:g}] seconds, got {getattr(j, name)}",
-            )
-    for name in ("sample_retention_days", "request_retention_days"):
-        _in_range(f"jobs.{name}", getattr(j, name), 0, MAX_RETENTION_DAYS)
-    _in_range("jobs.gpu_hourly_usd", j.gpu_hourly_usd, 0, MAX_GPU_HOURLY_USD)
-    if j.peak_flops < 0:
-        raise FieldError("jobs.peak_flops", f"must be >= 0, got {j.peak_flops}")
-    if not 0 <= j.num_gpus <= 1024:
-        raise FieldError("jobs.num_gpus", f"must be in [0, 1024], got {j.num_gpus}")
+    _ranged("jobs", cfg.jobs)
     f = cfg.fleet
-    _in_range("fleet.heartbeat_s", f.heartbeat_s, 0.1, MAX_INTERVAL_S)
+    _ranged("fleet", f, frozenset({"unreachable_after_s"}))  # with heartbeat_s, below
     if not f.heartbeat_s < f.unreachable_after_s <= MAX_INTERVAL_S:
         raise FieldError(
             "fleet.unreachable_after_s",
@@ -380,31 +487,50 @@ def _validate(cfg: Config) -> Config:
     if s.advertise_url:
         check_url(s.advertise_url, "server.advertise_url")
     _check_autopilot(cfg.autopilot)
+    _check_alerts(cfg.alerts)
     check_engine(cfg.engine)
     return cfg
 
 
 def _check_autopilot(a: AutopilotSettings) -> None:
-    for name in ("ttft_p99_ms", "itl_p99_ms"):
-        _in_range(f"autopilot.{name}", getattr(a, name), 0, MAX_INTERVAL_S * 1000)
-    _in_range("autopilot.interval_s", a.interval_s, 0.5, MAX_INTERVAL_S)
-    _in_range("autopilot.window_s", a.window_s, 1, MAX_AUTOPILOT_WINDOW_S)
+    # max_window_s and the bounds are checked with what they relate to, below.
+    bounds = {f"{k}_{end}" for k in a.bounds() for end in ("min", "max")}
+    _ranged("autopilot", a, frozenset({"max_window_s", *bounds}))
     if not a.window_s <= a.max_window_s <= MAX_AUTOPILOT_WINDOW_S:
         raise FieldError(
             "autopilot.max_window_s",
             f"must be in [autopilot.window_s ({a.window_s:g}), {MAX_AUTOPILOT_WINDOW_S:g}], "
             f"got {a.max_window_s}",
         )
-    _in_range("autopilot.min_requests", a.min_requests, 1, 1_000_000)
-    if not 0 < a.headroom < 1:
-        raise FieldError("autopilot.headroom", f"must be in (0, 1), got {a.headroom}")
-    _in_range("autopilot.operator_hold_s", a.operator_hold_s, 0, MAX_INTERVAL_S)
-    _in_range("autopilot.give_up_after", a.give_up_after, 1, 1000)
+    top = MAX_AUTOPILOT_BOUND
     for knob, (lo, hi) in a.bounds().items():
-        if not 1 <= lo <= hi <= 1 << 20:
+        if not 1 <= lo <= hi <= top:
             raise FieldError(
                 f"autopilot.{knob}_max",
-                f"bounds must satisfy 1 <= {knob}_min ({lo}) <= {knob}_max ({hi}) <= {1 << 20}",
+                f"bounds must satisfy 1 <= {knob}_min ({lo}) <= {knob}_max ({hi}) <= {top}",
+            )
+
+
+# Upper ends of the [alerts] thresholds: a percentage and a fraction have theirs, the rest
+# MAX_ALERT (milliseconds, seconds, requests per second); declared in RANGES like the others.
+ALERT_LIMITS = {"kv_usage_perc": 100.0, "queue_fill": 1.0}
+MAX_ALERT = MAX_INTERVAL_S * 1000
+RANGES.update(
+    {
+        f"alerts.{name}_{level}": Range(0, ALERT_LIMITS.get(name, MAX_ALERT))
+        for name in AlertsSettings().pairs()
+        for level in ("warn", "crit")
+    }
+)
+
+
+def _check_alerts(a: AlertsSettings) -> None:
+    _ranged("alerts", a)
+    for name, (warn, crit) in a.pairs().items():
+        if crit < warn:
+            raise FieldError(
+                f"alerts.{name}_crit",
+                f"must be at least alerts.{name}_warn ({warn:g}), got {crit:g}",
             )
 
 
@@ -413,6 +539,56 @@ def check_engine(settings: EngineSettings) -> EngineSettings:
         return check(settings)
     except FieldError as exc:
         raise FieldError(f"engine.{exc.field}", exc.message) from None
+
+
+def _declared_ranges() -> dict[str, Range]:
+    """RANGES, the engine's INT_RANGES and the [alerts] thresholds' ranges, by dotted field."""
+    out = dict(RANGES)
+    for name, (lo, hi) in engine_settings.INT_RANGES.items():
+        out[f"engine.{name}"] = Range(lo, hi)
+    for name in AlertsSettings().pairs():
+        for end in ("warn", "crit"):
+            out[f"alerts.{name}_{end}"] = Range(0.0, ALERT_LIMITS.get(name, MAX_ALERT))
+    return out
+
+
+@functools.cache
+def field_limits() -> dict[str, dict[str, Any]]:
+    """What each scalar field accepts, as GET /admin/config shows it next to its value: "type"
+    (int, float, bool, str), "min" / "max" (with "min_exclusive" / "max_exclusive" where that
+    end is open; no "max": no upper limit) and "choices". Taken from the declarations the
+    validation itself uses (RANGES, CHOICES and the engine's INT_RANGES and CHOICES); relations
+    between fields (max_num_batched_tokens >= max_num_seqs...) are checked on top of these."""
+    ranges = _declared_ranges()
+    choices = {**CHOICES, **{f"engine.{k}": v for k, v in engine_settings.CHOICES.items()}}
+    out: dict[str, dict[str, Any]] = {}
+    for section in (f.name for f in dataclasses.fields(Config)):
+        obj = getattr(Config(), section)
+        if not dataclasses.is_dataclass(obj):
+            continue
+        for f in dataclasses.fields(obj):
+            key, default = f"{section}.{f.name}", getattr(obj, f.name)
+            kind = {bool: "bool", int: "int", float: "float", str: "str"}.get(type(default))
+            if default is None and key in ranges:  # unset by default (engine.num_kv_blocks)
+                kind = "float" if isinstance(ranges[key].lo, float) else "int"
+            if kind is None:
+                continue  # lists (server.suspended_keys)
+            limits: dict[str, Any] = {"type": kind}
+            r = ranges.get(key)
+            if r is not None:
+                limits["min"] = r.lo
+                if r.hi is not None:
+                    limits["max"] = r.hi
+                if r.lo_open:
+                    limits["min_exclusive"] = True
+                if r.hi_open:
+                    limits["max_exclusive"] = True
+            if key in choices:
+                limits["choices"] = list(choices[key])
+            elif kind == "bool":
+                limits["choices"] = [True, False]
+            out[key] = limits
+    return out
 
 
 # CONTROLPLANE_* variables that are not config keys, read where they are used.
@@ -433,6 +609,7 @@ def env_names() -> list[str]:
         "jobs": JobsSettings,
         "fleet": FleetSettings,
         "autopilot": AutopilotSettings,
+        "alerts": AlertsSettings,
         "engine": EngineSettings,
     }
     names = [f"{ENV_PREFIX}DATA_DIR"]
@@ -522,6 +699,7 @@ def build_config(
         jobs=_build(JobsSettings, merged.get("jobs", {}), "jobs"),
         fleet=_fleet(merged.get("fleet", {})),
         autopilot=_build(AutopilotSettings, merged.get("autopilot", {}), "autopilot"),
+        alerts=_build(AlertsSettings, merged.get("alerts", {}), "alerts"),
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
         # No `prices` key: the default price; `prices = []`: none.
         prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices))

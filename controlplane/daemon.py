@@ -84,6 +84,7 @@ class Daemon:
 
         self.runtime.autopilot = Autopilot(self.runtime)
         self.config_path = Path(config_path) if config_path else None
+        self.runtime.config_path = self.config_path  # POST /admin/config/save writes it
         # Reloads (SIGHUP, the watcher): read off the loop, only a complete regular file.
         self.config_file = (
             ConfigFile(
@@ -234,6 +235,7 @@ class Daemon:
         journal_dir = self.cfg.data_path / "journal" / self.instance_id
         replay_journal(db, journal_dir)
         mark_interrupted(db, self.instance_id)  # it logs the count (once)
+        self._check_restart(db)  # before the fleet row says when this run started
         self.runtime.store.db = db
         where = db.url.render_as_string(hide_password=True)
         if self.cfg.store.record_requests:
@@ -245,6 +247,29 @@ class Daemon:
             log.info(
                 "request recording is off (store.record_requests = false); audit log in %s", where
             )
+
+    def _check_restart(self, db: Any) -> None:
+        """Name the live values of the previous run that this start dropped (the file gives
+        others): one warning line, one audit row (source and field `restart`) and GET
+        /admin/config's `dropped_at_restart` (controlplane.runtime.persist)."""
+        from controlplane.runtime.persist import SAVE_HINT, check_restart, describe_dropped
+        from controlplane.store.audit import ConfigChange, write_changes
+
+        try:
+            dropped = check_restart(db, self.instance_id, self.cfg)
+        except Exception as exc:  # never stops the start
+            log.error("restart: could not compare with the previous run's live values: %s", exc)
+            return
+        self.runtime.dropped_at_restart = dropped
+        if not dropped:
+            return
+        text = describe_dropped(dropped)
+        log.warning("restart: dropped live values %s; %s", text, SAVE_HINT)
+        row = ConfigChange(datetime.now(UTC), "restart", None, "restart", None, f"dropped {text}")
+        try:
+            write_changes(db, self.instance_id, [row])
+        except Exception as exc:
+            log.error("restart: could not audit the dropped live values: %s", exc)
 
     def _load_engine(self) -> AsyncEngine:
         from controlplane.engine import AsyncEngine, Engine

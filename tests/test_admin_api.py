@@ -116,8 +116,15 @@ def test_config_sources_and_live_flags(tiny_model_dir, tmp_path):
     d = InProcessDaemon(load_config(path, env=env), config_path=path, env=env).start()
     try:
         fields = api(d).get("/admin/config").json()["fields"]
-        assert fields["engine.max_num_seqs"] == {"value": 6, "source": "file", "live": True}
-        assert fields["server.max_queue_len"] == {"value": 77, "source": "env", "live": True}
+        # With what each field accepts (the ranges the validation itself declares).
+        assert fields["engine.max_num_seqs"] == {
+            **{"value": 6, "source": "file", "live": True},
+            **{"type": "int", "min": 1, "max": 4096},
+        }
+        assert fields["server.max_queue_len"] == {
+            **{"value": 77, "source": "env", "live": True},
+            **{"type": "int", "min": 0},
+        }
         assert fields["engine.prefill_chunk_size"]["source"] == "default"
         assert (
             fields["engine.block_size"]["live"] is False and fields["engine.dtype"]["live"] is False

@@ -350,12 +350,19 @@ def test_admin_config_and_stats_show_quantization_and_memory(tiny_model_dir, tmp
     try:
         c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         fields = c.get("/admin/config").json()["fields"]
-        assert fields["engine.quantization"] == {"value": "int4", "source": "file", "live": False}
+        assert fields["engine.quantization"]["choices"] == ["auto", "none", "int8", "int4"]
+        assert {k: fields["engine.quantization"][k] for k in ("value", "source", "live")} == {
+            "value": "int4",
+            "source": "file",
+            "live": False,
+        }
         assert fields["engine.quantization_group_size"]["value"] == 64
         assert fields["engine.quantize_lm_head"] == {
             "value": False,
             "source": "default",
             "live": False,
+            "type": "bool",
+            "choices": [True, False],
         }
         r = c.patch("/admin/config", json={"engine": {"quantization": "int8"}})
         assert r.status_code == 409, r.text  # restart-only

@@ -73,7 +73,8 @@ def test_cost_csv_json_table(seeded: str, engine: Engine, capsys) -> None:
 
     assert cli("report", "cost", "--url", seeded, *WINDOW, "--group-by", "model,api_key", "--format", "json") == 0  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"columns", "rows", "totals", "since", "until"}
+    assert set(doc) == {"columns", "rows", "totals", "since", "until", "source", "scope", "instance_id"}  # fmt: skip
+    assert (doc["source"], doc["scope"], doc["instance_id"]) == ("rollups", "fleet", None)
     assert doc["columns"] == expected.columns and doc["rows"] == expected.rows
     assert doc["totals"] == expected.totals
     assert (doc["since"], doc["until"]) == (

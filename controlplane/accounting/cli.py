@@ -8,9 +8,14 @@ import): the store and rich are imported when a report runs.
     controlplane report cost --since 2026-03-01 --until 2026-04-01 --format csv
     controlplane report utilization --since 24h --group-by hour,instance --format json
 
+    controlplane report cost --since 10m --group-by api_key,end_user
+
 `--format table` (the default) prints a table with a totals row; `csv` prints a header and the
 rows (no totals row, so scripts can sum columns); `json` prints {"columns", "rows", "totals",
-"since", "until"}. Cost rows that include requests the rollup has not counted yet have
+"since", "until"}, and for cost {"source", "scope", "instance_id"} too. A cost window of 1
+minute to 24 hours that is not whole UTC hours (or grouped by end_user) is exact, from the
+request rows ("source": "requests"); others read the hourly rollups ("rollups", whole hours);
+the title and since / until say which window was used. `--instance ID` counts one instance. Cost rows that include requests the rollup has not counted yet have
 `provisional` true (`*` in the table, explained in a footnote). With no data in the window, `table` prints a sentence saying so; `csv` and
 `json` print their empty document and the sentence goes to stderr. Either way the exit status
 is 0. Bad flags exit with status 2 and name the flag; an unreachable database exits with 1.
@@ -28,7 +33,7 @@ from typing import Any
 
 # Kept in step with controlplane.accounting.reports (not imported here: that pulls in SQLAlchemy).
 _GROUPS = {
-    "cost": ("day", "hour", "model", "api_key"),
+    "cost": ("day", "hour", "model", "api_key", "end_user"),
     "requests": ("day", "hour", "model", "api_key", "user"),
     "utilization": ("day", "hour", "instance"),
 }
@@ -44,8 +49,8 @@ _EMPTY_HINT = {
 }
 # Where a group column missing from one report lives instead.
 _ELSEWHERE = {
-    ("cost", "user"): "the hourly rollups are not kept per user; `controlplane report requests "
-    "--group-by user` has the list cost by user, from the request rows",
+    ("cost", "user"): "the end user is `end_user` here (windows of up to 24 h, from the request "
+    "rows); `controlplane report requests --group-by user` reaches back as far as the rows",
 }
 # What each report reads: tables, and columns added by later migrations.
 _NEEDED_TABLES = {
@@ -62,15 +67,19 @@ _NEEDED_COLUMNS = {
 }
 
 
-def _time_arg(flag: str) -> Callable[[str], datetime]:
-    def parse(value: str) -> datetime:
+def _time_arg(flag: str) -> Callable[[str], str]:
+    """Checks a --since / --until value; `_run` reads it (against one "now" for both bounds,
+    so `--since 24h` is exactly 24 hours)."""
+
+    def parse(value: str) -> str:
         from controlplane.common import parse_report_time
         from controlplane.errors import FieldError
 
         try:
-            return parse_report_time(flag, value)
+            parse_report_time(flag, value)
         except FieldError as exc:
             raise argparse.ArgumentTypeError(exc.message) from None
+        return value
 
     return parse
 
@@ -102,8 +111,22 @@ def _url(args: argparse.Namespace) -> str:
     return load_config(args.config).store_url
 
 
-def _shown(at: str) -> str:
-    return datetime.fromisoformat(at).astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+def _shown(at: str, seconds: bool = False) -> str:
+    fmt = "%Y-%m-%d %H:%M:%S UTC" if seconds else "%Y-%m-%d %H:%M UTC"
+    return datetime.fromisoformat(at).astimezone(UTC).strftime(fmt)
+
+
+def _window_note(report: Any) -> str:
+    """What a cost report's window is and where it was read from (the table's title)."""
+    if report.source == "requests":
+        note = (
+            "exact window, from the request rows; GPU cost and utilization are kept per whole hour"
+        )
+    else:
+        note = "whole UTC hours, from the hourly rollups"
+    if report.scope == "instance":
+        note += f"; instance {report.instance_id} only"
+    return note
 
 
 def _empty_sentence(kind: str, since: str, until: str) -> str:
@@ -114,6 +137,9 @@ def _empty_sentence(kind: str, since: str, until: str) -> str:
 
 _HEADERS = {
     "api_key": "API key",
+    "end_user": "end user",
+    "requests": "requests",
+    "token_share": "tok share",
     "mean_ttft_s": "TTFT s",
     "mean_e2e_latency_s": "latency s",
     "requests_succeeded": "ok",
@@ -154,6 +180,7 @@ _FOOTNOTE = (
 )
 _PERCENT = {
     "cached_share",
+    "token_share",
     "mean_prefix_cache_hit_rate",
     "mean_spec_acceptance_rate",
     "mean_utilization",
@@ -172,7 +199,7 @@ def _cell(column: str, value: Any) -> str:
         return "-"
     if column == "api_key":
         return value or "(no key)"
-    if column == "user":
+    if column in ("user", "end_user"):
         return value or "(no user)"
     if isinstance(value, str):
         return value
@@ -208,13 +235,16 @@ def _print_table(report: Any) -> None:
 
     console = table_console()
     # The title is printed on its own: as a table title rich pads it to the console width.
-    console.print(
-        f"{report.kind} report, {_shown(report.since)} to {_shown(report.until)}",
-        style="bold",
-        highlight=False,
-    )
+    exact = report.source == "requests"
+    title = f"{report.kind} report, {_shown(report.since, exact)} to {_shown(report.until, exact)}"
+    if report.source is not None:
+        title += f" ({_window_note(report)})"
+    console.print(title, style="bold", highlight=False, soft_wrap=True)
     table = Table()
-    for column in report.columns:
+    # From the request rows the hourly-only figures are all empty: not shown in the table.
+    hidden = {"gpu_cost_usd", "gpu_usd_per_mtok", "mean_utilization", "mfu", "provisional"}
+    columns = [c for c in report.columns if not (exact and c in hidden)]
+    for column in columns:
         grouped = column in report.group_by
         table.add_column(
             _HEADERS.get(column, column),
@@ -222,12 +252,12 @@ def _print_table(report: Any) -> None:
             no_wrap=True,
         )
     for row in report.rows:
-        table.add_row(*(_cell(c, row[c]) for c in report.columns))
+        table.add_row(*(_cell(c, row[c]) for c in columns))
     table.add_section()
     labels = ["total"] + [""] * (len(report.group_by) - 1) if report.group_by else []
     table.add_row(
         *labels,
-        *(_cell(c, report.totals.get(c)) for c in report.columns[len(report.group_by) :]),
+        *(_cell(c, report.totals.get(c)) for c in columns[len(report.group_by) :]),
         style="bold",
     )
     console.print(table)
@@ -249,7 +279,8 @@ def _print_csv(report: Any) -> None:
 
 
 def _print_json(report: Any) -> None:
-    doc = {k: report.to_dict()[k] for k in ("columns", "rows", "totals", "since", "until")}
+    keys = ("columns", "rows", "totals", "since", "until", "source", "scope", "instance_id")
+    doc = {k: v for k, v in report.to_dict().items() if k in keys}
     json.dump(doc, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
@@ -258,12 +289,16 @@ def _print_json(report: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from controlplane.common import parse_report_time
+    from controlplane.errors import FieldError
+
     kind = args.report_kind
-    until = args.until or datetime.now(UTC)
-    if not args.since < until:
+    now = datetime.now(UTC)
+    since = parse_report_time("since", args.since, now=now)
+    until = parse_report_time("until", args.until, now=now) if args.until else now
+    if not since < until:
         args.report_parser.error(
-            f"argument --since: must be before --until ({args.since.isoformat()} >= "
-            f"{until.isoformat()})"
+            f"argument --since: must be before --until ({since.isoformat()} >= {until.isoformat()})"
         )
 
     from sqlalchemy import inspect
@@ -272,6 +307,15 @@ def _run(args: argparse.Namespace) -> int:
 
     from controlplane.accounting import reports
     from controlplane.store.db import make_engine, sqlite_path
+
+    extra: dict[str, Any] = {}
+    if kind == "cost":
+        try:
+            source, start, end = reports.cost_window(since, until, args.group_by)
+        except FieldError as exc:
+            flag = "--" + exc.field.replace("_", "-")
+            args.report_parser.error(f"argument {flag}: {exc.message}")
+        extra = {"source": "auto", "instance_id": args.instance}
 
     url = _url(args)
     build = {
@@ -287,14 +331,15 @@ def _run(args: argparse.Namespace) -> int:
         try:
             schema_ok = _has_schema(inspect(engine), kind)
             if schema_ok:
-                report = build(engine, since=args.since, until=until, group_by=args.group_by)
+                report = build(engine, since=since, until=until, group_by=args.group_by, **extra)
         except SQLAlchemyError as exc:
             print(f"controlplane report: database error: {exc}", file=sys.stderr)
             return 1
         finally:
             engine.dispose()
     if report is None:  # no database or no schema yet: an empty report of the same shape
-        start, end, _, _ = reports.window(args.since, until)
+        if kind != "cost":
+            start, end, _, _ = reports.window(since, until)
         metrics = {
             "cost": reports.COST_METRICS,
             "requests": reports.REQUEST_METRICS,
@@ -309,9 +354,20 @@ def _run(args: argparse.Namespace) -> int:
             since=start.isoformat(),
             until=end.isoformat(),
             empty=True,
+            **(
+                {
+                    "source": source,
+                    "scope": "fleet" if args.instance is None else "instance",
+                    "instance_id": args.instance,
+                }
+                if kind == "cost"
+                else {}
+            ),
         )
     if report.empty:
         sentence = _empty_sentence(kind, report.since, report.until)
+        if report.source is not None:
+            sentence += f" ({_window_note(report)})"
         if not schema_ok:
             sentence += (
                 " (the database is not migrated for this report yet: `controlplane db upgrade`)"
@@ -354,7 +410,13 @@ def add_report_parser(subparsers: Any) -> None:
             type=_time_arg("since"),
             default=since,  # a string default goes through `type` when the flag is absent
             help=f"start: a duration back from now (24h, 7d, 30m, 2w) or an ISO date/time, "
-            f"UTC (default {since})",
+            f"UTC (default {since})"
+            + (
+                "; a window of 1 minute to 24 hours that is not whole UTC hours is exact (from "
+                "the request rows), longer ones are read from the hourly rollups (whole hours)"
+                if kind == "cost"
+                else ""
+            ),
         )
         p.add_argument("--until", type=_time_arg("until"), help="end: like --since (default: now)")
         p.add_argument(
@@ -364,6 +426,13 @@ def add_report_parser(subparsers: Any) -> None:
             help=f"comma-separated: {' | '.join(_GROUPS[kind])} (day and hour exclude each "
             f"other; default {group_by})",
         )
+        if kind == "cost":
+            p.add_argument(
+                "--instance",
+                metavar="ID",
+                help="only this instance's requests (its instance id; default: every instance "
+                "on the database, the fleet)",
+            )
         p.add_argument("--format", choices=["table", "csv", "json"], default="table")
         where = p.add_mutually_exclusive_group()
         where.add_argument("--config", help="TOML config file (its store URL is used)")

@@ -199,6 +199,37 @@ class RequestGroup:
     def computed(self) -> int:
         return self.prompt - self.cached + self.completion
 
+    def add(self, r: Any, price: Any) -> None:
+        """Count one (status, price) aggregate of final request rows: `r` has `status`, `n`,
+        `prompt`, `cached` (capped at the prompt), `completion` and `cost` (sums); `price` is
+        the price row they were priced with (None: no price, so no sides and no savings).
+        The rollup and the exact-window cost report (from the request rows) both count with
+        it, so they agree to the last digit over the same rows."""
+        prompt, cached_n, completion = (
+            int(r.prompt or 0),
+            int(r.cached or 0),
+            int(r.completion or 0),
+        )
+        if r.status == "success":
+            self.succeeded += int(r.n)
+        else:
+            self.failed += int(r.n)
+        self.prompt += prompt
+        self.cached += cached_n
+        self.completion += completion
+        self.list_cost += float(r.cost or 0)
+        if price is not None:
+            self.prompt_side += (
+                (prompt - cached_n) * float(price.prompt_per_mtok)
+                + cached_n * float(price.cached_prompt_per_mtok)
+            ) / 1e6
+            self.completion_side += completion * float(price.completion_per_mtok) / 1e6
+            self.cache_savings += (
+                cached_n
+                * (float(price.prompt_per_mtok) - float(price.cached_prompt_per_mtok))
+                / 1e6
+            )
+
     def columns(self) -> dict[str, Any]:
         """The cost rollup's columns that come from the requests alone (the stored rollup and
         the report's live view of the current hour both write these)."""
@@ -275,31 +306,7 @@ def request_groups(
     for r in rows:
         g = groups[(r.hour_bucket, r.model, r.api_key_name or "")]
         g.day = r.day_bucket
-        prompt, cached_n, completion = (
-            int(r.prompt or 0),
-            int(r.cached or 0),
-            int(r.completion or 0),
-        )
-        if r.status == "success":
-            g.succeeded += int(r.n)
-        else:
-            g.failed += int(r.n)
-        g.prompt += prompt
-        g.cached += cached_n
-        g.completion += completion
-        g.list_cost += float(r.cost or 0)
-        price = prices.get(r.price_id) if r.price_id is not None else None
-        if price is not None:
-            g.prompt_side += (
-                (prompt - cached_n) * float(price.prompt_per_mtok)
-                + cached_n * float(price.cached_prompt_per_mtok)
-            ) / 1e6
-            g.completion_side += completion * float(price.completion_per_mtok) / 1e6
-            g.cache_savings += (
-                cached_n
-                * (float(price.prompt_per_mtok) - float(price.cached_prompt_per_mtok))
-                / 1e6
-            )
+        g.add(r, prices.get(r.price_id) if r.price_id is not None else None)
     return groups
 
 

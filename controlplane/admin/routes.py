@@ -49,6 +49,15 @@ def _source(request: Request) -> str:
     return said if said in ("tui", "fleet") else "api"
 
 
+def _with_limits(fields: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """GET /admin/config's fields with what each accepts ("type", "min", "max", "choices"...),
+    from the declarations the validation uses (controlplane.config.field_limits)."""
+    from controlplane.config import field_limits
+
+    limits = field_limits()
+    return {k: {**v, **limits.get(k, {})} for k, v in fields.items()}
+
+
 def _unprocessable(param: str, message: str, status: int = 422) -> APIError:
     kind = "conflict" if status == 409 else "invalid_request_error"
     return APIError(status, f"{param}: {message}", type=kind, param=param)
@@ -79,7 +88,25 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
 
     @get("/config", summary="Effective settings: value, source and live-tunability of every field")
     async def get_config() -> dict[str, Any]:
-        return {"fields": runtime.live.describe()}
+        return {
+            "fields": _with_limits(runtime.live.describe()),
+            "dropped_at_restart": runtime.dropped_at_restart,
+        }
+
+    @post(
+        "/config/save",
+        status_code=200,
+        summary="Write the live values that differ from the config file into it (audited)",
+    )
+    async def save_config(request: Request) -> dict[str, Any]:
+        from controlplane.runtime.persist import SaveError
+
+        try:
+            return await runtime.save_config(_source(request), request.state.actor)
+        except SaveError as exc:
+            raise APIError(409, str(exc), type="conflict", param="config_file") from None
+        except ConfigChangeError as exc:  # the audit row could not be written: nothing saved
+            raise _unprocessable(exc.field, exc.message, exc.status) from None
 
     @patch(
         "/config",
@@ -244,6 +271,9 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
     )
     async def abort(request_id: FromPath[str], request: Request) -> dict[str, Any]:
         if runtime.abort_request(request_id, request.state.actor):
+            await runtime.audit_action(
+                "abort", None, f"request {request_id}", _source(request), request.state.actor
+            )
             return {"aborted": request_id}
         ended = finished(request_id) if finished is not None else None
         if ended is not None:
@@ -260,6 +290,66 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             param="request_id",
             code="not_found",
         )
+
+    def _key(name: str) -> str:
+        if name not in {k.name for k in runtime.cfg.api_keys}:
+            raise APIError(
+                404,
+                f"api key {name!r} is not configured ([[api_keys]])",
+                param="name",
+                code="not_found",
+            )
+        return name
+
+    @post(
+        "/keys/{name:str}/abort",
+        status_code=200,
+        summary="Abort every running and waiting request of one API key (audited)",
+    )
+    async def abort_key(name: FromPath[str], request: Request) -> dict[str, Any]:
+        ids = runtime.abort_key(_key(name), request.state.actor)
+        await runtime.audit_action(
+            "abort",
+            None,
+            f"key {name}: {len(ids)} request{'' if len(ids) == 1 else 's'}",
+            _source(request),
+            request.state.actor,
+        )
+        return {"api_key_name": name, "aborted": len(ids), "ids": ids}
+
+    async def _suspension(name: str, request: Request, suspend: bool) -> dict[str, Any]:
+        _key(name)
+
+        def change(cfg: Any) -> dict[str, Any]:  # on the config as it is under the lock
+            keys = [k for k in cfg.server.suspended_keys if k != name]
+            return {"server.suspended_keys": [*keys, name] if suspend else keys}
+
+        try:
+            changed = await runtime.change_config(change, _source(request), request.state.actor)
+        except ConfigChangeError as exc:
+            raise _unprocessable(exc.field, exc.message, exc.status) from None
+        return {
+            "api_key_name": name,
+            "suspended": suspend,
+            "changed": bool(changed),
+            "suspended_keys": list(runtime.cfg.server.suspended_keys),
+        }
+
+    @post(
+        "/keys/{name:str}/suspend",
+        status_code=200,
+        summary="Refuse new requests of one API key (403); running ones go on (audited)",
+    )
+    async def suspend_key(name: FromPath[str], request: Request) -> dict[str, Any]:
+        return await _suspension(name, request, True)
+
+    @post(
+        "/keys/{name:str}/unsuspend",
+        status_code=200,
+        summary="Serve one API key again after a suspension (audited)",
+    )
+    async def unsuspend_key(name: FromPath[str], request: Request) -> dict[str, Any]:
+        return await _suspension(name, request, False)
 
     @get("/fleet", summary="Every daemon sharing this database, worst first")
     async def fleet(include_stopped: FromQuery[bool] = False) -> dict[str, Any]:
@@ -329,20 +419,32 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
 
     @post("/drain", status_code=200, summary="Stop admitting new requests; running ones finish")
     async def drain(request: Request) -> dict[str, Any]:
+        before = runtime.state
         runtime.drain(request.state.actor)
-        return {"state": runtime.state}
+        return await _state_change(request, before)
 
     @post("/resume", status_code=200, summary="Admit new requests again after a drain")
     async def resume(request: Request) -> dict[str, Any]:
+        before = runtime.state
         runtime.resume(request.state.actor)
-        return {"state": runtime.state}
+        return await _state_change(request, before)
+
+    async def _state_change(request: Request, before: str) -> dict[str, Any]:
+        """The answer to a drain or resume; a change of state is audited (field `state`)."""
+        after = runtime.state
+        if after != before:
+            await runtime.audit_action(
+                "state", str(before), str(after), _source(request), request.state.actor
+            )
+        return {"state": after}
 
     def _window(
         since: str | None, until: str | None, group_by: str, allowed: tuple[str, ...]
     ) -> tuple:
+        now = datetime.now(UTC)  # one "now" for both bounds: "24h" is exactly 24 hours
         try:
-            start = parse_report_time("since", since or "24h")
-            end = parse_report_time("until", until) if until else datetime.now(UTC)
+            start = parse_report_time("since", since or "24h", now=now)
+            end = parse_report_time("until", until, now=now) if until else now
             keys = parse_group_by(group_by, allowed)
         except FieldError as exc:
             raise _unprocessable(exc.field, exc.message) from None
@@ -354,17 +456,33 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
 
     @get(
         "/costs",
-        summary="Cost report from the hourly rollups (same numbers as `controlplane report cost`)",
+        summary="Cost report (same numbers as `controlplane report cost`): exact windows of "
+        "1 minute to 24 hours from the request rows, longer ones from the hourly rollups",
     )
     async def costs(
         since: FromQuery[str | None] = None,
         until: FromQuery[str | None] = None,
         group_by: FromQuery[str] = "day,model,api_key",
+        # `scope` is litestar's name for the ASGI scope: the query parameter gets another.
+        where: Annotated[str, QueryParameter(name="scope")] = "fleet",
     ) -> dict[str, Any]:
-        from controlplane.accounting.reports import cost_report
+        from controlplane.accounting.reports import COST_GROUPS, cost_report, cost_window
 
-        start, end, keys = _window(since, until, group_by, ("day", "hour", "model", "api_key"))
-        report = await _read(cost_report, since=start, until=end, group_by=keys)
+        start, end, keys = _window(since, until, group_by, COST_GROUPS)
+        if where not in ("fleet", "instance"):
+            raise _unprocessable("scope", f"must be fleet or instance, got {where!r}")
+        try:
+            cost_window(start, end, keys)  # a bad window is a 422 naming since / group_by
+        except FieldError as exc:
+            raise _unprocessable(exc.field, exc.message) from None
+        report = await _read(
+            cost_report,
+            since=start,
+            until=end,
+            group_by=keys,
+            source="auto",
+            instance_id=runtime.instance_id if where == "instance" else None,
+        )
         return report.to_dict()
 
     @get(
@@ -387,11 +505,15 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         route_handlers=[
             get_config,
             patch_config,
+            save_config,
             config_history,
             stats,
             events,
             requests,
             abort,
+            abort_key,
+            suspend_key,
+            unsuspend_key,
             drain,
             resume,
             cache_reset,

@@ -144,10 +144,25 @@ class AdminClient:
     async def requests(self) -> dict[str, Any]:
         return await self._request("GET", "/admin/requests", params={"limit": 1})
 
-    async def costs(self, since: str = "1h") -> dict[str, Any]:
-        return await self._request(
-            "GET", "/admin/costs", params={"since": since, "group_by": "model"}
-        )
+    async def costs(
+        self,
+        since: str = "1h",
+        *,
+        group_by: str = "model",
+        scope: str | None = None,
+        until: str | None = None,
+    ) -> dict[str, Any]:
+        """GET /admin/costs: `since` "5m" ... "24h" is an exact window (from the request rows),
+        longer ones whole hours (rollups); `group_by` any of day|hour, model, api_key,
+        end_user (comma-separated); `scope` "instance" (this daemon's requests) or "fleet"
+        (every instance on its database; the daemon's default when None). The answer says
+        its "source", "scope" and exact "since" / "until"."""
+        params = {"since": since, "group_by": group_by}
+        if scope is not None:
+            params["scope"] = scope
+        if until is not None:
+            params["until"] = until
+        return await self._request("GET", "/admin/costs", params=params)
 
     async def utilization(self, since: str = "1h") -> dict[str, Any]:
         return await self._request("GET", "/admin/utilization", params={"since": since})
@@ -186,7 +201,9 @@ class AdminClient:
         )
 
     async def abort(self, request_id: str) -> dict[str, Any]:
-        return await self._request("POST", f"/admin/requests/{request_id}/abort")
+        return await self._request(
+            "POST", f"/admin/requests/{request_id}/abort", headers=self._source
+        )
 
     async def drain(self) -> dict[str, Any]:
         return await self._request("POST", "/admin/drain", headers=self._source)
@@ -222,6 +239,39 @@ class AdminClient:
                         data.append(line[5:].lstrip())
         except httpx.HTTPError as exc:
             raise Unreachable(_describe(exc)) from None
+
+    # -- tenants and persistence -------------------------------------------------------------
+    async def suspend_key(self, name: str) -> dict[str, Any]:
+        """Refuse new requests of API key `name` (403; running ones go on): {"api_key_name",
+        "suspended": true, "changed", "suspended_keys"}. APIError 404: no such key."""
+        return await self._request(
+            "POST", f"/admin/keys/{_segment(name)}/suspend", headers=self._source
+        )
+
+    async def unsuspend_key(self, name: str) -> dict[str, Any]:
+        """Serve API key `name` again: {"api_key_name", "suspended": false, "changed",
+        "suspended_keys"}."""
+        return await self._request(
+            "POST", f"/admin/keys/{_segment(name)}/unsuspend", headers=self._source
+        )
+
+    async def abort_key(self, name: str) -> dict[str, Any]:
+        """Abort every live request of API key `name`: {"api_key_name", "aborted", "ids"}."""
+        return await self._request(
+            "POST", f"/admin/keys/{_segment(name)}/abort", headers=self._source
+        )
+
+    async def save_config(self) -> dict[str, Any]:
+        """Write the live values into the daemon's config file: {"path", "saved": [{"field",
+        "value"}]}; APIError 409 (with the reason) when there is no file or it is not writable."""
+        return await self._request("POST", "/admin/config/save", headers=self._source)
+
+
+def _segment(name: str) -> str:
+    """`name` as one URL path segment (a key name may hold "/" or "?")."""
+    from urllib.parse import quote
+
+    return quote(name, safe="")
 
 
 def _describe(exc: Exception) -> str:

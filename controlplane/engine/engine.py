@@ -593,6 +593,9 @@ class Engine:
             "num_running": len(sch.running),
             "num_waiting": len(sch.waiting),
             "num_swapped": len(sch.swapped),
+            "oldest_waiting_arrival": min(
+                (q.metrics.arrival_time for q in (*sch.waiting, *sch.swapped)), default=None
+            ),
             "kv_blocks_used": self.block_pool.num_used,
             "kv_blocks_total": self.block_pool.num_blocks,
             "num_preemptions": sch.num_preemptions,

@@ -33,6 +33,39 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
+# Each integer field's allowed range (inclusive) and each enumerated field's choices, declared
+# once: `check` enforces them and GET /admin/config shows them (controlplane.config.field_limits).
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "block_size": (1, 1024),
+    "kv_cache_memory_bytes": (1, 1 << 50),
+    "num_kv_blocks": (1, 1 << 40),
+    "swap_space_bytes": (0, 1 << 50),
+    "max_model_len": (1, 1 << 24),
+    "seed": (0, 2**63 - 1),
+    "cuda_graph_max_rows": (1, MAX_DECODE_ROWS),
+    "max_num_seqs": (1, 4096),
+    "max_num_batched_tokens": (1, 1 << 20),
+    "prefill_chunk_size": (1, 1 << 20),
+    "speculative_num_tokens": (1, MAX_SPECULATIVE_TOKENS),
+    "speculative_max_batch_size": (1, 4096),
+    "speculative_ngram_min": (1, 64),
+    "speculative_ngram_max": (1, 64),
+    "grammar_cache_size": (0, 100_000),
+}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "quantization": QUANTIZATIONS,
+    "compile": COMPILE_MODES,
+    "cuda_graphs": CUDA_GRAPH_MODES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "preemption_mode": PREEMPTION_MODES,
+    "speculative_method": SPECULATIVE_METHODS,
+    "speculative_draft_quantization": QUANTIZATIONS,
+    "prefix_cache_isolation": PREFIX_CACHE_ISOLATIONS,
+}
+
 
 def _live(doc: str, default: Any) -> Any:
     return field(default=default, metadata={"live": True, "doc": doc})
@@ -196,13 +229,21 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+def _ranged(s: EngineSettings, name: str) -> int:
+    return _int(name, getattr(s, name), *INT_RANGES[name])
+
+
+def _one_of(s: EngineSettings, name: str) -> str:
+    return _choice(name, getattr(s, name), CHOICES[name])
+
+
 def check(settings: EngineSettings) -> EngineSettings:
     """Validate every field and the relations between them; return the settings unchanged."""
     s = settings
-    _choice("dtype", s.dtype, DTYPES)
-    _choice("device", s.device, DEVICES)
-    _int("block_size", s.block_size, 1, 1024)
-    _int("kv_cache_memory_bytes", s.kv_cache_memory_bytes, 1, 1 << 50)
+    _one_of(s, "dtype")
+    _one_of(s, "device")
+    _ranged(s, "block_size")
+    _ranged(s, "kv_cache_memory_bytes")
     if not (
         isinstance(s.gpu_memory_utilization, float | int) and 0 < s.gpu_memory_utilization <= 1
     ):
@@ -210,13 +251,13 @@ def check(settings: EngineSettings) -> EngineSettings:
             "gpu_memory_utilization", f"must be in (0, 1], got {s.gpu_memory_utilization!r}"
         )
     if s.num_kv_blocks is not None:
-        _int("num_kv_blocks", s.num_kv_blocks, 1, 1 << 40)
-    _int("swap_space_bytes", s.swap_space_bytes, 0, 1 << 50)
+        _ranged(s, "num_kv_blocks")
+    _ranged(s, "swap_space_bytes")
     if s.max_model_len is not None:
-        _int("max_model_len", s.max_model_len, 1, 1 << 24)
-    _int("seed", s.seed, 0, 2**63 - 1)
+        _ranged(s, "max_model_len")
+    _ranged(s, "seed")
     _bool("cpu_weight_packing", s.cpu_weight_packing)
-    _choice("quantization", s.quantization, QUANTIZATIONS)
+    _one_of(s, "quantization")
     if isinstance(s.quantization_group_size, bool) or (
         s.quantization_group_size not in INT4_GROUP_SIZES
     ):
@@ -226,17 +267,17 @@ def check(settings: EngineSettings) -> EngineSettings:
             f"got {s.quantization_group_size!r}",
         )
     _bool("quantize_lm_head", s.quantize_lm_head)
-    _choice("compile", s.compile, COMPILE_MODES)
-    _choice("cuda_graphs", s.cuda_graphs, CUDA_GRAPH_MODES)
-    _int("cuda_graph_max_rows", s.cuda_graph_max_rows, 1, MAX_DECODE_ROWS)
-    _choice("kv_cache_dtype", s.kv_cache_dtype, KV_CACHE_DTYPES)
-    _choice("attention_backend", s.attention_backend, ATTENTION_BACKENDS)
-    _int("max_num_seqs", s.max_num_seqs, 1, 4096)
-    _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 20)
-    _int("prefill_chunk_size", s.prefill_chunk_size, 1, 1 << 20)
-    _choice("preemption_mode", s.preemption_mode, PREEMPTION_MODES)
-    _choice("speculative_method", s.speculative_method, SPECULATIVE_METHODS)
-    _choice("speculative_draft_quantization", s.speculative_draft_quantization, QUANTIZATIONS)
+    _one_of(s, "compile")
+    _one_of(s, "cuda_graphs")
+    _ranged(s, "cuda_graph_max_rows")
+    _one_of(s, "kv_cache_dtype")
+    _one_of(s, "attention_backend")
+    _ranged(s, "max_num_seqs")
+    _ranged(s, "max_num_batched_tokens")
+    _ranged(s, "prefill_chunk_size")
+    _one_of(s, "preemption_mode")
+    _one_of(s, "speculative_method")
+    _one_of(s, "speculative_draft_quantization")
     if not isinstance(s.speculative_draft_model, str):
         raise InvalidSettingError(
             "speculative_draft_model", f"must be a path string, got {s.speculative_draft_model!r}"
@@ -246,11 +287,11 @@ def check(settings: EngineSettings) -> EngineSettings:
             "speculative_method",
             "draft needs speculative_draft_model, which is restart-only: set both and restart",
         )
-    _int("speculative_num_tokens", s.speculative_num_tokens, 1, MAX_SPECULATIVE_TOKENS)
-    _int("speculative_max_batch_size", s.speculative_max_batch_size, 1, 4096)
-    _int("speculative_ngram_min", s.speculative_ngram_min, 1, 64)
-    _int("speculative_ngram_max", s.speculative_ngram_max, 1, 64)
-    _int("grammar_cache_size", s.grammar_cache_size, 0, 100_000)
+    _ranged(s, "speculative_num_tokens")
+    _ranged(s, "speculative_max_batch_size")
+    _ranged(s, "speculative_ngram_min")
+    _ranged(s, "speculative_ngram_max")
+    _ranged(s, "grammar_cache_size")
     if s.speculative_ngram_max < s.speculative_ngram_min:
         raise InvalidSettingError(
             "speculative_ngram_max",
@@ -258,7 +299,7 @@ def check(settings: EngineSettings) -> EngineSettings:
             f"got {s.speculative_ngram_max}",
         )
     _bool("enable_prefix_caching", s.enable_prefix_caching)
-    _choice("prefix_cache_isolation", s.prefix_cache_isolation, PREFIX_CACHE_ISOLATIONS)
+    _one_of(s, "prefix_cache_isolation")
     if s.max_num_batched_tokens < s.max_num_seqs:
         # Every running sequence must be able to decode one token per step.
         raise InvalidSettingError(

@@ -109,6 +109,9 @@ class StepStats:
     grammar_mask_s_total: float = 0.0
     grammar_mask_wait_s_total: float = 0.0
     grammar_mask_steps_total: int = 0
+    # Arrival (time.time()) of the oldest request waiting or swapped out at the step's end;
+    # None when none waits (GET /admin/stats's oldest_waiting_s).
+    oldest_waiting_arrival: float | None = None
 
     @property
     def kv_usage(self) -> float:

@@ -28,7 +28,8 @@ log = logging.getLogger("controlplane.fleet")
 
 
 def figures(runtime: Runtime) -> registry.Heartbeat:
-    """The runtime's state and the headline figures of /admin/stats (the same computation)."""
+    """The runtime's state and the headline figures of /admin/stats (the same computation),
+    the incident ones too: the oldest wait, the minute's TTFT p99 and `slo.met`."""
     admitting = (DaemonState.READY, DaemonState.DRAINING)  # else loading (or a dead loop)
     state = runtime.state.fleet_name if runtime.state in admitting else registry.LOADING
     config = runtime.live.live_values()
@@ -36,6 +37,7 @@ def figures(runtime: Runtime) -> registry.Heartbeat:
         return registry.Heartbeat(state, config=config)
     stats = runtime.stats_payload()
     ttft = stats.get("ttft_p50_ms")
+    met = (stats.get("slo") or {}).get("met")
     return registry.Heartbeat(
         state,
         model=stats.get("model"),
@@ -46,6 +48,9 @@ def figures(runtime: Runtime) -> registry.Heartbeat:
         output_tokens_per_s=stats["decode_tokens_per_s"],
         ttft_p50_s=None if ttft is None else ttft / 1000,
         config=config,
+        oldest_waiting_s=stats.get("oldest_waiting_s"),
+        ttft_p99_ms=stats.get("ttft_p99_ms"),
+        slo_met=met if isinstance(met, bool) else None,
     )
 
 

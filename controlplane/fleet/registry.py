@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import Engine, func, insert, select, update
 
 from controlplane.common import check_url
+from controlplane.fleet.order import worst_first_key
 from controlplane.runtime.state import DaemonState
 from controlplane.store.audit import encode_value
 from controlplane.store.models import CostRollupRow, InstanceRow
@@ -40,8 +41,10 @@ STATES = (LOADING, SERVING, DRAINING, STOPPED)  # what a daemon writes
 # A stopped instance stays in the default view this long (it just went away: worth a look),
 # then only `include_stopped` shows it.
 STOPPED_SHOWN_S = 3600.0
-# Worst first: what an operator paged at 3 a.m. wants at the top.
-_RANK = {UNREACHABLE: 0, DRAINING: 1, LOADING: 2, SERVING: 3, STOPPED: 4}
+# Heartbeat figures whose None is a reading (an emptied queue must clear the last beat's oldest
+# wait): written on every beat, None included; the others keep their last value when a beat
+# does not know them (a beat while loading, the stopped beat).
+CLEARED = ("oldest_waiting_s", "ttft_p99_ms", "slo_met")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,12 @@ class Heartbeat:
     output_tokens_per_s: float | None = None
     ttft_p50_s: float | None = None
     config: dict[str, Any] | None = None  # its live-tunable settings (config drift)
+    # The incident figures (the worst-first order reads them). Here None is a reading, not
+    # "not known": nothing waits, nothing finished in the last minute, no p99 for any target;
+    # so every beat writes them, None included (CLEARED).
+    oldest_waiting_s: float | None = None
+    ttft_p99_ms: float | None = None  # over the last minute
+    slo_met: bool | None = None  # /admin/stats slo.met
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +90,11 @@ class Member:
     output_tokens_per_s: float | None
     ttft_p50_s: float | None
     config: dict[str, Any] | None
+    # The incident figures of its last heartbeat (None: nothing waits / nothing finished in the
+    # last minute / no SLO reading, or an older daemon that does not send them).
+    oldest_waiting_s: float | None = None
+    ttft_p99_ms: float | None = None
+    slo_met: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -130,7 +144,9 @@ def register(
 
 def heartbeat(db: Engine, instance_id: str, beat: Heartbeat, *, now: datetime) -> bool:
     """Refresh the row; False if it is gone (pruned by hand): the caller registers again."""
-    values = {k: v for k, v in _figures(beat).items() if v is not None or k == "state"}
+    values = {
+        k: v for k, v in _figures(beat).items() if v is not None or k == "state" or k in CLEARED
+    }
     with db.begin() as conn:
         done = conn.execute(
             update(INSTANCES)
@@ -143,14 +159,17 @@ def heartbeat(db: Engine, instance_id: str, beat: Heartbeat, *, now: datetime) -
 def members(
     db: Engine, *, now: datetime, unreachable_after_s: float, include_stopped: bool = False
 ) -> list[Member]:
-    """The instances, worst first: unreachable, draining, loading, serving (fullest KV cache
-    first), stopped; ties by id. Stopped for over STOPPED_SHOWN_S: only with include_stopped."""
+    """The instances, worst first (what an operator paged at 3 a.m. wants at the top; see
+    `controlplane.fleet.order.worst_first_key`): unreachable, then missing their SLO, then by
+    waiting requests and the oldest waiting age, then draining, loading, serving, then the
+    fullest KV cache, stopped last; ties by id. Stopped for over STOPPED_SHOWN_S: only with
+    include_stopped."""
     with db.connect() as conn:
         rows = conn.execute(select(INSTANCES)).mappings().all()
     out = [member(dict(r), now=now, unreachable_after_s=unreachable_after_s) for r in rows]
     if not include_stopped:
         out = [m for m in out if m.state != STOPPED or m.heartbeat_age_s <= STOPPED_SHOWN_S]
-    return sorted(out, key=lambda m: (_RANK[m.state], -(m.kv_usage or 0.0), m.id))
+    return sorted(out, key=worst_first_key)
 
 
 def member(row: dict[str, Any], *, now: datetime, unreachable_after_s: float) -> Member:

@@ -35,7 +35,7 @@ def v1_routes(runtime: Runtime) -> tuple[list[HTTPRouteHandler], InferenceAPI]:
         operation_class=openapi_body(schema.COMPLETION_SCHEMA),
     )
     async def completions(request: Request) -> Response:
-        return await api.completions(request)
+        return await api.serve(request, api.completions)
 
     @post(
         "/v1/chat/completions",
@@ -45,7 +45,7 @@ def v1_routes(runtime: Runtime) -> tuple[list[HTTPRouteHandler], InferenceAPI]:
         operation_class=openapi_body(schema.CHAT_SCHEMA),
     )
     async def chat_completions(request: Request) -> Response:
-        return await api.chat(request)
+        return await api.serve(request, api.chat)
 
     @get("/v1/models", summary="Served models", guards=[api_key])
     async def models() -> dict[str, Any]:

@@ -68,6 +68,9 @@ class Flight:
     token_times: list[float] = field(default_factory=list)
     last: RequestOutput | None = None
     done: bool = False  # the final record is written
+    # It ended in an error that is not the request's own: the engine died, or failed it (a
+    # 5xx); set with `done` (a request whose grammar could not be followed is a 400: not this).
+    failed: bool = False
     _abort_sent: bool = False
 
     async def run(self) -> None:
@@ -88,6 +91,10 @@ class Flight:
             self.outputs.put_nowait((self.index * self.n, failure))
         finally:
             self.done = True
+            last = self.last
+            self.failed = error is not None or (
+                last is not None and last.finish_reason == "error" and last.error_param is None
+            )
             self.runtime.ledger.finish(self.rec, self.last, self.token_times, error=error)
             self.on_end(self)
             self.outputs.put_nowait((self.index * self.n, _END))

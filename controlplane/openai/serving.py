@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +52,9 @@ log = logging.getLogger("controlplane.api")
 OFF_LOOP_CHARS = 4096
 # Finished request ids remembered so that an admin abort can say "already finished" (409).
 RECENTLY_FINISHED = 10_000
+# Set on a request's state once an engine request is queued for it: its end is counted when
+# its engine requests end (InferenceAPI.serve, _start).
+_ADMITTED = "traffic_admitted"
 
 
 class InferenceAPI:
@@ -59,6 +63,30 @@ class InferenceAPI:
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps weak ones
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
+
+    # -- traffic: the one place requests are counted -------------------------------------------
+    async def serve(
+        self, request: Request, handle: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        """One /v1 generation request (`handle`: `completions` or `chat`), counted in
+        runtime.traffic: it arrived, then ends once, as rejected (429 or 503 before anything
+        was queued: `_admit`'s answers) or finished. An admitted request finishes when its
+        last engine request ends (`_start`), streamed or not; any other, here."""
+        traffic = self.runtime.traffic
+        traffic.arrived(time.time())
+        try:
+            return await handle(request)
+        except BaseException as exc:
+            if not getattr(request.state, _ADMITTED, False):
+                status = (
+                    exc.status if isinstance(exc, APIError) else getattr(exc, "status_code", 500)
+                )
+                if status in (429, 503):
+                    traffic.rejected(status, time.time())
+                else:  # a client that left (cancelled) did not fail
+                    failed = status >= 500 and not isinstance(exc, asyncio.CancelledError)
+                    traffic.finished(failed, time.time())
+            raise
 
     # -- admission --------------------------------------------------------------------------
     def _admit(
@@ -107,6 +135,14 @@ class InferenceAPI:
                 "invalid or missing API key (Authorization: Bearer <key>)",
                 type="authentication_error",
                 code="invalid_api_key",
+            )
+        if found[0].name in self.runtime.cfg.server.suspended_keys:
+            # server.suspended_keys (live): checked per request, so running ones go on.
+            raise APIError(
+                403,
+                f"api key {found[0].name!r} is suspended by the operator",
+                type="permission_error",
+                code="api_key_suspended",
             )
         return found[0].name, found[1]
 
@@ -197,6 +233,12 @@ class InferenceAPI:
         prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
         response_id = new_id(prefix) if rid.from_client else rid.value
         batch = Batch(response_id, d.model_name, [], asyncio.Queue())
+
+        def ended(flight: Flight) -> None:  # the batch's last flight counts the request
+            self._remember(flight)
+            if batch.done:
+                d.traffic.finished(any(f.failed for f in batch.flights), time.time())
+
         try:
             for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
                 row_id = response_id if n == 1 else f"{response_id}-{i}"
@@ -222,8 +264,9 @@ class InferenceAPI:
                     rec.grammar_compile_ms = round((compile_s or 0.0) * 1000, 3)
                     d.metrics.observe_structured(kind, compile_s)
                 d.ledger.record(rec)
-                flight = Flight(d, stream, rec, self._remember, batch.outputs, i, p.n)
+                flight = Flight(d, stream, rec, ended, batch.outputs, i, p.n)
                 batch.flights.append(flight)
+                setattr(request.state, _ADMITTED, True)
                 self._spawn(flight.run())
         except BaseException:
             batch.abort()  # the ones already queued end (and are recorded) as aborted

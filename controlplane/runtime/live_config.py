@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from controlplane.config import AutopilotSettings, Config, Price, build_config, env_overrides
+from controlplane.config import (
+    AlertsSettings,
+    AutopilotSettings,
+    Config,
+    Price,
+    build_config,
+    env_overrides,
+)
 from controlplane.engine.settings import EngineSettings
 from controlplane.errors import FieldError
 from controlplane.store.models import CONFIG_SOURCES
@@ -31,6 +38,7 @@ LIVE_FIELDS = frozenset(
     | {"server.max_queue_len", "server.max_n", "server.max_choices_share"}
     | {"server.drain_timeout_s", "prices"}
     | {"server.max_grammar_bytes", "server.grammar_compile_timeout_s"}
+    | {"server.suspended_keys"}
     | {
         "jobs.utilization_interval_s",
         "jobs.rollup_interval_s",
@@ -38,6 +46,7 @@ LIVE_FIELDS = frozenset(
         "jobs.peak_flops",
     }
     | {f"autopilot.{f.name}" for f in dataclasses.fields(AutopilotSettings)}
+    | {f"alerts.{f.name}" for f in dataclasses.fields(AlertsSettings)}
 )
 
 
@@ -93,7 +102,7 @@ def _plain(value: Any) -> Any:
 def flatten(cfg: Config) -> dict[str, Any]:
     """Dotted field -> JSON-friendly value, for every field of the config."""
     out: dict[str, Any] = {"data_dir": cfg.data_dir}
-    for section in ("server", "store", "jobs", "fleet", "autopilot", "engine"):
+    for section in ("server", "store", "jobs", "fleet", "autopilot", "alerts", "engine"):
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             out[f"{section}.{f.name}"] = _plain(getattr(obj, f.name))
@@ -186,6 +195,8 @@ class LiveConfig:
                 raw[section][sub] = value
             else:
                 raw[key] = value
+        # The keys themselves, so that server.suspended_keys is checked against them.
+        raw["api_keys"] = [dataclasses.asdict(k) for k in self.effective.api_keys]
         try:
             new = build_config(raw, env={})
         except FieldError as exc:
@@ -273,3 +284,17 @@ class LiveConfig:
         for key in flatten_raw(raw):
             if key not in LIVE_FIELDS:
                 self.sources.setdefault(key, "file")
+
+    def file_saved(self, raw: Mapping[str, Any], fields: list[str]) -> None:
+        """`fields` were written to the file (POST /admin/config/save) as `raw` (the file
+        read back) has them: the file now gives them, and a reload sees no change in them.
+        Only these keys: other edits of the file not applied yet still are, at the next reload."""
+        saved = flatten_raw(raw)
+        current = flatten_raw(self._file_raw)
+        for key in fields:
+            if key in saved:
+                current[key] = saved[key]
+            else:
+                current.pop(key, None)
+            self.sources[key] = "file"
+        self._file_raw = nest(current)

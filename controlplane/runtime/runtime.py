@@ -25,8 +25,9 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.common import percentile
@@ -39,8 +40,11 @@ from controlplane.runtime.live_config import ConfigAuditError, FieldChange, Live
 from controlplane.runtime.state import DaemonState
 from controlplane.runtime.store_handle import StoreHandle
 from controlplane.store.records import hash_api_key
+from controlplane.telemetry.diagnosis import Signals, diagnose
 from controlplane.telemetry.metrics import Metrics
+from controlplane.telemetry.slo import slo, thresholds
 from controlplane.telemetry.stats import cache_and_speculation, structured_outputs, summarize
+from controlplane.telemetry.traffic import Traffic
 
 if TYPE_CHECKING:
     from controlplane.engine.types import StepStats
@@ -72,6 +76,8 @@ class Runtime:
         self.engine = EngineHandle()
         self.ledger = RequestLedger(live, Metrics(model_name or "loading"))
         self.events = Events()
+        # /v1 arrivals, rejections and ends (counted by InferenceAPI.serve) for /admin/stats.
+        self.traffic = Traffic(self.started_at)
         # The daemon's SLO autopilot (controlplane.autopilot.runner.Autopilot; not imported
         # here, even for typing: it is built on this module, not the other way round).
         self.autopilot: Any = None
@@ -86,6 +92,11 @@ class Runtime:
         # change_config), and a second one planned meanwhile would revert the first.
         self._config_lock = asyncio.Lock()
         self._stats_json: tuple[float, str] = (-1.0, "")  # (monotonic time, serialized)
+        # The file the daemon was started with (--config; None: embedded defaults), where
+        # POST /admin/config/save writes the live values; and the live values the last start
+        # dropped ({"field", "live", "file"}: controlplane.runtime.persist).
+        self.config_path: Path | None = None
+        self.dropped_at_restart: list[dict[str, Any]] = []
 
     @property
     def metrics(self) -> Metrics:
@@ -138,6 +149,32 @@ class Runtime:
         self.engine.abort(request_id)
         log.info("request %s aborted by admin (%s)", request_id, actor)
         return True
+
+    def abort_key(self, name: str, actor: str) -> list[str]:
+        """Abort every request of API key `name` in flight; the ids aborted (one being
+        aborted already, its abort not yet taken by the engine's step, is not counted again)."""
+        ids = [
+            rid
+            for rid, rec in list(self.ledger.in_flight.items())
+            if rec.api_key_name == name and rid not in self.ledger.admin_aborted
+        ]
+        return [rid for rid in ids if self.abort_request(rid, actor)]
+
+    async def audit_action(
+        self, field: str, old: Any, new: Any, source: str, actor: str | None
+    ) -> str | None:
+        """One audit row for an operator's action (drain, resume, abort), written after the
+        action: an action in an incident must not wait on the database. None when written,
+        else why not (logged)."""
+        change = FieldChange(field, old, new)
+        try:
+            await asyncio.to_thread(
+                self._write_audit, self.cfg, [change], source, actor, uuid.uuid4().hex
+            )
+        except ConfigAuditError as exc:
+            log.error("%s %r by %s (%s) not audited: %s", field, new, actor, source, exc)
+            return str(exc)
+        return None
 
     def drain(self, actor: str) -> None:
         if self.state == DaemonState.READY:
@@ -207,7 +244,61 @@ class Runtime:
             memory=self.engine.memory(),
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
+        self._incident_signals(body, now)
         return body
+
+    def _incident_signals(self, body: dict[str, Any], now: float) -> None:
+        """The figures that explain an incident, added to the /admin/stats `body`: traffic
+        rates, the oldest wait, 10 s latency p99s, the best completion rate, the SLO, the
+        severity thresholds and the diagnosis (docs/admin-api.md lists them)."""
+        rates = self.traffic.rates(now)
+        body.update(rates)
+        body["oldest_waiting_s"] = self._oldest_waiting_s(now)
+        recent = self.ledger.finished_since(now - 10.0)
+        ttfts = [f.ttft for f in recent if f.ttft is not None]
+        gaps = [g for f in recent for g in f.gaps]
+        body["ttft_p99_10s_ms"] = None if not ttfts else round(1000 * percentile(ttfts, 99), 3)
+        body["itl_p99_10s_ms"] = None if not gaps else round(1000 * percentile(gaps, 99), 3)
+        best = self.traffic.best_completion_rate(now)
+        body["best_completion_rate_per_s"] = best
+        cfg = self.cfg
+        minute = self.ledger.finished_since(now - 60.0)
+        body["slo"] = slo(
+            cfg.alerts, cfg.autopilot, minute, body["ttft_p99_ms"], body["itl_p99_ms"]
+        )
+        body["thresholds"] = thresholds(cfg.alerts, cfg.autopilot)
+        queue = body["queue_length"]
+        limit = cfg.server.max_queue_len
+        full = queue >= limit > 0 or rates["rejected_429_per_s"] > 0
+        found = diagnose(
+            Signals(
+                arrivals_per_s=rates["arrivals_per_s"],
+                best_completion_rate_per_s=best,
+                queue_growing=full or self.traffic.queue_growing(now, queue),
+                oldest_waiting_s=body["oldest_waiting_s"],
+                waiting=max(queue, body["num_waiting"] + body["num_swapped"]),
+                kv_usage_perc=body["kv_usage_perc"],
+                preemptions_in_window=body["preemptions_in_window"],
+                prefill_step_p50_ms=body["prefill_step_p50_ms"],
+                decode_step_p50_ms=body["decode_step_p50_ms"],
+            )
+        )
+        body["diagnosis"] = None if found is None else found.to_dict()
+
+    def _oldest_waiting_s(self, now: float) -> float | None:
+        """Age of the oldest request not running: waiting (or swapped out) in the engine at its
+        last step, or accepted since that step began (the engine has not shown it yet)."""
+        arrivals = []
+        latest = self.engine.stats()
+        if latest is not None and latest.oldest_waiting_arrival is not None:
+            arrivals.append(latest.oldest_waiting_arrival)
+        seen = latest.time - latest.step_duration if latest is not None else now
+        arrivals += [
+            t
+            for rec in list(self.ledger.in_flight.values())
+            if (t := rec.arrival_time.timestamp()) > seen
+        ]
+        return round(max(0.0, now - min(arrivals)), 3) if arrivals else None
 
     def stats_json(self, max_age_s: float = 0.1) -> str:
         """stats_payload as JSON, shared by every /admin/events subscriber: computed at most
@@ -239,6 +330,7 @@ class Runtime:
         """Feed the engine's new steps to the metrics and the per-second history."""
         if self.autopilot is not None:  # however it was switched (API, file, itself)
             self.metrics.autopilot_enabled.set(float(self.autopilot.state != "off"))
+        self.traffic.sample(time.time(), self.queue_length())
         steps = self.engine.recent_steps(self._metrics_step)
         if steps:
             self._metrics_step = steps[-1].step
@@ -254,7 +346,7 @@ class Runtime:
 
     async def change_config(
         self,
-        changes: Mapping[str, Any],
+        changes: Mapping[str, Any] | Callable[[Config], Mapping[str, Any]],
         source: str,
         actor: str | None = None,
         change_id: str | None = None,
@@ -263,9 +355,13 @@ class Runtime:
         """The one way a running daemon changes its config: validate, write the audit rows
         (and new price rows) in a worker thread, then apply. If the audit write fails, the
         change is not applied and ConfigAuditError says why. `change_id` goes on every audit
-        row of this change (a fresh one when None), and `reason` too."""
+        row of this change (a fresh one when None), and `reason` too. `changes` may be a
+        function of the effective config, called under the lock (a read-modify-write such as
+        suspending one more key can then not revert a change made meanwhile)."""
         change_id = change_id or uuid.uuid4().hex
         async with self._config_lock:
+            if callable(changes):
+                changes = changes(self.cfg)
             plan = self.live.plan(changes, source)
             if reason is not None:  # carried to the listeners (the events the TUI shows)
                 with_reason = tuple(dataclasses.replace(c, reason=reason) for c in plan.changes)
@@ -335,3 +431,38 @@ class Runtime:
         log.info("prefix cache reset by admin %s: %d blocks dropped", actor, dropped)
         self.events.broadcast({"type": "cache_reset", "dropped_blocks": dropped, "actor": actor})
         return dropped
+
+    async def save_config(self, source: str, actor: str | None) -> dict[str, Any]:
+        """Write every live value that differs from the config file into it (POST
+        /admin/config/save; controlplane.runtime.persist), audited first (field `config_file`,
+        new value the fields saved; ConfigAuditError: nothing written). SaveError when there
+        is no file (embedded defaults) or it cannot be written."""
+        from controlplane.runtime.persist import SaveError, plan_save, write_file
+
+        path = self.config_path
+        if path is None:
+            raise SaveError(
+                "the daemon runs on embedded defaults (started without --config): "
+                "there is no config file to save to"
+            )
+        async with self._config_lock:  # no change applied between the plan and the write
+            plan = await asyncio.to_thread(plan_save, path, self.cfg)
+            fields = [field for field, _ in plan.saved]
+            if fields:
+                change = FieldChange("config_file", None, fields)
+                await asyncio.to_thread(
+                    self._write_audit,
+                    self.cfg,
+                    [change],
+                    source,
+                    actor,
+                    uuid.uuid4().hex,
+                    f"written to {path}",
+                )
+                try:
+                    await asyncio.to_thread(write_file, path, plan.text)
+                except OSError as exc:
+                    raise SaveError(f"could not write {path}: {exc.strerror or exc}") from None
+                self.live.file_saved(plan.raw, fields)
+                log.info("live values saved to %s by %s (%s): %s", path, actor, source, fields)
+        return {"path": str(path), "saved": [{"field": f, "value": v} for f, v in plan.saved]}

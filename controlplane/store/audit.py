@@ -18,7 +18,7 @@ from decimal import Decimal
 from pathlib import PurePath
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, func, insert, select
 
 from controlplane.store.models import CONFIG_SOURCES, ConfigChangeRow
 
@@ -176,3 +176,28 @@ def history(
         }
         for r in rows
     ]
+
+
+def latest_values(
+    engine: Engine, *, instance_id: str, since: datetime | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per field, the newest audit row of `instance_id` (written at or after `since`):
+    `{field: {"source", "new_value", "time"}}` (the restart check: which live values were last
+    in force, and from where)."""
+    c = CONFIG_CHANGES.c
+    newest = select(func.max(c.id)).where(c.instance_id == instance_id)
+    if since is not None:
+        newest = newest.where(c.time >= since)
+    stmt = select(c.field, c.source, c.new_value, c.time).where(
+        c.id.in_(newest.group_by(c.field).scalar_subquery())
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).mappings().all()
+    return {
+        r["field"]: {
+            "source": r["source"],
+            "new_value": json.loads(r["new_value"]),
+            "time": r["time"].astimezone(UTC),
+        }
+        for r in rows
+    }

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -55,8 +56,9 @@ FINAL_STATUSES = frozenset(STATUSES) - {"running"}
 # cost_rollups.api_key_name of the line that carries an hour's idle GPU time.
 IDLE_KEY = "(idle)"
 # Where a configuration change came from (config_changes.source); "fleet": a fleet-wide change
-# (`controlplane fleet apply`, PATCH ?scope=fleet), which carries one change id per instance.
-CONFIG_SOURCES = ("default", "file", "env", "api", "tui", "fleet", "autopilot")
+# (`controlplane fleet apply`, PATCH ?scope=fleet), which carries one change id per instance;
+# "restart": the daemon at start, naming the live values a restart dropped.
+CONFIG_SOURCES = ("default", "file", "env", "api", "tui", "fleet", "autopilot", "restart")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -346,6 +348,13 @@ class InstanceRow(Base):
     kv_usage: Mapped[float | None]  # 0-1
     output_tokens_per_s: Mapped[float | None]
     ttft_p50_s: Mapped[float | None]
+    # The incident figures of /admin/stats (the worst-first order reads them; 0011): the age
+    # of the oldest request not running (None: nothing waits), the last minute's TTFT p99 in
+    # ms (None: nothing finished), and whether the minute's p99s met the SLO targets (None:
+    # no p99 for any target).
+    oldest_waiting_s: Mapped[float | None] = mapped_column(Float)
+    ttft_p99_ms: Mapped[float | None] = mapped_column(Float)
+    slo_met: Mapped[bool | None] = mapped_column(Boolean)
     # Its live-tunable settings as JSON ({"engine.max_num_seqs": 32, ...}): config drift.
     config: Mapped[str | None] = mapped_column(Text)
 

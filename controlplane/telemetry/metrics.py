@@ -406,8 +406,10 @@ class Metrics:
         Label names are the keys without their section (``engine.max_num_seqs`` gives
         ``max_num_seqs``; the whole key where two would collide), characters outside
         ``[a-zA-Z0-9_]`` becoming ``_``; values are ``str()`` of the values (booleans as
-        true/false, None as empty, enums by value).
+        true/false, None as empty, enums by value). `server.suspended_keys` is left out:
+        tenants' names are not for an endpoint that is open by default.
         """
+        live = {k: v for k, v in live.items() if k != "server.suspended_keys"}
         short = [str(k).rsplit(".", 1)[-1] for k in live]
         names = [
             _label_name(s if short.count(s) == 1 else k) for s, k in zip(short, live, strict=True)

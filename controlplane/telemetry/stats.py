@@ -39,6 +39,11 @@ def summarize(
     - ``steps_in_window``;
     - ``step_time_p50_ms`` / ``step_time_p99_ms``: linear-interpolation percentiles of
       ``step_duration``; None when no step is in the window;
+    - ``prefill_step_p50_ms`` / ``decode_step_p50_ms``: the p50 of ``step_duration`` over the
+      window's steps that carried prefill tokens (``num_prefill_tokens > 0``, decodes beside
+      them or not) and over its decode-only steps (no prefill, ``num_decode_tokens > 0``);
+      None when the window has no such step. Prefill steps far slower than decode-only ones
+      are what stalls every running stream (the diagnosis ``prefill_stall``);
     - ``batch_fill_tokens``: mean of ``(num_prefill_tokens + num_decode_tokens) /
       max_num_batched_tokens``; None when no step is in the window;
     - ``preemptions_in_window``: latest cumulative ``num_preemptions`` in the window minus the
@@ -73,6 +78,12 @@ def summarize(
                 prefill_rate, decode_rate = prefill / rate_window_s, decode / rate_window_s
 
     durations_ms = [s.step_duration * 1000.0 for s in window]
+    prefill_ms = [s.step_duration * 1000.0 for s in window if s.num_prefill_tokens > 0]
+    decode_ms = [
+        s.step_duration * 1000.0
+        for s in window
+        if s.num_prefill_tokens == 0 and s.num_decode_tokens > 0
+    ]
 
     batch_fill_tokens: float | None = None
     if window and max_num_batched_tokens > 0:
@@ -104,6 +115,8 @@ def summarize(
             "decode_tokens_per_s": 0.0,
             "step_time_p50_ms": None,
             "step_time_p99_ms": None,
+            "prefill_step_p50_ms": None,
+            "decode_step_p50_ms": None,
             "batch_fill_seqs": 0.0 if max_num_seqs > 0 else None,
             "batch_fill_tokens": None,
             "num_preemptions": 0,
@@ -126,6 +139,8 @@ def summarize(
         "decode_tokens_per_s": decode_rate,
         "step_time_p50_ms": percentile(durations_ms, 50),
         "step_time_p99_ms": percentile(durations_ms, 99),
+        "prefill_step_p50_ms": percentile(prefill_ms, 50),
+        "decode_step_p50_ms": percentile(decode_ms, 50),
         "batch_fill_seqs": latest.num_running / max_num_seqs if max_num_seqs > 0 else None,
         "batch_fill_tokens": batch_fill_tokens,
         "num_preemptions": latest.num_preemptions,

@@ -1,10 +1,19 @@
 """Cost, request and utilization reports from SQL: what `controlplane report ...` prints and the
 admin API's /admin/costs and /admin/utilization return.
 
-All read only the database (they work while the daemon is down) and always aggregate across
-instances. The window is whole UTC hours: every hour that overlaps [since, until), i.e. from the
-hour containing `since` up to the hour containing the last instant before `until`; the
-`Report`'s since / until are that effective window.
+All read only the database (they work while the daemon is down) and aggregate across
+instances (a cost report can also count one instance's requests: `instance_id`, scope
+"instance"). The window is whole UTC hours: every hour that overlaps [since, until), i.e. from
+the hour containing `since` up to the hour containing the last instant before `until`; the
+`Report`'s since / until are that effective window. The exception is a cost report from the
+request rows (`source` "requests", which `cost_window` picks for the API and the CLI when a
+window of 1 minute to 24 hours is not whole hours, or is grouped by end_user): it counts the
+final requests that arrived in exactly [since, until), with the rollup's arithmetic, so over
+whole hours both sources give the same counts, tokens and list cost. From the rows there is
+no GPU-amortized cost, utilization or MFU (those are kept per hour): they are None, and
+nothing is provisional. Every cost report says its `source`, `scope` and exact window;
+`requests` is succeeded + failed and `token_share` the group's share of the window's prompt +
+completion tokens.
 
 Cost reports read `cost_rollups` (see `controlplane.accounting.rollup` for each figure), and the
 request rows the rollup has not counted yet (requests that ended since an instance's last rollup
@@ -53,19 +62,31 @@ from controlplane.accounting.reports.base import (
     Report,
     window,
 )
-from controlplane.accounting.reports.cost import cost_report
+from controlplane.accounting.reports.cost import (
+    COST_SOURCES,
+    HOURLY_ONLY,
+    MAX_EXACT_WINDOW,
+    MIN_WINDOW,
+    cost_report,
+    cost_window,
+)
 from controlplane.accounting.reports.requests import requests_report
 from controlplane.accounting.reports.utilization import utilization_report
 
 __all__ = [
     "COST_GROUPS",
     "COST_METRICS",
+    "COST_SOURCES",
+    "HOURLY_ONLY",
+    "MAX_EXACT_WINDOW",
+    "MIN_WINDOW",
     "REQUEST_GROUPS",
     "REQUEST_METRICS",
     "UTILIZATION_GROUPS",
     "UTILIZATION_METRICS",
     "Report",
     "cost_report",
+    "cost_window",
     "requests_report",
     "utilization_report",
     "window",

@@ -27,17 +27,19 @@ SAMPLES = UtilizationSampleRow.__table__
 GPUS = GpuSampleRow.__table__
 
 TIME_GROUPS = ("day", "hour")
-COST_GROUPS = ("day", "hour", "model", "api_key")
+COST_GROUPS = ("day", "hour", "model", "api_key", "end_user")
 REQUEST_GROUPS = ("day", "hour", "model", "api_key", "user")
 UTILIZATION_GROUPS = ("day", "hour", "instance")
 
 COST_METRICS = (
     "requests_succeeded",
     "requests_failed",
+    "requests",
     "prompt_tokens",
     "cached_prompt_tokens",
     "cached_share",
     "completion_tokens",
+    "token_share",
     "list_cost_usd",
     "cache_savings_usd",
     "list_usd_per_mtok_prompt",
@@ -92,12 +94,19 @@ class Report:
     columns: list[str]  # group columns, then metrics
     rows: list[dict[str, Any]]
     totals: dict[str, Any]  # the metrics over the whole window
-    since: str  # ISO 8601 UTC, the effective window (whole hours)
+    since: str  # ISO 8601 UTC, the effective window (whole hours, or exact: see `source`)
     until: str
     empty: bool = field(default=False)
+    # Cost reports only (None elsewhere, and then left out of to_dict): where the figures come
+    # from, "rollups" (whole UTC hours) or "requests" (the request rows, the exact window), and
+    # whose requests they count, "fleet" (every instance on the database) or "instance" (then
+    # `instance_id` names it).
+    source: str | None = None
+    scope: str | None = None
+    instance_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": self.kind,
             "group_by": list(self.group_by),
             "columns": list(self.columns),
@@ -107,6 +116,9 @@ class Report:
             "until": self.until,
             "empty": self.empty,
         }
+        if self.source is not None:
+            out |= {"source": self.source, "scope": self.scope, "instance_id": self.instance_id}
+        return out
 
 
 # -- parameters ---------------------------------------------------------------------------------
