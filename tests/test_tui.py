@@ -20,7 +20,7 @@ from controlplane.config import load_config
 from controlplane.tui import add_tui_parser, resolve_token
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.screens import TuneScreen
-from controlplane.tui.widgets import RequestsTable
+from controlplane.tui.widgets import RequestsTable, short_id
 from harness import InProcessDaemon, free_port
 from tests.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
 
@@ -44,6 +44,13 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or cond}:\n{screen_text(pilot.app)}")
         await pilot.pause(0.05)
+
+
+async def scroll_to(pilot: Any, selector: str) -> None:
+    """Bring a panel below the fold into view, as an operator scrolling down would."""
+    app = pilot.app
+    app.query_one("#main").scroll_to_widget(app.query_one(selector), animate=False, top=True)
+    await pilot.pause(0.1)
 
 
 def start_daemon(tmp: Path, model: Path, port: int = 0, **engine: Any) -> InProcessDaemon:
@@ -87,6 +94,7 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
             )
             await wait_until(pilot, lambda: app.query_one(RequestsTable).row_count > 0, 10)
             api_stats = c.get("/admin/stats").json()
+            await scroll_to(pilot, "#kv")  # the detail panels are below the tables at 120x40
             text = screen_text(app)
             assert f"/ {api_stats['max_num_seqs']} max_num_seqs" in text
             assert f"/ {api_stats['kv_blocks_total']}" in text
@@ -99,8 +107,10 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
             # The table lists the daemon's live requests.
             live_ids = {r["id"] for r in c.get("/admin/requests").json()["live"]}
             table = app.query_one(RequestsTable)
-            shown_ids = {str(table.get_row_at(i)[0]) for i in range(table.row_count)}
+            shown_ids = {str(k.value) for k in table.rows}
             assert shown_ids & live_ids or not live_ids
+            # The short ids on screen are the tails of the real ones.
+            assert all(short_id(i).lstrip("…") in i for i in shown_ids)
             await pilot.press("o")  # sort by another column, nothing breaks
             await pilot.press("question_mark")
             await wait_until(pilot, lambda: "this help" in screen_text(app), 5)
@@ -127,7 +137,7 @@ def test_tune_form_reaches_engine_and_invalid_value_shows_api_error(daemon):
                 pilot, lambda: isinstance(app.screen, TuneScreen) and app.screen
             )
             form.query_one("#in-max_num_batched_tokens").value = "2"
-            await pilot.press("ctrl+s")
+            await pilot.press("ctrl+s", "ctrl+s")  # 1/1024 of the current value: confirmed
             err = form.query_one("#err-max_num_batched_tokens")
             await wait_until(pilot, lambda: "max_num_seqs" in str(err.render()), 10, "inline error")
             assert ">= max_num_seqs (8)" in str(err.render())
@@ -151,7 +161,14 @@ def test_tune_form_reaches_engine_and_invalid_value_shows_api_error(daemon):
 
     asyncio.run(main())
     fields = c.get("/admin/config").json()["fields"]
-    assert fields["engine.max_num_seqs"] == {"value": 5, "source": "tui", "live": True}
+    assert fields["engine.max_num_seqs"] | {"type": "int", "min": 1, "max": 4096} == {
+        "value": 5,
+        "source": "tui",
+        "live": True,
+        "type": "int",
+        "min": 1,
+        "max": 4096,
+    }
     assert c.get("/admin/stats").json()["max_num_seqs"] == 5
     entry = c.get("/admin/config/history", params={"field": "engine.max_num_seqs"}).json()[
         "changes"
@@ -228,14 +245,22 @@ def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
         app = make_app(first.url)
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(pilot, lambda: app.connected, 5)
+            main = app.query_one("#main")
+            assert not main.has_class("-stale")
             await asyncio.to_thread(first.stop)
             await wait_until(pilot, lambda: "unreachable" in screen_text(app), 15, "unreachable")
             assert "reconnecting" in screen_text(app)
+            # The last numbers stay on screen, dimmed, with their age; the age grows.
+            assert main.has_class("-stale") and main.styles.opacity < 1
+            await wait_until(pilot, lambda: "STALE 0m01s" in screen_text(app), 5, "stale age")
+            await wait_until(pilot, lambda: "STALE 0m02s" in screen_text(app), 5, "age grows")
+            assert "in " in screen_text(app) and "queue " in screen_text(app)  # still shown
             second = await asyncio.to_thread(start_daemon, tmp_path, tiny_model_dir, port)
             try:
                 await wait_until(pilot, lambda: app.connected, 20, "reconnected")
                 await wait_until(pilot, lambda: "reconnected" in screen_text(app), 5)
-                await wait_until(pilot, lambda: "state serving" in screen_text(app), 20)
+                await wait_until(pilot, lambda: "serving" in screen_text(app), 20)
+                assert not main.has_class("-stale") and "STALE" not in screen_text(app)
             finally:
                 await asyncio.to_thread(second.stop)
 
@@ -259,7 +284,7 @@ def test_wrong_token_is_reported_not_fatal(daemon):
         app = DashboardApp(daemon.url, "wrong-token-wrong-token", reconnect_max_s=0.5)
         async with app.run_test(size=(80, 24)) as pilot:
             await wait_until(pilot, lambda: "API error 401" in screen_text(app), 5, "401 shown")
-            assert "state unauthorized" in screen_text(app) and not app.connected
+            assert "unauthorized" in screen_text(app) and not app.connected
             await pilot.press("t", "escape", "g", "a", "d", "n")  # nothing crashes
 
     asyncio.run(main())
@@ -278,7 +303,7 @@ def fake_stats(i: int) -> dict[str, Any]:
         "num_running": 6,
         "num_waiting": 3,
         "num_swapped": 0,
-        "queue_length": 3,
+        "queue_length": 3 * i,
         "kv_blocks_used": 412,
         "kv_blocks_total": 1024,
         "kv_usage_perc": 40.2,
@@ -307,6 +332,45 @@ def fake_stats(i: int) -> dict[str, Any]:
         "max_num_batched_tokens": 2048,
         "max_queue_len": 256,
         "autopilot": {"state": "holding", "ttft_p99_ms": 2000.0, "itl_p99_ms": 80.0},
+        # The incident signals (an overload building up over the snapshots).
+        "arrivals_per_s": 6.0,
+        "completions_per_s": 4.1,
+        "best_completion_rate_per_s": 4.3,
+        "rejected_per_s": 1.2,
+        "rejected_429_per_s": 1.2,
+        "rejected_503_per_s": 0.0,
+        "failed_per_s": 0.0,
+        "oldest_waiting_s": 0.7 * i,
+        "prefill_step_p50_ms": 48.0,
+        "decode_step_p50_ms": 11.0,
+        "ttft_p50_ms": 950.0,
+        "ttft_p99_ms": 1500.0 + 40 * i,
+        "ttft_p99_10s_ms": 1800.0 + 40 * i,
+        "itl_p50_ms": 12.0,
+        "itl_p99_ms": 41.0,
+        "itl_p99_10s_ms": 66.0,
+        "slo": {
+            "ttft_p99_ms": 2000.0,
+            "itl_p99_ms": 80.0,
+            "source": "autopilot",
+            "attainment": 0.93,
+            "met": 1500.0 + 40 * i <= 2000.0,
+        },
+        "thresholds": {
+            "ttft_p99_ms": {"warn": 1600.0, "crit": 2000.0},
+            "itl_p99_ms": {"warn": 64.0, "crit": 80.0},
+            "kv_usage_perc": {"warn": 85.0, "crit": 97.0},
+            "queue_fill": {"warn": 0.5, "crit": 0.9},
+            "rejected_per_s": {"warn": 0.1, "crit": 1.0},
+            "failed_per_s": {"warn": 0.01, "crit": 0.5},
+            "heartbeat_age_s": {"warn": 10.0, "crit": 30.0},
+        },
+        "diagnosis": {
+            "code": "overloaded",
+            "message": "overloaded: 6.0 req/s arriving, at most 4.3 req/s completed in 15 min: "
+            "shed load (server.max_queue_len) or add instances; retuning cannot fix it",
+            "knob": "server.max_queue_len",
+        },
         "memory": {
             "weights_bytes": 142_606_336,
             "kv_cache_bytes": 1 << 30,
@@ -371,6 +435,7 @@ class FakeClient:
                 "id": f"cmpl-{i:04x}",
                 "state": "running" if i < 6 else "waiting",
                 "api_key_name": ["alice", "bob", None][i % 3],
+                "end_user": ["u1", None][i % 2],
                 "age_s": 1.5 * (9 - i),
                 "prompt_tokens": 20 + 7 * i,
                 "output_tokens": 100 - 9 * i,
@@ -381,9 +446,20 @@ class FakeClient:
         ]
         return {"live": live, "finished": [], "next_cursor": None}
 
-    async def costs(self, since: str = "1h") -> dict[str, Any]:
-        totals = {"list_usd_per_mtok_completion": 0.6, "gpu_usd_per_mtok": 0.0412}
-        return {"columns": ["model", *totals], "rows": [], "totals": totals, "empty": False}
+    async def costs(
+        self, since: str = "1h", group_by: str = "model", scope: str | None = None, until=None
+    ) -> dict[str, Any]:
+        if until is not None:  # the last whole hour: $ per 1M tokens
+            totals = {"list_usd_per_mtok_completion": 0.6, "gpu_usd_per_mtok": 0.0412}
+            return {"columns": ["model", *totals], "rows": [], "totals": totals, "empty": False}
+        names = {"api_key": ["alice", "bob", None], "model": ["tiny-llama"], "end_user": ["u1"]}
+        rows = [
+            {group_by: name, "requests": 10 + i, "list_usd": 0.0125 / (i + 1)}
+            for i, name in enumerate(names[group_by])
+        ]
+        total = {"requests": sum(r["requests"] for r in rows)}
+        total["list_usd"] = sum(r["list_usd"] for r in rows)
+        return {"columns": [group_by, "requests", "list_usd"], "rows": rows, "totals": total}
 
     async def utilization(self, since: str = "1h") -> dict[str, Any]:
         totals = {"mean_busy_fraction": 0.63, "mean_kv_usage": 0.38, "mean_gpu_power_w": None}
@@ -434,9 +510,27 @@ def test_an_answer_arriving_during_shutdown_does_not_crash_the_app():
     assert client.answered_late >= 1  # the map came back after the app stopped running
 
 
-@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+@pytest.mark.parametrize(
+    "size", [(80, 24), (120, 40), (160, 48)], ids=["80x24", "120x40", "160x48"]
+)
 def test_snapshot_dashboard(snap_compare, size):
     assert snap_compare(fake_app(), terminal_size=size, run_before=loaded)
+
+
+def test_snapshot_dashboard_no_color(snap_compare, monkeypatch):
+    """NO_COLOR: severity still shows (critical values in reverse video, warnings in bold)."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert snap_compare(fake_app(), terminal_size=(80, 24), run_before=loaded)
+
+
+def test_snapshot_requests_grouped_by_key(snap_compare):
+    async def grouped(pilot: Any) -> None:
+        await loaded(pilot)
+        await pilot.press("v")
+        await wait_until(pilot, lambda: "by key" in screen_text(pilot.app), 5, "grouped")
+        await pilot.pause(0.1)
+
+    assert snap_compare(fake_app(), terminal_size=(120, 40), run_before=grouped)
 
 
 def test_snapshot_tune_form(snap_compare):

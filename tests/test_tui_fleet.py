@@ -93,7 +93,9 @@ def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> 
                 20,
                 "beta's dashboard",
             )
-            assert app.url == urls["beta"] and urls["beta"] in screen_text(app)
+            # The header names the instance followed (host and port; the scheme is left out).
+            assert app.url == urls["beta"]
+            assert urls["beta"].removeprefix("http://") in screen_text(app)
             await pilot.press("escape")
             await wait_until(pilot, lambda: isinstance(app.screen, FleetScreen), 5, "fleet again")
             await wait_until(pilot, lambda: len(rows()) == 3, 10, "the list again")
@@ -120,6 +122,9 @@ def fake_fleet() -> dict[str, Any]:
             "ttft_p50_s": None if tok is None else 0.084,
             "heartbeat_age_s": 2.0,
             "unreachable_since": None,
+            "ttft_p99_ms": None,
+            "oldest_waiting_s": None,
+            "slo_met": None,
             **extra,
         }
 
@@ -132,10 +137,29 @@ def fake_fleet() -> dict[str, Any]:
                 410.0,
                 heartbeat_age_s=95.0,
                 unreachable_since="2026-11-25T03:12:05+00:00",
+                ttft_p99_ms=2900.0,
+                oldest_waiting_s=12.5,
             ),
-            m("gpu-2", "draining", 0.12, 95.5),
-            m("gpu-0", "serving", 0.81, 1520.0),
-            m("gpu-1", "serving", 0.35, 1310.5),
+            # Missing its SLO (marked in its TTFT p99 cell), with a request waiting 38 s.
+            m(
+                "gpu-2",
+                "draining",
+                0.12,
+                95.5,
+                ttft_p99_ms=14_200.0,
+                oldest_waiting_s=38.2,
+                slo_met=False,
+            ),
+            m(
+                "gpu-0",
+                "serving",
+                0.81,
+                1520.0,
+                ttft_p99_ms=310.0,
+                oldest_waiting_s=0.4,
+                slo_met=True,
+            ),
+            m("gpu-1", "serving", 0.35, 1310.5, ttft_p99_ms=180.0, slo_met=True),
         ],
         "totals": {
             "instances": 4,

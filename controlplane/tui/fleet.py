@@ -22,18 +22,22 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from controlplane.client.admin import ClientError
-from controlplane.tui.history import fmt_num, fmt_usd
+from controlplane.fleet.order import WORST_FIRST, slo_missed, worst_first_key
+from controlplane.tui.history import fmt_ms, fmt_num, fmt_usd
 from controlplane.tui.widgets import STATE_STYLE
 
-# (payload key, header); "worst" is the server's order (unreachable, draining, loading,
-# serving by fullest KV cache, stopped).
-# The figures that say "sick" first: at 80 columns model and URL are what scrolls off.
+# (payload key, header); "worst" is controlplane.fleet.order's (WORST_FIRST says it in words),
+# the server's order too.
+# The figures that say "sick" first, in the order's order (the SLO, the queue, its oldest wait,
+# the KV cache): at 80 columns throughput, heartbeat, model and URL are what scrolls off.
 FLEET_COLUMNS = (
     ("id", "instance"),
     ("state", "state"),
+    ("ttft_p99_ms", "TTFT p99"),
+    ("num_waiting", "wait"),
+    ("oldest_waiting_s", "oldest wait"),
     ("kv_usage", "KV"),
     ("num_running", "run"),
-    ("num_waiting", "wait"),
     ("output_tokens_per_s", "tok/s"),
     ("ttft_p50_s", "TTFT p50"),
     ("heartbeat_age_s", "heartbeat"),
@@ -44,10 +48,26 @@ FLEET_COLUMNS = (
 ROW_STYLE = {**STATE_STYLE, "serving": "", "stopped": "dim"}
 SORT_KEYS = ("worst", *(k for k, _ in FLEET_COLUMNS))
 # Bigger is worse for these: sorted descending.
-DESCENDING = {"num_running", "num_waiting", "kv_usage", "ttft_p50_s", "heartbeat_age_s"}
+DESCENDING = {
+    "num_running",
+    "num_waiting",
+    "oldest_waiting_s",
+    "kv_usage",
+    "ttft_p99_ms",
+    "ttft_p50_s",
+    "heartbeat_age_s",
+}
+# The mark (and colour) of an instance missing its SLO, in its TTFT p99 cell.
+SLO_MISSED = "✗ "
+SLO_MISSED_STYLE = "bold red"
+# The mark on the instance the dashboard is on (the app's `url`).
+HERE = "▶ "
 FLEET_KEYS = [
     ("enter", "open the selected instance's dashboard (escape there comes back)"),
     ("o", "cycle the sort column (or click a column header); worst first by default"),
+    ("worst", WORST_FIRST),  # the default sort, in words
+    ("▶", "the instance this dashboard is on"),
+    ("✗", "missing its SLO (TTFT p99 cell, red): its minute's p99s are over their targets"),
     ("g", "refresh now"),
     ("escape", "back to the dashboard"),
     ("q", "quit"),
@@ -63,8 +83,21 @@ def _since(iso: str | None) -> str:
         return ""
 
 
+def _wait(s: Any) -> str:
+    """An age in seconds, short: 0.4 s, 38 s, 12 min, 3.5 h."""
+    if not isinstance(s, int | float) or isinstance(s, bool):
+        return str(s)
+    if s < 10:
+        return f"{s:.1f} s"
+    if s < 600:
+        return f"{s:.0f} s"
+    return f"{s / 60:.0f} min" if s < 3600 * 3 else f"{s / 3600:.1f} h"
+
+
 def _cell(key: str, m: dict[str, Any]) -> str:
     value = m.get(key)
+    if key == "ttft_p99_ms" and slo_missed(m):
+        return SLO_MISSED + ("–" if value is None else fmt_ms(value))
     if key == "state" and value == "unreachable":
         return "unreachable" + _since(m.get("unreachable_since"))
     if value is None:
@@ -75,6 +108,10 @@ def _cell(key: str, m: dict[str, Any]) -> str:
         return fmt_num(value)
     if key == "ttft_p50_s":
         return f"{value * 1000:.0f} ms"
+    if key == "ttft_p99_ms":
+        return fmt_ms(value)
+    if key == "oldest_waiting_s":
+        return _wait(value)
     if key == "heartbeat_age_s":
         return f"{value:.0f}s ago"
     return str(value)
@@ -123,13 +160,24 @@ class FleetTable(DataTable):
         for key, label in FLEET_COLUMNS:
             self.add_column(label, key=key)
 
+    def here(self) -> str | None:
+        """The advertise URL of the instance the dashboard is on (the app's `url`)."""
+        url = getattr(self.app, "url", None)
+        return str(url).rstrip("/") if url else None
+
     def show(self, instances: list[dict[str, Any]]) -> None:
         self.rows_data = list(instances)
         selected = self.selected_url()
+        here = self.here()
         self.clear()
         for m in self._sorted():
             style = ROW_STYLE.get(str(m.get("state")), "")
             cells = [Text(_cell(k, m), style=style) for k, _ in FLEET_COLUMNS]
+            if slo_missed(m):
+                p99 = [k for k, _ in FLEET_COLUMNS].index("ttft_p99_ms")
+                cells[p99] = Text(cells[p99].plain, style=SLO_MISSED_STYLE)
+            if here is not None and str(m.get("advertise_url") or "").rstrip("/") == here:
+                cells[0] = Text(HERE, style="bold") + cells[0]
             self.add_row(*cells, key=str(m.get("id")))
         if selected is not None:
             for i, m in enumerate(self._sorted()):
@@ -139,7 +187,9 @@ class FleetTable(DataTable):
 
     def _sorted(self) -> list[dict[str, Any]]:
         if self.sort_key == "worst":
-            return self.rows_data
+            # The server sends this order; sorted here too, so an older server's list reads
+            # the same way.
+            return sorted(self.rows_data, key=worst_first_key)
 
         def key(m: dict[str, Any]) -> tuple:
             v = m.get(self.sort_key)

@@ -13,6 +13,8 @@ OK, WARN, CRIT = 0, 1, 2
 # crit is reverse video as well as red, so that it still stands out under NO_COLOR.
 STYLE = {OK: "green", WARN: "bold yellow", CRIT: "bold reverse red"}
 WORD = {OK: "ok", WARN: "warn", CRIT: "crit"}
+# Trend lines in their level's colour, never reversed (reverse video hides block glyphs).
+LINE_STYLE = {OK: "green", WARN: "yellow", CRIT: "red"}
 
 
 def level(value: Any, limits: dict[str, Any] | None) -> int | None:
@@ -40,9 +42,9 @@ def queue_fill(stats: dict[str, Any]) -> float | None:
     return None
 
 
-def paint(text: str, lvl: int | None) -> str:
+def paint(text: str, lvl: int | None, styles: dict[int, str] = STYLE) -> str:
     """`text` in its level's style (Rich markup); plain bold when the level is unknown."""
-    return f"[b]{text}[/]" if lvl is None else f"[{STYLE[lvl]}]{text}[/]"
+    return f"[b]{text}[/]" if lvl is None else f"[{styles[lvl]}]{text}[/]"
 
 
 def worst(*levels: int | None) -> int | None:

