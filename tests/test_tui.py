@@ -19,7 +19,7 @@ from textual.widgets import Input
 from controlplane.config import load_config
 from controlplane.tui import add_tui_parser, resolve_token
 from controlplane.tui.app import DashboardApp
-from controlplane.tui.screens import TuneScreen
+from controlplane.tui.screens import ConfirmScreen, TuneScreen
 from controlplane.tui.widgets import RequestsTable, short_id
 from harness import InProcessDaemon, free_port
 from tests.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
@@ -247,6 +247,9 @@ def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
             await wait_until(pilot, lambda: app.connected, 5)
             main = app.query_one("#main")
             assert not main.has_class("-stale")
+            # A live fix the restart will drop (the file says max_num_seqs 8).
+            r = api(first.url).patch("/admin/config", json={"engine": {"max_num_seqs": 6}})
+            assert r.status_code == 200, r.text
             await asyncio.to_thread(first.stop)
             await wait_until(pilot, lambda: "unreachable" in screen_text(app), 15, "unreachable")
             assert "reconnecting" in screen_text(app)
@@ -261,6 +264,27 @@ def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
                 await wait_until(pilot, lambda: "reconnected" in screen_text(app), 5)
                 await wait_until(pilot, lambda: "serving" in screen_text(app), 20)
                 assert not main.has_class("-stale") and "STALE" not in screen_text(app)
+                # The change history shows the restart and what it dropped.
+                await wait_until(
+                    pilot,
+                    lambda: any(
+                        c["source"] == "restart" and "max_num_seqs 6" in str(c["new"])
+                        for c in app.changes
+                    ),
+                    10,
+                    "restart in the history",
+                )
+                await scroll_to(pilot, "#changes")
+                assert "restart" in screen_text(app)
+                # W writes the live values to the file: the next restart keeps them.
+                api(second.url).patch("/admin/config", json={"engine": {"max_num_seqs": 5}})
+                await pilot.press("W")
+                await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
+                await pilot.press("y")
+                config = tmp_path / "cp.toml"
+                await wait_until(
+                    pilot, lambda: "max_num_seqs = 5" in config.read_text(), 10, "saved"
+                )
             finally:
                 await asyncio.to_thread(second.stop)
 

@@ -99,6 +99,20 @@ def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> 
             await pilot.press("escape")
             await wait_until(pilot, lambda: isinstance(app.screen, FleetScreen), 5, "fleet again")
             await wait_until(pilot, lambda: len(rows()) == 3, 10, "the list again")
+            # Escape again: home, to the instance the app started on, with its own numbers.
+            home = app.home_url
+            await pilot.press("escape")
+            await wait_until(
+                pilot,
+                lambda: (
+                    not isinstance(app.screen, FleetScreen)
+                    and app.url == home
+                    and app.stats is not None
+                ),
+                20,
+                "home again",
+            )
+            assert app.stats.get("max_num_seqs") != 4  # not beta's
 
     try:
         asyncio.run(main())

@@ -5,32 +5,44 @@ explained on the main screen in colour; the cost panel equal to SQL over the sam
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+import sqlalchemy as sa
 from rich.style import Style
 
 from controlplane.config import load_config
 from controlplane.tui.app import DashboardApp
+from controlplane.tui.history import fmt_usd
 from controlplane.tui.screens import ConfirmScreen
 from controlplane.tui.severity import CRIT, WARN, level
-from controlplane.tui.widgets import RequestsTable
-from harness import InProcessDaemon
+from controlplane.tui.widgets import RequestsTable, spend_by
+from harness import InProcessDaemon, wait_rows
 from tests.test_admin_api import TOKEN, admin_cfg, loadgen
+from tests.test_cost_windows import add, sql_sums
 from tests.test_tui import screen_text, wait_until
 
 SIZE = (120, 40)
 KEYS = [{"name": "good", "key": "sk-good-0001"}, {"name": "bad-tenant", "key": "sk-bad-0002"}]
 
 
-def start(tmp: Path, model: Path, engine: dict[str, Any], server: dict[str, Any] | None = None):
+def start(
+    tmp: Path,
+    model: Path,
+    engine: dict[str, Any],
+    server: dict[str, Any] | None = None,
+    **sections: Any,
+) -> InProcessDaemon:
     path = admin_cfg(
         tmp,
         model,
         engine={"max_model_len": 1024, **engine},
         server=server or {},
         api_keys=KEYS,
+        **sections,
     )
     return InProcessDaemon(load_config(path, env={}), config_path=path).start()
 
@@ -176,4 +188,58 @@ def test_an_overload_is_diagnosed_in_colour_on_the_main_screen(tiny_model_dir, t
     finally:
         gen.kill()
         gen.wait(30)
+        d.stop()
+
+
+# Prices high enough that every request's cost shows in the panel's 4 decimals.
+PRICES = [{"model": "*", "effective_from": "2026-01-01T00:00:00Z", "prompt_per_mtok": 1000.0,
+           "completion_per_mtok": 20000.0}]  # fmt: skip
+
+
+def test_the_cost_panel_equals_sql_over_the_same_window(tiny_model_dir, tmp_path):
+    d = start(tmp_path, tiny_model_dir, {"max_num_seqs": 4}, prices=PRICES)
+    for key, user, n in [("sk-good-0001", "u1", 8), ("sk-good-0001", "u2", 5),
+                         ("sk-bad-0002", "u1", 12)]:  # fmt: skip
+        body = {"model": "model", "prompt": "spend", "max_tokens": n, "ignore_eos": True,
+                "user": user}  # fmt: skip
+        r = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+    url = d.cfg.store_url
+    rows = wait_rows(url, lambda f: len(f) == 3, where="status = 'success'")
+    db = sa.create_engine(url)
+    # A request of the same instance 10 minutes ago: outside a 5-minute window.
+    old = datetime.now(UTC) - timedelta(minutes=10)
+    add(db, "old-one", old, pid=rows[0]["price_id"], instance=rows[0]["instance_id"],
+        key="bad-tenant", user="u1", model=rows[0]["model"])  # fmt: skip
+
+    async def main() -> None:
+        app = make_app(d.url)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await wait_until(pilot, lambda: app.connected, 10)
+            await pilot.press("colon", *"cost 5m", "enter")
+            await wait_until(pilot, lambda: app.spend.get("end_user") and
+                             app.spend["end_user"].get("since"), 10, "cost reports")  # fmt: skip
+            report = app.spend["api_key"]
+            since = datetime.fromisoformat(report["since"])
+            until = datetime.fromisoformat(report["until"])
+            assert until - since == timedelta(minutes=5)
+            instance = rows[0]["instance_id"]
+            # The panel's figures are SQL's over the window the report says it used.
+            for field in ("api_key", "end_user"):
+                want = sql_sums(db, since, until, [field], instance=instance)
+                got = spend_by(app.spend[field], field)
+                assert got == pytest.approx({k[0] or "–": v[4] for k, v in want.items()})
+            total = sum(v[4] for v in sql_sums(db, since, until, [], instance=instance).values())
+            assert total > 0.01  # visible in the panel's 4 decimals
+            assert sum(spend_by(app.spend["model"], "model").values()) == pytest.approx(total)
+            assert "old-one" not in str(app.spend)  # 10 minutes old: outside the window
+            line = f"spend 5m (instance) {fmt_usd(total)}"
+            await wait_until(pilot, lambda: line in screen_text(app), 10, line)
+            bad = spend_by(report, "api_key")["bad-tenant"]
+            assert f"bad-tenant {fmt_usd(bad)}" in screen_text(app)
+
+    try:
+        asyncio.run(main())
+    finally:
         d.stop()

@@ -69,7 +69,7 @@ FLEET_KEYS = [
     ("▶", "the instance this dashboard is on"),
     ("✗", "missing its SLO (TTFT p99 cell, red): its minute's p99s are over their targets"),
     ("g", "refresh now"),
-    ("escape", "back to the dashboard"),
+    ("escape", "home: the dashboard of the instance the app started on"),
     ("q", "quit"),
 ]
 
@@ -282,7 +282,14 @@ class FleetScreen(Screen[None]):
         self.query_one(FleetTable).sort_by(str(event.column_key.value))
 
     def action_back(self) -> None:
-        self.app.pop_screen()
+        """Escape returns home: to the dashboard of the instance the app started on (from
+        another instance's dashboard, escape leads here first, so home is two escapes away)."""
+        app = self.app
+        home = getattr(app, "home_url", None)
+        if home is not None and getattr(app, "url", home) != home:
+            app.open_instance(home)  # type: ignore[attr-defined]  # pops this screen too
+        else:
+            app.pop_screen()
 
     def action_sort(self) -> None:
         self.query_one(FleetTable).cycle_sort()
