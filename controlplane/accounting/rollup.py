@@ -269,39 +269,48 @@ def _first_hour(conn: Connection, instance_id: str) -> str | None:
     return min(found) if found else None
 
 
-def request_groups(
-    conn: Connection, instance_id: str, first: str, last: str
-) -> dict[tuple[str, str, str], RequestGroup]:
+def summed_columns() -> list[Any]:
+    """The request rows' sums per (status, price) that `RequestGroup.add` reads: the hourly
+    rollup and the exact-window cost report select these beside their own group columns.
+    Group by plain columns only: PostgreSQL cannot match an expression with bound parameters
+    in SELECT to the "same" one in GROUP BY. And put no status filter in WHERE: with one,
+    SQLite reads every final row through the status index instead of the time range; the
+    caller skips running rows (`final_rows`)."""
     c = REQUESTS.c
     cached = case(
         (c.cached_prompt_tokens < c.prompt_tokens, c.cached_prompt_tokens), else_=c.prompt_tokens
     )
-    # Grouped by plain columns only: PostgreSQL cannot match an expression with bound
-    # parameters in SELECT to the "same" one in GROUP BY.
-    stmt = (
-        select(
-            c.hour_bucket,
-            c.day_bucket,
-            c.model,
-            c.api_key_name,
-            c.status,
-            c.price_id,
-            func.count().label("n"),
-            func.sum(c.prompt_tokens).label("prompt"),
-            func.sum(cached).label("cached"),
-            func.sum(c.completion_tokens).label("completion"),
-            func.sum(c.cost_usd).label("cost"),
-        )
-        # No status filter here: with one, SQLite reads every final row of the table through
-        # the status index instead of the hour range; running rows are skipped below.
-        .where(c.instance_id == instance_id, c.hour_bucket >= first, c.hour_bucket <= last)
-        .group_by(c.hour_bucket, c.day_bucket, c.model, c.api_key_name, c.status, c.price_id)
-    )
+    return [
+        c.status,
+        c.price_id,
+        func.count().label("n"),
+        func.sum(c.prompt_tokens).label("prompt"),
+        func.sum(cached).label("cached"),
+        func.sum(c.completion_tokens).label("completion"),
+        func.sum(c.cost_usd).label("cost"),
+    ]
+
+
+def final_rows(conn: Connection, stmt: Any) -> tuple[list[Any], dict[int, Any]]:
+    """The rows of a `summed_columns` query that are final, and the prices they name."""
     rows = [r for r in conn.execute(stmt) if r.status in FINAL_STATUSES]
     price_ids = {r.price_id for r in rows if r.price_id is not None}
     prices: dict[int, Any] = {}
     if price_ids:
         prices = {p.id: p for p in conn.execute(select(PRICES).where(PRICES.c.id.in_(price_ids)))}
+    return rows, prices
+
+
+def request_groups(
+    conn: Connection, instance_id: str, first: str, last: str
+) -> dict[tuple[str, str, str], RequestGroup]:
+    c = REQUESTS.c
+    stmt = (
+        select(c.hour_bucket, c.day_bucket, c.model, c.api_key_name, *summed_columns())
+        .where(c.instance_id == instance_id, c.hour_bucket >= first, c.hour_bucket <= last)
+        .group_by(c.hour_bucket, c.day_bucket, c.model, c.api_key_name, c.status, c.price_id)
+    )
+    rows, prices = final_rows(conn, stmt)
     groups: dict[tuple[str, str, str], RequestGroup] = defaultdict(RequestGroup)
     for r in rows:
         g = groups[(r.hour_bucket, r.model, r.api_key_name or "")]

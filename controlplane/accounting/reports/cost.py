@@ -23,17 +23,17 @@ from controlplane.accounting.reports.base import (
     window,
 )
 from controlplane.accounting.rollup import (
-    PRICES,
     ROLLUP_JOB,
     RequestGroup,
+    final_rows,
     floor_hour,
     ratio,
     request_groups,
+    summed_columns,
 )
 from controlplane.common import parse_group_by
 from controlplane.errors import FieldError
 from controlplane.store.models import (
-    FINAL_STATUSES,
     time_buckets,
 )
 
@@ -301,35 +301,14 @@ def _from_requests(
     rollup's own arithmetic (`RequestGroup.add`): (group key, sums), sorted by key."""
     c = REQUESTS.c
     cols = [c[_ROW_KEYS[g]] for g in groups]
-    cached = case(
-        (c.cached_prompt_tokens < c.prompt_tokens, c.cached_prompt_tokens), else_=c.prompt_tokens
-    )
-    # Plain columns in GROUP BY (see request_groups); no status filter in WHERE (it would let
-    # SQLite read the status index instead of the arrival-time range): running rows are
-    # skipped below.
     stmt = (
-        select(
-            *cols,
-            c.status,
-            c.price_id,
-            func.count().label("n"),
-            func.sum(c.prompt_tokens).label("prompt"),
-            func.sum(cached).label("cached"),
-            func.sum(c.completion_tokens).label("completion"),
-            func.sum(c.cost_usd).label("cost"),
-        )
+        select(*cols, *summed_columns())
         .where(c.arrival_time >= since, c.arrival_time < until)
         .group_by(*cols, c.status, c.price_id)
     )
     if instance_id is not None:
         stmt = stmt.where(c.instance_id == instance_id)
-    found = [r for r in conn.execute(stmt) if r.status in FINAL_STATUSES]
-    price_ids = {r.price_id for r in found if r.price_id is not None}
-    prices = (
-        {p.id: p for p in conn.execute(select(PRICES).where(PRICES.c.id.in_(price_ids)))}
-        if price_ids
-        else {}
-    )
+    found, prices = final_rows(conn, stmt)
     sums: dict[tuple[str, ...], RequestGroup] = defaultdict(RequestGroup)
     for r in found:
         key = tuple(r._mapping[_ROW_KEYS[g]] or "" for g in groups)
