@@ -243,3 +243,36 @@ def test_the_cost_panel_equals_sql_over_the_same_window(tiny_model_dir, tmp_path
         asyncio.run(main())
     finally:
         d.stop()
+
+
+def test_drained_says_safe_to_stop_and_number_keys_reach_every_panel(tiny_model_dir, tmp_path):
+    d = start(tmp_path, tiny_model_dir, {"max_num_seqs": 4})
+    c = admin(d.url)
+
+    async def main() -> None:
+        app = make_app(d.url)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_until(pilot, lambda: app.connected and app.stats, 10)
+            await pilot.press("d")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
+            await pilot.press("y")
+            # Idle: nothing in flight, so the drain is complete at once.
+            await wait_until(pilot, lambda: "drained: safe to stop" in screen_text(app), 10)
+            # Every panel is reachable from the keyboard at 80x24, the detail ones below the fold.
+            assert "blocks " not in screen_text(app) and "spend " not in screen_text(app)
+            for key, marker in (("6", "blocks "), ("8", "spend "), ("7", "step p50"),
+                                ("3", "Config changes"), ("1", "Signals")):  # fmt: skip
+                await pilot.press(key)
+                await wait_until(pilot, lambda m=marker: m in screen_text(app), 5, marker)
+            await pilot.press("r")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
+            await pilot.press("y")
+            await wait_until(pilot, lambda: "serving" in screen_text(app), 10)
+        changes = c.get("/admin/config/history", params={"limit": 10}).json()["changes"]
+        states = [(e["new_value"], e["source"]) for e in changes if e["field"] == "state"]
+        assert states[:2] == [("ready", "tui"), ("draining", "tui")]
+
+    try:
+        asyncio.run(main())
+    finally:
+        d.stop()

@@ -56,6 +56,7 @@ KEYS = [
     ("ctrl+r", "refresh everything now"),
     ("l", "switch light / dark theme"),
     ("?", "this help"),
+    ("1 .. 8", "jump to a panel: signals, requests, changes, throughput, batch, KV, latency, cost"),
     ("tab", "move focus between the tables"),
     ("q", "quit"),
 ]
@@ -141,7 +142,11 @@ class DashboardApp(App[None]):
         Binding("l", "toggle_theme", "Theme", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
+        *(Binding(str(i + 1), f"jump({i})", f"Panel {i + 1}", show=False) for i in range(8)),
     ]
+    # `1`..`8`: the panels in reading order, brought into view (and focused if they take it).
+    PANELS = ("#signals", "#requests", "#changes", "#throughput", "#batch", "#kv", "#latency",
+              "#cost")  # fmt: skip
 
     def __init__(
         self,
@@ -637,6 +642,16 @@ class DashboardApp(App[None]):
             self.refresh_header()
         self.notify(done, timeout=3)
         await self.fetch_requests()
+
+    def action_jump(self, index: int) -> None:
+        try:
+            main = self.screen_stack[0].query_one("#main")
+            widget = main.query_one(self.PANELS[index])
+        except (NoMatches, IndexError):
+            return
+        main.scroll_to_widget(widget, animate=False, top=True)
+        if widget.can_focus:
+            widget.focus()
 
     # -- the prompt: `/` filter, `:` commands ------------------------------------------------
     def open_prompt(self, mode: str, value: str = "") -> None:

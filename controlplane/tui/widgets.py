@@ -27,6 +27,7 @@ from controlplane.tui.severity import header_slo, metric_level, paint, queue_fil
 STATE_STYLE = {
     "serving": "bold green",
     "draining": "bold yellow",
+    "drained: safe to stop": "bold reverse yellow",
     "loading": "bold cyan",
     "unreachable": "bold red",
     "unauthorized": "bold red",
@@ -65,6 +66,9 @@ class HeaderBar(Static):
     ) -> None:
         self._last = (url, stats, connected, note, down_state, stale_s)
         state = display_state(stats.get("state")) if stats and connected else down_state
+        if state == "draining" and stats and not stats.get("requests_in_flight"):
+            # Nothing left in flight or queued: stopping the daemon now loses no request.
+            state = "drained: safe to stop"
         # (priority: lower is kept first, label, value, style)
         parts: list[tuple[int, str, str, str]] = [
             (0, "", url.removeprefix("http://").removeprefix("https://"), ""),
@@ -328,15 +332,24 @@ class CostPanel(Panel):
         col = spend_column(by_key)
         total = _report_total(by_key, col) if col else None
         lines.append(f"spend {window} [dim]({scope})[/] [b]{fmt_usd(total)}[/]")
+        width = self.content_size.width or 30
         for field, label in (("api_key", "key"), ("model", "model"), ("end_user", "user")):
             top = sorted(spend_by((spend or {}).get(field), field).items(), key=lambda kv: -kv[1])
-            if top:
-                shown = "  ".join(f"{name} {fmt_usd(v)}" for name, v in top[:3])
-                more = f" +{len(top) - 3}" if len(top) > 3 else ""
-                lines.append(f" [dim]{label}[/] {shown}{more}")
+            # The biggest spenders that fit the line whole (a name never parts from its $).
+            shown, used = [], len(label) + 1
+            for name, v in top[:3]:
+                item = f"{name} {fmt_usd(v)}"
+                if shown and used + 2 + len(item) + 4 > width:
+                    break
+                shown.append(item)
+                used += 2 + len(item)
+            if shown:
+                more = f" +{len(top) - len(shown)}" if len(top) > len(shown) else ""
+                lines.append(f"[dim]{label}[/] " + "  ".join(shown) + more)
         lines.append(
-            f"$/1M compl last hour: list [b]{fmt_usd(_report_total(costs, 'list_usd_per_mtok_completion'))}[/]"
-            f" GPU [b]{fmt_usd(_report_total(costs, 'gpu_usd_per_mtok'))}[/]"
+            "[dim]$/1M compl, last whole hour[/]\n"
+            f" list [b]{fmt_usd(_report_total(costs, 'list_usd_per_mtok_completion'))}[/]"
+            f"  GPU [b]{fmt_usd(_report_total(costs, 'gpu_usd_per_mtok'))}[/]"
         )
         lines.append(
             f"util [b]{fmt_pct(_report_total(util, 'mean_busy_fraction'))}[/]"
