@@ -20,6 +20,7 @@ from controlplane.http.errors import (
 )
 from controlplane.http.request_id import request_id
 from controlplane.openai.app import v1_routes
+from controlplane.telemetry.http import HttpMetricsMiddleware
 
 if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
@@ -59,7 +60,7 @@ def create_app(runtime: Runtime) -> Litestar:
             value = request_id(scope).value.encode("ascii")
             message["headers"] = [*message.get("headers", ()), (b"x-request-id", value)]
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             *v1,
             health,
@@ -79,3 +80,7 @@ def create_app(runtime: Runtime) -> Litestar:
         debug=False,
         logging_config=None,  # the daemon configured logging (text or JSON); keep it
     )
+    # HTTP metrics around the router itself, inside the app's exception handling: Litestar's
+    # `middleware=` runs only for matched routes, and the router's 404 / 405 must count too.
+    app.asgi_handler = HttpMetricsMiddleware(app.asgi_handler, runtime.http_metrics)
+    return app

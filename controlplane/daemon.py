@@ -332,7 +332,12 @@ class Daemon:
         self.aengine.start()
         self.runtime.engine.warm_grammars()
         # Now that the model's name is known.
-        self.runtime.metrics = Metrics(self.runtime.model_name)
+        self.runtime.metrics = Metrics(
+            self.runtime.model_name,
+            prefix=self.runtime.metrics_prefix,
+            device=str(self.aengine.engine.device),
+            http=self.runtime.http_metrics,
+        )
         self.runtime.metrics.set_config(self.live.live_values())
         if self.recorder is not None:
             rec = self.recorder

@@ -171,6 +171,8 @@ def scrape(m: Metrics) -> dict[tuple[str, frozenset], float]:
     assert f"{content_type}; charset=utf-8" == CONTENT_TYPE_LATEST
     out: dict[tuple[str, frozenset], float] = {}
     for family in text_string_to_metric_families(payload.decode()):
+        if family.name.startswith("process_"):  # prometheus_client's, no model_name
+            continue
         for sample in family.samples:
             labels = dict(sample.labels)
             assert labels.pop("model_name") == MODEL, sample
@@ -223,7 +225,9 @@ def test_exposed_metric_names_are_exact() -> None:
         "records_buffered",
     }
     assert {P + n for n in expected} <= names
-    assert all(n.startswith(P) for n in names)
+    # Everything under the prefix but the process metrics, unprefixed as in vLLM.
+    assert all(n.startswith(P) for n in names if not n.startswith("process_"))
+    assert "process_resident_memory_bytes" in names
     assert not any(n.endswith("_total_total") for n in names)
     # TYPE lines say counters are counters under the exact names
     text = payload.decode()

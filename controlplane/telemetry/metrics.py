@@ -1,6 +1,7 @@
 """Prometheus metrics for the daemon, named and meant like vLLM's.
 
 Every vLLM metric here keeps its name with the ``vllm:`` prefix swapped for ``controlplane:``
+(or kept: server.metrics_prefix = "vllm" names every series ``vllm:...``, ours included)
 and carries the same ``model_name`` label, so a Grafana dashboard built for vLLM works after a
 search-and-replace of the prefix. The metrics live in a registry owned by each `Metrics` (never
 the global one), so several daemons can share a test process.
@@ -16,8 +17,18 @@ and histograms are not listed):
 - histograms: ``controlplane:time_to_first_token_seconds``,
   ``controlplane:inter_token_latency_seconds``, ``controlplane:e2e_request_latency_seconds``,
   ``controlplane:request_queue_time_seconds``, ``controlplane:iteration_tokens_total``,
-  ``controlplane:request_prompt_tokens``, ``controlplane:request_generation_tokens``
-  (with vLLM v1's bucket boundaries);
+  ``controlplane:request_prompt_tokens``, ``controlplane:request_generation_tokens``,
+  ``controlplane:request_prefill_time_seconds``, ``controlplane:request_decode_time_seconds``,
+  ``controlplane:request_inference_time_seconds``,
+  ``controlplane:request_max_num_generation_tokens``, ``controlplane:request_params_max_tokens``,
+  ``controlplane:request_params_n`` (with vLLM v1's bucket boundaries);
+- vLLM's older names beside the current ones: the histogram
+  ``controlplane:time_per_output_token_seconds`` (the inter-token latency's observations) and
+  gauges ``controlplane:gpu_cache_usage_perc`` / ``controlplane:cpu_cache_usage_perc`` (the KV
+  use on a CUDA / CPU engine, the other 0);
+- process metrics ``process_*`` (prometheus_client's ProcessCollector, never prefixed) and the
+  HTTP series ``controlplane:http_requests_total{route,method,status}`` and
+  ``controlplane:http_request_duration_seconds{route,method}`` (controlplane.telemetry.http);
 - prefix caching (vLLM v1's names): counters ``controlplane:prefix_cache_queries_total`` and
   ``controlplane:prefix_cache_hits_total`` (prompt tokens looked up / found cached), and our
   own ``controlplane:prefix_cache_evictions_total`` (cached blocks evicted to make room),
@@ -75,6 +86,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -83,6 +95,7 @@ from controlplane.store.models import CONFIG_SOURCES
 
 __all__ = ["CONFIG_SOURCES", "FINISH_REASONS", "Metrics", "RequestMetrics"]
 
+from controlplane.telemetry.http import HttpMetrics
 from controlplane.telemetry.scrape import (
     PREFIX,
     ScrapeTimeCollector,
@@ -114,6 +127,7 @@ REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)  # request_params_n
 DEFAULT_MAX_MODEL_LEN = 131072
 # ignored_request_fields_total's `field` label: clients choose field names, so the label's
 # cardinality is bounded; longer names and names beyond the first distinct ones share OTHER.
@@ -161,6 +175,11 @@ def _label_value(value: object) -> str:
     return str(value)
 
 
+def _span(start: float | None, end: float | None) -> float | None:
+    """Seconds from `start` to `end` (never negative); None when either is unknown."""
+    return None if start is None or end is None else max(0.0, end - start)
+
+
 class Metrics:
     """Prometheus metrics for one daemon (one model), in a registry of its own.
 
@@ -168,11 +187,26 @@ class Metrics:
     threads.
     """
 
-    def __init__(self, model_name: str, *, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        max_model_len: int | None = None,
+        prefix: str = PREFIX,
+        device: str = "cpu",
+        http: HttpMetrics | None = None,
+    ) -> None:
         """`max_model_len` sets the top of the request-token-count buckets (1-2-5 series, as
-        vLLM); without it they go up to 131072."""
+        vLLM); without it they go up to 131072. `prefix`: every series' name starts with it
+        (``controlplane:`` or ``vllm:``, server.metrics_prefix). `device`: the engine's
+        (``cuda...`` sets ``gpu_cache_usage_perc``, anything else ``cpu_cache_usage_perc``).
+        `http`: the HTTP middleware's series (kept by the runtime across the registry swap
+        when the model has loaded); without it this registry has none. Process metrics
+        (``process_*``, unprefixed as everywhere) are always registered."""
         self.model_name = model_name
+        self.prefix = prefix
         self.registry = CollectorRegistry()
+        self._on_gpu = str(device).startswith("cuda")
         self._lock = threading.Lock()
         self._last_step = 0  # highest step number already counted (step 0 is no step)
         self._preemptions_seen = 0  # engine's cumulative preemption count already counted
@@ -185,13 +219,13 @@ class Metrics:
         reg, labels, m = self.registry, ["model_name"], model_name
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(m)
+            return Gauge(prefix + name, doc, labels, registry=reg).labels(m)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(m)
+            return Counter(prefix + name, doc, labels, registry=reg).labels(m)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, registry=reg, buckets=buckets).labels(m)
+            return Histogram(prefix + name, doc, labels, registry=reg, buckets=buckets).labels(m)
 
         self.num_requests_running = gauge(
             "num_requests_running", "Number of requests in model execution batches."
@@ -205,6 +239,18 @@ class Metrics:
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        # vLLM v0's names (v1 kept gpu_cache_usage_perc as a deprecated copy): tools such as
+        # the Gateway API Inference Extension's endpoint picker still read them.
+        self.gpu_cache_usage_perc = gauge(
+            "gpu_cache_usage_perc",
+            "GPU KV-cache usage (the engine on CUDA; 0 on a CPU engine). 1 means 100 percent "
+            "usage. DEPRECATED in vLLM: use kv_cache_usage_perc.",
+        )
+        self.cpu_cache_usage_perc = gauge(
+            "cpu_cache_usage_perc",
+            "CPU KV-cache usage (the engine on the CPU; 0 on a CUDA engine). 1 means 100 "
+            "percent usage.",
+        )
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -214,7 +260,7 @@ class Metrics:
             "num_preemptions", "Cumulative number of preemption from the engine."
         )
         self._request_success = Counter(
-            PREFIX + "request_success",
+            prefix + "request_success",
             "Count of successfully processed requests.",
             [*labels, "finished_reason"],
             registry=reg,
@@ -222,7 +268,7 @@ class Metrics:
         for reason in FINISH_REASONS:
             self._request_success.labels(m, reason)
         self._config_changes = Counter(
-            PREFIX + "config_changes",
+            prefix + "config_changes",
             "Configuration changes applied, by where they came from.",
             [*labels, "source"],
             registry=reg,
@@ -230,21 +276,21 @@ class Metrics:
         for source in CONFIG_SOURCES:
             self._config_changes.labels(m, source)
         self._ignored_fields = Counter(
-            PREFIX + "ignored_request_fields",
+            prefix + "ignored_request_fields",
             "Request fields the server does not read and ignored, by field name.",
             [*labels, "field"],
             registry=reg,
         )
 
         self._autopilot_decisions = Counter(
-            PREFIX + "autopilot_decisions",
+            prefix + "autopilot_decisions",
             "Knob changes the SLO autopilot made, by knob and direction (latency, throughput).",
             [*labels, "knob", "direction"],
             registry=reg,
         )
         self.autopilot_enabled = gauge("autopilot_enabled", "1 while the SLO autopilot is on.")
         self._structured_requests = Counter(
-            PREFIX + "structured_requests",
+            prefix + "structured_requests",
             "Requests whose output was constrained, by what constrained it.",
             [*labels, "type"],
             registry=reg,
@@ -257,7 +303,7 @@ class Metrics:
             GRAMMAR_COMPILE_BUCKETS,
         )
         self._slo_attainment = Gauge(
-            PREFIX + "slo_attainment",
+            prefix + "slo_attainment",
             "Fraction of requests finished in the autopilot's window within the target.",
             [*labels, "target"],
             registry=reg,
@@ -295,8 +341,46 @@ class Metrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS
+        )
+        # vLLM v1 observes the same per-token gaps under the older name as well.
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            ITL_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
 
         reg.register(ScrapeTimeCollector(self))
+        ProcessCollector(registry=reg)
+        self.http = http
+        if http is not None:
+            http.register(reg)
 
     # -- the autopilot ----------------------------------------------------------------------
     def observe_autopilot(
@@ -363,7 +447,10 @@ class Metrics:
             self.num_requests_waiting.set(latest.num_waiting)
             self.num_requests_swapped.set(latest.num_swapped)
             total = latest.kv_blocks_total
-            self.kv_cache_usage_perc.set(latest.kv_blocks_used / total if total else 0.0)
+            usage = latest.kv_blocks_used / total if total else 0.0
+            self.kv_cache_usage_perc.set(usage)
+            self.gpu_cache_usage_perc.set(usage if self._on_gpu else 0.0)
+            self.cpu_cache_usage_perc.set(0.0 if self._on_gpu else usage)
 
     # -- requests -------------------------------------------------------------------------
     def observe_request(
@@ -371,33 +458,59 @@ class Metrics:
         finish_reason: str,
         metrics: RequestMetrics,
         token_times: Sequence[float] | None = None,
+        *,
+        max_tokens: int | None = None,
+        n: int = 1,
+        max_choice_tokens: int | None = None,
     ) -> None:
         """Record one finished request.
 
         ``finish_reason`` labels ``request_success_total`` (stop | length | abort | error; as in vLLM,
         aborted and failed requests are counted there too). Latencies that are None (never scheduled, no
         token) are not observed. ``token_times``: the time of each output token; each gap
-        between consecutive tokens is one inter-token-latency observation. Without it,
-        ``mean_itl`` is observed ``num_output_tokens - 1`` times.
+        between consecutive tokens is one inter-token-latency observation (and one of
+        ``time_per_output_token_seconds``, vLLM's older name for it). Without it, ``mean_itl``
+        is observed ``num_output_tokens - 1`` times.
+
+        Phases (as vLLM v1): prefill from first scheduled to first token, decode from first
+        token to finish, inference from first scheduled to finish; a phase whose ends are not
+        both known is not observed. ``max_tokens`` and ``n``: the request's parameters
+        (``request_params_*``; max_tokens not observed when None). ``max_choice_tokens``: the
+        most tokens one of its choices generated (``request_max_num_generation_tokens``, as
+        vLLM: the longest of the n); None: ``num_output_tokens`` (right for n = 1).
         """
         self._request_success.labels(self.model_name, finish_reason).inc()
+        scheduled, first, end = (
+            metrics.first_scheduled_time,
+            metrics.first_token_time,
+            metrics.finish_time,
+        )
         for hist, value in (
             (self.time_to_first_token, metrics.ttft),
             (self.request_queue_time, metrics.queue_time),
             (self.e2e_request_latency, metrics.e2e_latency),
+            (self.request_prefill_time, _span(scheduled, first)),
+            (self.request_decode_time, _span(first, end)),
+            (self.request_inference_time, _span(scheduled, end)),
         ):
             if value is not None:
                 hist.observe(value)
         self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
         self.request_generation_tokens.observe(metrics.num_output_tokens)
+        self.request_max_num_generation_tokens.observe(
+            metrics.num_output_tokens if max_choice_tokens is None else max_choice_tokens
+        )
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+        self.request_params_n.observe(n)
         if token_times is not None:
-            for a, b in itertools.pairwise(token_times):
-                self.inter_token_latency.observe(max(0.0, b - a))
+            gaps = [max(0.0, b - a) for a, b in itertools.pairwise(token_times)]
         else:
             itl = metrics.mean_itl
-            if itl is not None:
-                for _ in range(metrics.num_output_tokens - 1):
-                    self.inter_token_latency.observe(itl)
+            gaps = [] if itl is None else [itl] * (metrics.num_output_tokens - 1)
+        for gap in gaps:
+            self.inter_token_latency.observe(gap)
+            self.time_per_output_token.observe(gap)
 
     # -- configuration --------------------------------------------------------------------
     def set_config(self, live: Mapping[str, object]) -> None:

@@ -14,7 +14,7 @@ from controlplane.engine.types import StepStats
 
 log = logging.getLogger("controlplane.telemetry.metrics")  # the same log lines as before
 
-PREFIX = "controlplane:"  # vLLM's names, with this prefix for `vllm:`
+PREFIX = "controlplane:"  # vLLM's names, with this prefix for `vllm:` (server.metrics_prefix)
 
 # Cumulative StepStats counters and gauges exposed as they are: (name, StepStats field, help).
 ENGINE_COUNTERS = (
@@ -94,21 +94,23 @@ class ScrapeTimeCollector:
         self._owner = owner
 
     def describe(self) -> list[Metric]:
+        prefix = self._owner.prefix
         return [
-            GaugeMetricFamily(PREFIX + "config_info", "", labels=[]),
-            CounterMetricFamily(PREFIX + "records_dropped", "", labels=[]),
-            GaugeMetricFamily(PREFIX + "records_buffered", "", labels=[]),
-            *(CounterMetricFamily(PREFIX + name, "", labels=[]) for name, _, _ in ENGINE_COUNTERS),
-            *(GaugeMetricFamily(PREFIX + name, "", labels=[]) for name, _, _ in ENGINE_GAUGES),
-            CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "", labels=[]),
-            GaugeMetricFamily(PREFIX + "spec_decode_state", "", labels=[]),
+            GaugeMetricFamily(prefix + "config_info", "", labels=[]),
+            CounterMetricFamily(prefix + "records_dropped", "", labels=[]),
+            GaugeMetricFamily(prefix + "records_buffered", "", labels=[]),
+            *(CounterMetricFamily(prefix + name, "", labels=[]) for name, _, _ in ENGINE_COUNTERS),
+            *(GaugeMetricFamily(prefix + name, "", labels=[]) for name, _, _ in ENGINE_GAUGES),
+            CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "", labels=[]),
+            GaugeMetricFamily(prefix + "spec_decode_state", "", labels=[]),
         ]
 
     def collect(self) -> Iterator[Metric]:
         o = self._owner
+        prefix = o.prefix
         names, values = o._config_labels  # one tuple, swapped atomically by set_config
         info = GaugeMetricFamily(
-            PREFIX + "config_info",
+            prefix + "config_info",
             "Live engine and server configuration, as labels; the value is always 1.",
             labels=["model_name", *names],
         )
@@ -118,12 +120,12 @@ class ScrapeTimeCollector:
 
         dropped_fn, buffered_fn = o._recorder
         dropped = CounterMetricFamily(
-            PREFIX + "records_dropped",
+            prefix + "records_dropped",
             "Request records the SQL recorder dropped (buffer full or write failed).",
             labels=["model_name"],
         )
         buffered = GaugeMetricFamily(
-            PREFIX + "records_buffered",
+            prefix + "records_buffered",
             "Request records waiting in the SQL recorder's buffer.",
             labels=["model_name"],
         )
@@ -141,17 +143,17 @@ class ScrapeTimeCollector:
     def _engine(self, st: StepStats | None) -> Iterator[Metric]:
         """The engine's cumulative counters and gauges, exactly as of its latest step (they
         are cumulative in StepStats, so nothing between scrapes is lost)."""
-        m = self._owner.model_name
+        m, prefix = self._owner.model_name, self._owner.prefix
         for name, attr, doc in ENGINE_COUNTERS:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
             family.add_metric([m], float(getattr(st, attr)) if st else 0.0)
             yield family
         for name, attr, doc in ENGINE_GAUGES:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
             family.add_metric([m], float(getattr(st, attr)) if st else 0.0)
             yield family
         per_pos = CounterMetricFamily(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            prefix + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens, by their position in the draft (0 = first).",
             labels=["model_name", "position"],
         )
@@ -159,7 +161,7 @@ class ScrapeTimeCollector:
             per_pos.add_metric([m, str(pos)], float(n))
         yield per_pos
         state = GaugeMetricFamily(
-            PREFIX + "spec_decode_state",
+            prefix + "spec_decode_state",
             "Speculative decoding: 1 for the current state (off, active, or paused because more "
             "sequences run than speculative_max_batch_size), 0 for the others.",
             labels=["model_name", "state"],
