@@ -57,6 +57,11 @@ class ServerSettings:
     instance_id: str = ""
     # GET /metrics is open unless this is true (then it needs an admin token like /admin/*).
     metrics_require_token: bool = False
+    # The prefix of every series on /metrics: "controlplane" (controlplane:num_requests_waiting)
+    # or "vllm" (vllm:num_requests_waiting), for tools that read vLLM's names unchanged (KEDA /
+    # HPA rules, the Gateway API Inference Extension's endpoint picker). Our own series
+    # (config_info, autopilot_decisions_total, ...) keep their names under either prefix.
+    metrics_prefix: str = "controlplane"
     # Period of the stats snapshots on GET /admin/events (a client may ask for another).
     events_interval_s: float = 0.5
     # How often the config file is checked for changes (it is also reloaded on SIGHUP).
@@ -73,6 +78,10 @@ class ServerSettings:
     # of its text), and how long compiling it may take before the request gets a 400.
     max_grammar_bytes: int = 64 * 1024
     grammar_compile_timeout_s: float = 10.0
+    # Scoring (echo with logprobs, prompt_logprobs): the most prompt tokens one prompt may have
+    # scored; longer is a 400 naming the field. Each scored token keeps a logits row (vocab x
+    # 4 bytes) in its prefill step and a TokenLogprobs entry until the response is sent.
+    max_prompt_logprobs_tokens: int = 8192
     # The URL other fleet members and operators reach this daemon's admin API at (the
     # instances table); default http://<host, or the hostname when listening on all
     # interfaces>:<port>.
@@ -277,6 +286,7 @@ RANGES: dict[str, Range] = {
     "server.config_settle_s": Range(0.05, MAX_INTERVAL_S),
     "server.max_body_bytes": Range(1024, 1 << 30),
     "server.max_grammar_bytes": Range(16, 1 << 24),
+    "server.max_prompt_logprobs_tokens": Range(1, 1 << 20),
     "server.grammar_compile_timeout_s": Range(0.001, 600),
     "store.batch_size": Range(1),
     "store.flush_interval_s": Range(0, MAX_INTERVAL_S, lo_open=True, unit="seconds"),
@@ -310,6 +320,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "server.log_format": ("text", "json"),
     "server.log_level": LOG_LEVELS,
     "server.chat_special_tokens": ("escape", "allow"),
+    "server.metrics_prefix": ("controlplane", "vllm"),
 }
 
 
@@ -440,6 +451,12 @@ def _validate(cfg: Config) -> Config:
         raise FieldError(
             "server.chat_special_tokens",
             f"must be escape or allow, got {s.chat_special_tokens!r}",
+        )
+    if s.metrics_prefix not in CHOICES["server.metrics_prefix"]:
+        raise FieldError(
+            "server.metrics_prefix",
+            f"must be one of {', '.join(CHOICES['server.metrics_prefix'])}, "
+            f"got {s.metrics_prefix!r}",
         )
     st = cfg.store
     _ranged("store", st)

@@ -274,7 +274,8 @@ def test_logprobs(client):
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
         ({"prompt": ""}, 400, "prompt", "non-empty"),
         # Unknown fields are ignored (tests/test_real_clients.py); known, unsupported ones are not.
-        ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+        ({"prompt": "x", "echo": "yes"}, 400, "echo", "boolean"),
         (
             {"prompt": "x", "response_format": {"type": "xml"}},
             400,

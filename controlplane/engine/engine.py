@@ -30,6 +30,7 @@ from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
 from controlplane.engine.output import finish_text, make_output, merge, take_token
+from controlplane.engine.prompt_logprobs import score as score_prompt
 from controlplane.engine.runner import ModelRunner
 from controlplane.engine.sampler import Sampler
 from controlplane.engine.sampling_params import SamplingParams
@@ -335,6 +336,9 @@ class Engine:
         rows = self._row_layout(seqs)
         if (n := sum(1 + k for _, _, k in rows)) != len(logits):
             raise RuntimeError(f"{len(logits)} logits rows for {n} scheduled rows")
+        for seq, lo, rows_logits in self.runner.prompt_logits:
+            score_prompt(seq, lo, rows_logits)
+        self.runner.prompt_logits = []
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             if not item.seq.draft_token_ids:  # else once verified (see _verify)
@@ -344,8 +348,17 @@ class Engine:
         # After masking: forked choices copy choice 0's masked row (equal states).
         logits, rows = self._fork(logits, rows)
         plain = [(seq, at) for seq, at, k in rows if not k]
+        if any(seq.params.max_tokens == 0 for seq, _ in plain):
+            # Scoring only (max_tokens 0): the prompt is computed and scored, nothing sampled.
+            now = time.time()
+            for seq, _ in plain:
+                if seq.params.max_tokens == 0 and seq.status is not SequenceStatus.FINISHED:
+                    outputs.append(self._finish(seq, "length", now, [], []))
+            plain = [(seq, at) for seq, at in plain if seq.params.max_tokens != 0]
         plain_logits = logits if len(plain) == len(logits) else logits[[at for _, at in plain]]
-        tokens, logprobs, errors = self._sample(plain_logits, [seq for seq, _ in plain])
+        tokens, logprobs, errors = (
+            self._sample(plain_logits, [seq for seq, _ in plain]) if plain else ([], [], {})
+        )
         sampled = len(plain) - len(errors)
         now = time.time()
         for j, (seq, _) in enumerate(plain):

@@ -88,6 +88,7 @@ def make_output(
         time=now,
         index=seq.index,
         cumulative_logprob=seq.cumulative_logprob if len(seq.group) > 1 else None,
+        prompt_logprobs=seq.prompt_logprobs,
     )
 
 

@@ -9,6 +9,7 @@ from controlplane.engine.compiled import CompiledDecode
 from controlplane.engine.cuda_graphs import CudaGraphDecode
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
+from controlplane.engine.prompt_logprobs import rows_needed
 from controlplane.engine.scheduler import ScheduledSeq, SchedulerOutput
 from controlplane.engine.sequence import Sequence
 
@@ -32,6 +33,9 @@ class ModelRunner:
         # Tests set this to a list to receive (request_id, positions, logits) for every row
         # of every step, prefill-chunk rows included; None in production (no extra work).
         self.trace: list[tuple[str, list[int], torch.Tensor]] | None = None
+        # The last step's prompt rows (prompt logprobs): (sequence, first position, logits of
+        # its rows from that position on), for the requests that asked; [] for most steps.
+        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
 
     @staticmethod
     def sampling_sequences(step: SchedulerOutput) -> list[Sequence]:
@@ -53,6 +57,9 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         logits_rows: list[int] = []
         samplers: list[Sequence] = []
+        # Prompt logprobs: the extra rows kept for the requests that score their prompt.
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows)
         for item in step.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -60,14 +67,32 @@ class ModelRunner:
             input_ids += (seq.token_ids + drafts if drafts else seq.token_ids)[start : start + n]
             positions += range(start, start + n)
             spans.append(SeqSpan(n, start + n, seq.block_table))
+            if seq.prompt_logprobs is not None:
+                lo, hi = rows_needed(seq, start, n)
+                if hi > lo:
+                    first = len(input_ids) - n - start  # the row of position 0
+                    prompt_rows += range(first + lo, first + hi)
+                    prompt_spans.append((seq, lo, hi - lo))
             if samples(item):  # each draft token's row verifies the next draft too
                 logits_rows += range(len(input_ids) - 1 - len(drafts), len(input_ids))
                 samplers.append(seq)
-        rows = list(range(len(input_ids))) if self.trace is not None else logits_rows
-        if self.graphs is not None and self.graphs.applies(spans):
+        if self.trace is not None:
+            rows = list(range(len(input_ids)))
+        else:
+            rows = logits_rows + prompt_rows if prompt_rows else logits_rows
+        if not prompt_rows and self.graphs is not None and self.graphs.applies(spans):
             logits = self.graphs(input_ids, positions, spans, rows)
         else:
             logits = self._forward(input_ids, positions, spans, rows)
+        self.prompt_logits = []
+        if prompt_rows:
+            extra = logits[prompt_rows] if self.trace is not None else logits[len(logits_rows) :]
+            at = 0
+            for seq, lo, k in prompt_spans:
+                self.prompt_logits.append((seq, lo, extra[at : at + k]))
+                at += k
+            if self.trace is None:
+                logits = logits[: len(logits_rows)]
         if self.trace is not None:
             row = 0
             for item in step.scheduled:

@@ -45,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per token; 0 = only the sampled token's
+    # Scoring: the logprob of every prompt token given those before it (the first has none),
+    # with top-N alternatives; 0 = only the prompt token's. None: not computed (no cost).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Parallel sampling: this many sequences (choices) from one prompt, sharing its KV blocks.
     # Choice i of a seeded request draws from a generator seeded from (seed, i).
@@ -93,7 +96,17 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidSettingError (field, limit) for any value out of range; changes nothing."""
-        _int("max_tokens", self.max_tokens, 1, None)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        # max_tokens 0: score the prompt without generating (only with prompt_logprobs).
+        scoring = self.prompt_logprobs is not None
+        _int(
+            "max_tokens",
+            self.max_tokens,
+            0 if scoring else 1,
+            None,
+            what="an integer >= 0" if scoring else "an integer >= 1 (0 only with prompt_logprobs)",
+        )
         _float(
             "temperature",
             self.temperature,

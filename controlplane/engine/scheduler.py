@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controlplane.engine.block_pool import BlockPool
+from controlplane.engine.prompt_logprobs import cache_limit
 from controlplane.engine.sequence import Sequence, SequenceStatus, chain_hashes
 from controlplane.engine.settings import EngineSettings
 
@@ -121,6 +122,13 @@ class Scheduler:
         chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.hash_root)
         return self.pool.lookup(seq.block_hashes[:num_blocks])
 
+    def _cacheable_blocks(self, seq: Sequence) -> int:
+        """Leading full blocks seq may take from the cache when (re)computing: not its last
+        token's (its logits are needed), nor any whose prompt logprobs it must still compute."""
+        blocks = (seq.num_tokens - 1) // self.block_size
+        limit = cache_limit(seq)
+        return blocks if limit is None else min(blocks, limit // self.block_size)
+
     def _count_hits(self, seq: Sequence, tokens: int) -> None:
         self.num_cache_hits += tokens
         if seq.metrics.num_preemptions == 0 and not seq.output_token_ids:
@@ -149,6 +157,9 @@ class Scheduler:
         j = seq.num_computed_tokens // bs
         if not inflight or seq.num_computed_tokens % bs or j >= (seq.num_tokens - 1) // bs:
             return False
+        limit = cache_limit(seq)
+        if limit is not None and (j + 1) * bs > limit:
+            return False  # it needs this block's logits (prompt logprobs): it computes it
         chain_hashes(seq.token_ids, bs, seq.block_hashes, seq.hash_root)
         owner = inflight.get(seq.block_hashes[j])
         return owner is not None and owner is not seq
@@ -157,7 +168,7 @@ class Scheduler:
         """A running prefill takes the blocks that others registered since it was admitted."""
         bs = self.block_size
         j = seq.num_computed_tokens // bs
-        limit = (seq.num_tokens - 1) // bs
+        limit = self._cacheable_blocks(seq)
         if seq.num_computed_tokens % bs or j >= limit or seq.num_registered_blocks != j:
             return
         hits = self._lookup(seq, limit)[j:]
@@ -201,6 +212,7 @@ class Scheduler:
             child.block_hashes = list(seq.block_hashes)
             child.num_registered_blocks = seq.num_registered_blocks
             child.block_table = list(seq.block_table)
+            child.prompt_logprobs = seq.prompt_logprobs  # scored once, by choice 0
             self.pool.share(child.block_table)
             child.status = SequenceStatus.RUNNING
         self.running[at:at] = children
@@ -322,7 +334,7 @@ class Scheduler:
         None: not now, as a running sequence is computing its next block (admitted later, it
         finds that block cached instead of computing it a second time)."""
         bs = self.block_size
-        hits = self._lookup(seq, (seq.num_tokens - 1) // bs)
+        hits = self._lookup(seq, self._cacheable_blocks(seq))
         cached = len(hits) * bs
         seq.num_computed_tokens = cached  # sizes the chunk; undone below if it does not fit
         if self._waits(seq, inflight):

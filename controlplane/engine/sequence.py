@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controlplane.engine.sampling_params import SamplingParams
-from controlplane.engine.types import RequestMetrics
+from controlplane.engine.types import RequestMetrics, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -91,8 +91,13 @@ class Sequence:
     # Prefix cache partition: the root of the block hash chain (see chain_hashes), from
     # params.cache_salt; b"" (the shared partition) when the request has none.
     hash_root: bytes = b""
+    # SamplingParams.prompt_logprobs: [None] then one entry per prompt position scored so far
+    # (see prompt_logprobs.py); None when not requested. Forked choices share choice 0's list.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
         if self.params.cache_salt is not None and not self.hash_root:
             self.hash_root = salt_root(self.params.cache_salt)
         if not self.token_ids:

@@ -231,6 +231,8 @@ class Tokenizer:
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         self.special_token_texts: tuple[str, ...] = tuple(sorted(specials, key=len, reverse=True))
         self._plain_backend: Any = None
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self._byte_decoder: dict[str, int] | None = None  # token_bytes, built on first use
         self._marks: _Marks | None = None  # the escape (encode_chat), built on first use
 
     @classmethod
@@ -287,11 +289,18 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> str:
         """Render the chat template to a prompt string (which already holds any bos token, so
         encode it with `add_special_tokens=False`). Template errors, including the template's
-        own `raise_exception(...)`, come out as ValueError."""
+        own `raise_exception(...)`, come out as ValueError. `continue_final_message`: the
+        prompt ends right after the last message's text (its end-of-turn cut off), as in
+        transformers, so the model continues that message."""
         import jinja2
 
         if self.chat_template is None:
@@ -321,9 +330,19 @@ class Tokenizer:
         variables["messages"] = chat
         variables["add_generation_prompt"] = add_generation_prompt
         try:
-            return self._compiled_template.render(**variables)
+            text = self._compiled_template.render(**variables)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
+        if continue_final_message:
+            final = chat[-1].get("content") if chat else None
+            final = final.strip() if isinstance(final, str) else ""
+            if not final or final not in text:
+                raise ValueError(
+                    "continue_final_message: the final message's text does not appear in the "
+                    "rendered chat"
+                )
+            text = text[: text.rindex(final) + len(final)]
+        return text
 
     def encode_chat(
         self,
@@ -331,6 +350,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         escape: bool = True,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> list[int]:
         """Token ids of the rendered chat template (which holds any bos token itself).
@@ -343,13 +363,21 @@ class Tokenizer:
         `extra`: more template variables (`tools`), escaped like the messages.
         """
         if not escape or not self.special_token_texts:
-            text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+            text = self.apply_chat_template(
+                messages,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **extra,
+            )
             return self.encode(text, add_special_tokens=False)
         if self._marks is None:
             self._marks = _Marks(self.special_token_texts, self.chat_template)
         marks = self._marks
         text = self.apply_chat_template(
-            marks.hide(messages), add_generation_prompt, **marks.hide(extra)
+            marks.hide(messages),
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **marks.hide(extra),
         )
         return self._encode_marked(text, marks)
 
@@ -375,8 +403,54 @@ class Tokenizer:
                 pos = m.end()
         return ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (logprobs' `bytes`): for a byte-level BPE (GPT-2, Llama 3,
+        SmolLM2, Qwen) its vocabulary string mapped back through the byte alphabet, so a token
+        that is part of a multi-byte character gives its raw bytes, not U+FFFD's; `<0xNN>`
+        byte-fallback pieces their byte; added tokens and other models' pieces their text."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_decoder is None:
+            self._byte_decoder = _byte_decoder(self._backend)
+        if self._byte_decoder:
+            try:
+                return bytes(self._byte_decoder[c] for c in piece)
+            except KeyError:  # not a byte-level piece after all
+                pass
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._backend, skip_special_tokens=skip_special_tokens)
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves,
+    the others for the code points from 256 up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def _byte_decoder(backend: Any) -> dict[str, int]:
+    """The byte-level alphabet when the tokenizer decodes with ByteLevel (empty otherwise)."""
+    spec = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {spec.get("type")} | {d.get("type") for d in spec.get("decoders") or ()}
+    return _gpt2_byte_alphabet() if "ByteLevel" in kinds else {}
 
 
 # Texts at least this long are encoded with `encode_batch`, which releases the GIL (`encode`

@@ -18,6 +18,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # the token's rank in the distribution, 1 = best (prompt logprobs)
 
 
 @dataclass(slots=True)
@@ -142,6 +143,9 @@ class RequestOutput:
     # `metrics` is the request's, shared by its choices (output tokens summed over them).
     index: int = 0
     cumulative_logprob: float | None = None  # sum of the choice's token logprobs (n > 1 only)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), complete
+    # once the prompt is computed (every output from the first token on; the live list).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,13 @@ _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 _REQUEST_ID_STATE = "controlplane.request_id"  # the resolved id, kept in the ASGI scope's state
 # Generated ids look like the response ids of each endpoint (`cmpl-...`), so a client that sent
 # no X-Request-Id gets back its response's `id`.
-_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+_ID_PREFIXES = {
+    "/v1/completions": "cmpl",
+    "/v1/chat/completions": "chatcmpl",
+    "/v1/responses": "resp",
+}
+# OpenAI's Responses ids are `resp_<hex>` (an underscore); the other endpoints' use a hyphen.
+_SEPARATORS = {"resp": "_"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +41,7 @@ class RequestId:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}{_SEPARATORS.get(prefix, '-')}{uuid.uuid4().hex}"
 
 
 def request_id(scope: Any) -> RequestId:

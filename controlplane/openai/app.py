@@ -1,5 +1,7 @@
 """The /v1 routes: completions, chat completions and models, each behind the API-key guard
-(checked before the body is read, once), served by `serving.InferenceAPI`."""
+(checked before the body is read, once), served by `serving.InferenceAPI`; vLLM's POST
+/tokenize and /detokenize (controlplane.openai.tokenize) behind the same guard, and its GET
+/version (no key, like /health)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,16 @@ from typing import TYPE_CHECKING, Any
 from litestar import Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import HTTPRouteHandler
+from litestar.params import FromPath
 
+from controlplane import __version__
 from controlplane.http.body import openapi_body
+from controlplane.http.errors import APIError
 from controlplane.openai import schema
 from controlplane.openai.render import model_list
+from controlplane.openai.responses import RESPONSES_SCHEMA, ResponsesAPI
 from controlplane.openai.serving import InferenceAPI
+from controlplane.openai.tokenize import tokenize_routes
 
 if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
@@ -47,8 +54,39 @@ def v1_routes(runtime: Runtime) -> tuple[list[HTTPRouteHandler], InferenceAPI]:
     async def chat_completions(request: Request) -> Response:
         return await api.serve(request, api.chat)
 
+    responses = ResponsesAPI(api)
+
+    @post(
+        "/v1/responses",
+        status_code=200,
+        summary="OpenAI Responses (stateless: nothing is stored)",
+        guards=[api_key],
+        operation_class=openapi_body(RESPONSES_SCHEMA),
+    )
+    async def create_response(request: Request) -> Response:
+        return await api.serve(request, responses.create)
+
     @get("/v1/models", summary="Served models", guards=[api_key])
     async def models() -> dict[str, Any]:
         return model_list(runtime.model_name, runtime.started_at, runtime.engine.max_model_len)
 
-    return [completions, chat_completions, models], api
+    @get("/v1/models/{model:path}", summary="One served model", guards=[api_key])
+    async def model(model: FromPath[str]) -> dict[str, Any]:
+        model = model.removeprefix("/")  # ids may hold a "/" (org/name)
+        listed = model_list(runtime.model_name, runtime.started_at, runtime.engine.max_model_len)
+        found = [m for m in listed["data"] if m["id"] == model]
+        if not found:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist",
+                param="model",
+                code="model_not_found",
+            )
+        return found[0]
+
+    @get("/version", summary="The server's version (vLLM's shape); no API key needed")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    tokenizer = tokenize_routes(api, [api_key])
+    return [completions, chat_completions, create_response, models, model, version, *tokenizer], api

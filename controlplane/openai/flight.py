@@ -64,6 +64,8 @@ class Flight:
     outputs: asyncio.Queue  # shared with the other flights of its Batch
     index: int = 0  # the prompt's position
     n: int = 1  # choices the engine samples for it: choice j is the response's index*n + j
+    max_tokens: int | None = None  # its max_tokens (request_params_max_tokens metric)
+    max_choice_tokens: int = 0  # the most tokens one choice generated (metrics)
     # Choice 0's output token times (ITL metrics: a per-sequence figure, whatever n is).
     token_times: list[float] = field(default_factory=list)
     last: RequestOutput | None = None
@@ -78,6 +80,7 @@ class Flight:
         try:
             async for out in self.stream:
                 self.last = out
+                self.max_choice_tokens = max(self.max_choice_tokens, len(out.token_ids))
                 if out.index == 0:
                     self.token_times.extend([out.time] * len(out.new_token_ids))
                 self.outputs.put_nowait((self.index * self.n + out.index, out))
@@ -95,7 +98,15 @@ class Flight:
             self.failed = error is not None or (
                 last is not None and last.finish_reason == "error" and last.error_param is None
             )
-            self.runtime.ledger.finish(self.rec, self.last, self.token_times, error=error)
+            self.runtime.ledger.finish(
+                self.rec,
+                self.last,
+                self.token_times,
+                error=error,
+                max_tokens=self.max_tokens,
+                n=self.n,
+                max_choice_tokens=self.max_choice_tokens,
+            )
             self.on_end(self)
             self.outputs.put_nowait((self.index * self.n, _END))
 

@@ -47,6 +47,8 @@ class OpenAIRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
+    continuous_usage: bool = False
     user: str | None = None  # OpenAI's end-user id (None: not sent, or empty)
     n: int = 1  # choices returned per prompt (see CompletionRequest.best_of)
     ignored_fields: tuple[str, ...] = ()  # top-level fields this endpoint does not read
@@ -63,6 +65,8 @@ class CompletionRequest(OpenAIRequest):
     prompts: list[Prompt]
     # The engine samples `params.n` choices: best_of when given, of which the best `n` return.
     best_of: int | None = None
+    echo: bool = False  # the prompt before each choice's text (and in its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top N), per choice
 
 
 @dataclass(slots=True, kw_only=True)
@@ -71,6 +75,7 @@ class ChatRequest(OpenAIRequest):
     logprobs: bool = False  # chat's boolean logprobs (top_logprobs is in params.logprobs)
     default_max_tokens: bool = False  # no max_tokens: fill the context
     tools: ToolRequest | None = None  # the tools offered, tool_choice, parallel calls
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs of the rendered prompt
 
 
 def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
@@ -175,7 +180,17 @@ def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
     return found[0] if found else None
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's `prompt_logprobs`: the top N alternatives of each prompt token, 0 to MAX_LOGPROBS."""
+    return _opt(body, "prompt_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
+
+
+def _sampling(
+    body: dict[str, Any],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     num = (int, float)
     stop = body.get("stop")
     if stop is None:
@@ -206,6 +221,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
             stop_token_ids=stop_ids,
             ignore_eos=_opt(body, "ignore_eos", (bool,), "a boolean", False),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
             structured=structured_output(body),
         )
@@ -222,6 +238,7 @@ class _Common:
     include_usage: bool
     user: str | None
     ignored: tuple[str, ...]
+    continuous_usage: bool = False
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:
@@ -262,8 +279,15 @@ def _common(body: Any, allowed: set[str]) -> _Common:
     include_usage = _type(
         "stream_options.include_usage", options.get("include_usage", False), (bool,), "a boolean"
     )
+    # vLLM's continuous_usage_stats: usage on every chunk, only together with include_usage.
+    continuous = _type(
+        "stream_options.continuous_usage_stats",
+        options.get("continuous_usage_stats", False),
+        (bool,),
+        "a boolean",
+    )
     ignored = tuple(key for key in body if key not in allowed)
-    return _Common(model, stream, include_usage, _user(body), ignored)
+    return _Common(model, stream, include_usage, _user(body), ignored, include_usage and continuous)
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -301,13 +325,22 @@ def _prompts(prompt: Any) -> list[Prompt]:
 def parse_completion(body: Any) -> CompletionRequest:
     common = _common(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"))
-    if body.get("echo"):
-        raise invalid("echo", "is not supported")
+    echo = _opt(body, "echo", (bool,), "a boolean", False)
     if body.get("suffix"):
         raise invalid("suffix", "is not supported")
     max_tokens = _opt(body, "max_tokens", (int,), "an integer", None)
+    if max_tokens == 0 and not echo:
+        raise invalid(
+            "max_tokens",
+            "must be >= 1 (0 only with echo: true, to score the prompt without generating)",
+        )
     logprobs = _opt(body, "logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
-    params = _sampling(body, max_tokens, logprobs)
+    prompt_lp = _prompt_logprobs(body)
+    # What the engine scores: echo's logprobs over the prompt, vLLM's prompt_logprobs, the
+    # larger top N of the two; echo with max_tokens 0 scores (top 0) even without logprobs.
+    wanted = [v for v in (logprobs if echo else None, prompt_lp) if v is not None]
+    engine_lp = max(wanted) if wanted else (0 if max_tokens == 0 else None)
+    params = _sampling(body, max_tokens, logprobs, engine_lp)
     n = params.n
     best_of = _opt(body, "best_of", (int,), "an integer", None)
     if best_of is not None:
@@ -325,17 +358,21 @@ def parse_completion(body: Any) -> CompletionRequest:
         params=params,
         stream=common.stream,
         include_usage=common.include_usage,
+        continuous_usage=common.continuous_usage,
         prompts=prompts,
         user=common.user,
         n=n,
         best_of=best_of,
         ignored_fields=common.ignored,
         cache_salt=_cache_salt(body),
+        echo=echo,
+        prompt_logprobs=prompt_lp,
     )
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    common = _common(body, CHAT_FIELDS)
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat body's `messages`, text parts joined, the conversation checked (400 naming the
+    field): what /v1/chat/completions and POST /tokenize render with the chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty array")
@@ -364,6 +401,12 @@ def parse_chat(body: Any) -> ChatRequest:
             raise invalid(f"messages[{i}].content", "must be a string or an array of text parts")
         parsed.append({**m, "content": content})
     validate_history(parsed)
+    return parsed
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    common = _common(body, CHAT_FIELDS)
+    parsed = parse_messages(body)
     tools = parse_tools(body)
     mt = _opt(body, "max_completion_tokens", (int,), "an integer", None)
     if mt is None:
@@ -372,7 +415,10 @@ def parse_chat(body: Any) -> ChatRequest:
     top = _opt(body, "top_logprobs", (int,), f"an integer in [0, {MAX_LOGPROBS}]", None)
     if top is not None and not want:
         raise invalid("top_logprobs", "requires logprobs: true")
-    params = _sampling(body, mt, (top or 0) if want else None)
+    if mt == 0:
+        raise invalid("max_tokens", "must be >= 1")
+    prompt_lp = _prompt_logprobs(body)
+    params = _sampling(body, mt, (top or 0) if want else None, prompt_lp)
     schema = constrained_schema(tools) if tools is not None else None
     if schema is not None:
         if params.structured is not None:
@@ -389,6 +435,7 @@ def parse_chat(body: Any) -> ChatRequest:
         params=params,
         stream=common.stream,
         include_usage=common.include_usage,
+        continuous_usage=common.continuous_usage,
         messages=parsed,
         logprobs=want,
         default_max_tokens=mt is None,
@@ -397,6 +444,7 @@ def parse_chat(body: Any) -> ChatRequest:
         ignored_fields=common.ignored,
         tools=tools,
         cache_salt=_cache_salt(body),
+        prompt_logprobs=prompt_lp,
     )
 
 

@@ -73,6 +73,33 @@ def tool_message(text: str, tools: ToolRequest) -> tuple[dict[str, Any], str]:
     return message, "tool_calls"
 
 
+# tool_choice modes that constrain the output to the call (its grammar).
+FORCED = ("required", "named")
+
+
+def cut_tool_message(text: str, tools: ToolRequest) -> dict[str, Any]:
+    """A forced call's message when max_tokens cut it (finish_reason stays "length"): the
+    calls as far as they got, each with its partial `arguments`, exactly what streaming sent
+    (the same scanner reads the text); no call yet (cut inside the first name): content null."""
+    stream = ToolCallStream(tools, tools.tools)
+    deltas = stream.feed(text) if text else []
+    deltas += stream.finish()[0]
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for piece in delta.get("tool_calls", ()):
+            fn = piece["function"]
+            if "id" in piece:  # a call's header
+                calls.append({"id": piece["id"], "type": "function", "function": dict(fn)})
+            else:
+                calls[piece["index"]]["function"]["arguments"] += fn["arguments"]
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if calls and tools.legacy:
+        message["function_call"] = calls[0]["function"]
+    elif calls:
+        message["tool_calls"] = calls
+    return message
+
+
 def _legacy_delta(delta: dict[str, Any]) -> dict[str, Any]:
     """A tool-call delta in the deprecated `function_call` shape (one call: index 0)."""
     calls = delta.get("tool_calls")

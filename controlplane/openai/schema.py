@@ -27,7 +27,16 @@ _COMMON_SCHEMA: dict[str, Any] = {
     "min_p": _NUMBER,
     "n": _INT,
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {
+        "type": "object",
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {
+                "type": "boolean",
+                "description": "vLLM: with include_usage, usage (tokens so far) on every chunk",
+            },
+        },
+    },
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "seed": _INT,
     "presence_penalty": _NUMBER,
@@ -56,6 +65,11 @@ _COMMON_SCHEMA: dict[str, Any] = {
         "type": "object",
         "description": "vLLM's newer form: one of json, regex, choice, grammar, json_object",
     },
+    "prompt_logprobs": {
+        "type": "integer",
+        "description": "vLLM: logprob of every prompt token (null for the first) with the top "
+        "N alternatives, per choice; at most server.max_prompt_logprobs_tokens prompt tokens",
+    },
     "cache_salt": {
         "type": "string",
         "minLength": 1,
@@ -82,8 +96,12 @@ COMPLETION_SCHEMA: dict[str, Any] = {
             ],
         },
         "logprobs": _INT,
-        # Accepted for compatibility; only their defaults are supported (else a 400).
-        "echo": {"type": "boolean"},
+        "echo": {
+            "type": "boolean",
+            "description": "the prompt before each choice's text, and its tokens in logprobs "
+            "(scored; with max_tokens 0, scored without generating)",
+        },
+        # Accepted for compatibility; only its default is supported (else a 400).
         "suffix": {"type": "string"},
         "best_of": _INT,
     },

@@ -29,6 +29,7 @@ from controlplane.http.request_id import new_id, request_id
 from controlplane.openai import protocol
 from controlplane.openai.tools import (
     ToolCallStream,
+    ToolRequest,
     has_tools_variable,
     render_messages,
 )
@@ -41,8 +42,17 @@ if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
 
 
+from controlplane.openai import scoring
 from controlplane.openai.flight import Batch, EngineFailure, Flight, returned
-from controlplane.openai.render import envelope, sse, structured_type, tool_chunks, tool_message
+from controlplane.openai.render import (
+    FORCED,
+    cut_tool_message,
+    envelope,
+    sse,
+    structured_type,
+    tool_chunks,
+    tool_message,
+)
 
 log = logging.getLogger("controlplane.api")
 
@@ -230,7 +240,7 @@ class InferenceAPI:
         rid = request_id(request.scope)
         # The response's id: the generated X-Request-Id (same shape), else a fresh one. Rows
         # take it as their id (one prompt) or with the prompt's index appended (several).
-        prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
+        prefix = {"chat.completions": "chatcmpl", "responses": "resp"}.get(endpoint, "cmpl")
         response_id = new_id(prefix) if rid.from_client else rid.value
         batch = Batch(response_id, d.model_name, [], asyncio.Queue())
 
@@ -264,7 +274,7 @@ class InferenceAPI:
                     rec.grammar_compile_ms = round((compile_s or 0.0) * 1000, 3)
                     d.metrics.observe_structured(kind, compile_s)
                 d.ledger.record(rec)
-                flight = Flight(d, stream, rec, ended, batch.outputs, i, p.n)
+                flight = Flight(d, stream, rec, ended, batch.outputs, i, p.n, p.max_tokens)
                 batch.flights.append(flight)
                 setattr(request.state, _ADMITTED, True)
                 self._spawn(flight.run())
@@ -337,7 +347,21 @@ class InferenceAPI:
                     choices.append({"index": index, **render_final(index, outs, outs[-1])})
             return Response(envelope(batch, obj, created, choices, usage=batch.usage()))
 
+        # stream_options.continuous_usage_stats: every chunk carries the usage so far (the
+        # prompts, the tokens of the outputs read so far), request-wide like the last chunk's.
+        seen: dict[str, RequestOutput] = {}  # each engine request's latest output read
+        sent = [0]  # output tokens read so far, every choice (metrics are live: ahead of it)
+
+        def usage_so_far() -> dict[str, Any]:
+            return protocol.usage(
+                sum(f.rec.prompt_tokens for f in batch.flights),
+                sent[0],
+                sum(o.metrics.num_cached_tokens for o in seen.values()),
+            )
+
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            if parsed.continuous_usage and "usage" not in extra:
+                extra["usage"] = usage_so_far()
             return sse(envelope(batch, obj, created, choices, **extra))
 
         async def events() -> AsyncIterator[str]:
@@ -347,6 +371,8 @@ class InferenceAPI:
                         for i in range(f.index * f.n, (f.index + 1) * f.n):
                             yield chunk([{"index": i, **first_chunk(i)}])
                 async for index, out in batch:
+                    seen[out.request_id] = out
+                    sent[0] += len(out.new_token_ids)
                     choice = render_chunk(index, out)
                     for c in [choice] if isinstance(choice, dict) else choice or ():
                         yield chunk([{"index": index, **c}])
@@ -362,6 +388,12 @@ class InferenceAPI:
                 batch.abort()
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache"})
+
+    def _check_scoring(self, prompts_ids: list[list[int]], field: str) -> None:
+        """Prompts to be scored (echo with logprobs, prompt_logprobs) against
+        server.max_prompt_logprobs_tokens: a 400 naming `field` and the limit."""
+        limit = self.runtime.cfg.server.max_prompt_logprobs_tokens
+        scoring.check_limit(prompts_ids, field, limit)
 
     def _token_str(self, token_id: int) -> str:
         return self.runtime.engine.token_text(token_id)
@@ -418,68 +450,118 @@ class InferenceAPI:
 
         size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
         prompts_ids = await self._off_loop(size, tokenize)
+        if parsed.params.prompt_logprobs is not None:  # echo or prompt_logprobs: scored
+            field = "prompt_logprobs" if parsed.prompt_logprobs is not None else "echo"
+            self._check_scoring(prompts_ids, field)
         grammar = await self._grammar(parsed)
         # Admission again: the queue may have filled (or a drain begun) while tokenizing.
         keys = self._admit(request, parsed.model, incoming=n)
         batch = self._start(request, parsed, prompts_ids, "completions", keys, grammar)
         want_lp = parsed.params.logprobs is not None
+        echo = parsed.echo
+        echoed: set[int] = set()  # streamed choices whose prompt part was sent
 
-        def logprobs(outs: list[RequestOutput]) -> dict[str, Any] | None:
+        def prompt_text(index: int) -> str:
+            p = parsed.prompts[index // parsed.n]
+            return p if isinstance(p, str) else rt.engine.detokenize(p)
+
+        def logprobs(
+            outs: list[RequestOutput], prompt: RequestOutput | None = None
+        ) -> dict[str, Any] | None:
             if not want_lp:
                 return None
             lps = [lp for o in outs for lp in o.logprobs if lp is not None]
             tokens = [self._token_str(lp.token_id) for lp in lps]
+            values: list[float | None] = [lp.logprob for lp in lps]
+            tops: list[dict[str, float] | None] = [
+                {self._token_str(i): v for i, v in lp.top} for lp in lps
+            ]
+            if prompt is not None:  # echo: the prompt's tokens first (the first unscored)
+                assert parsed.params.logprobs is not None
+                p_tokens, p_values, p_tops = scoring.echo_logprobs(
+                    prompt, parsed.params.logprobs, self._token_str
+                )
+                tokens, values, tops = p_tokens + tokens, p_values + values, p_tops + tops
             offsets, pos = [], 0
             for t in tokens:
                 offsets.append(pos)
                 pos += len(t)
             return {
                 "tokens": tokens,
-                "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_str(i): v for i, v in lp.top} for lp in lps],
+                "token_logprobs": values,
+                "top_logprobs": tops,
                 "text_offset": offsets,
             }
 
-        def final(_: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
+        def extra(out: RequestOutput) -> dict[str, Any]:
+            if parsed.prompt_logprobs is None:
+                return {}
+            lps = scoring.vllm_prompt_logprobs(out, parsed.prompt_logprobs, self._token_str)
+            return {"prompt_logprobs": lps}
+
+        def final(index: int, outs: list[RequestOutput], last: RequestOutput) -> dict[str, Any]:
             return {
-                "text": last.text,
-                "logprobs": logprobs(outs),
+                "text": (prompt_text(index) if echo else "") + last.text,
+                "logprobs": logprobs(outs, last if echo else None),
                 "finish_reason": last.finish_reason,
+                **extra(last),
             }
 
-        def chunk(_: int, out: RequestOutput) -> dict[str, Any] | None:
-            if not out.delta_text and not out.finished and not want_lp:
+        def chunk(index: int, out: RequestOutput) -> dict[str, Any] | None:
+            first = index not in echoed and (echo or parsed.prompt_logprobs is not None)
+            if not first and not out.delta_text and not out.finished and not want_lp:
                 return None
+            echoed.add(index)
+            prefix = prompt_text(index) if first and echo else ""
             return {
-                "text": out.delta_text,
-                "logprobs": logprobs([out]),
+                "text": prefix + out.delta_text,
+                "logprobs": logprobs([out], out if first and echo else None),
                 "finish_reason": out.finish_reason if out.finished else None,
+                **(extra(out) if first else {}),
             }
 
         return await self._respond(parsed, batch, "text_completion", final, chunk)
 
     # -- /v1/chat/completions -----------------------------------------------------------------
+    async def chat_prompt(
+        self,
+        size: int,
+        messages: list[dict[str, Any]],
+        tools: ToolRequest | None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """A chat's prompt token ids (off the event loop when the body's `size` is large):
+        the tools rendered into the messages (or the template's `tools` variable), then the
+        model's chat template. The one path of /v1/chat/completions and POST /tokenize; a 400
+        naming `messages` for messages the template cannot render."""
+        rt = self.runtime
+        # "escape": special-token text typed into a message is plain text, not control tokens.
+        escape = rt.cfg.server.chat_special_tokens == "escape"
+
+        def prompt() -> list[int]:  # tools go into the messages here, the template in the runtime
+            in_template = has_tools_variable(rt.engine.chat_template)
+            rendered, extra = render_messages(messages, tools, in_template)
+            return rt.engine.tokenize_chat(
+                rendered, add_generation_prompt, escape, continue_final_message, **extra
+            )
+
+        try:
+            return await self._off_loop(size, prompt)
+        except ValueError as exc:
+            raise invalid("messages", str(exc)) from None
+
     async def chat(self, request: Request) -> Response:
         self._check_request_id(request)
         parsed = protocol.parse_chat(await self._body(request))
         self._note_ignored(parsed.ignored_fields)
         self._check_n(parsed)
         self._admit(request, parsed.model, incoming=parsed.params.n)
-        # "escape": special-token text typed into a message is plain text, not control tokens.
-        escape = self.runtime.cfg.server.chat_special_tokens == "escape"
         size = len(await request.body())  # read once, kept by Litestar
         tools = parsed.tools
-        rt = self.runtime
-
-        def prompt() -> list[int]:  # tools go into the messages here, the template in the runtime
-            in_template = has_tools_variable(rt.engine.chat_template)
-            messages, extra = render_messages(parsed.messages, tools, in_template)
-            return rt.engine.tokenize_chat(messages, True, escape, **extra)
-
-        try:
-            prompt_ids = await self._off_loop(size, prompt)
-        except ValueError as exc:
-            raise invalid("messages", str(exc)) from None
+        prompt_ids = await self.chat_prompt(size, parsed.messages, tools)
+        if parsed.prompt_logprobs is not None:
+            self._check_scoring([prompt_ids], "prompt_logprobs")
         grammar = await self._grammar(parsed)
         keys = self._admit(request, parsed.model, incoming=parsed.params.n)
         batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys, grammar)
@@ -492,7 +574,9 @@ class InferenceAPI:
 
             def entry(token_id: int, value: float) -> dict[str, Any]:
                 s = self._token_str(token_id)
-                return {"token": s, "logprob": value, "bytes": list(s.encode())}
+                # The token's own bytes: for part of a multi-byte character, not U+FFFD's.
+                raw = self.runtime.engine.token_bytes(token_id)
+                return {"token": s, "logprob": value, "bytes": list(raw)}
 
             content = []
             for o in outs:
@@ -512,7 +596,15 @@ class InferenceAPI:
             if calling and reason == "stop":
                 assert tools is not None
                 message, reason = tool_message(last.text, tools)
-            return {"message": message, "logprobs": logprobs(outs), "finish_reason": reason}
+            elif reason == "length" and tools is not None and tools.choice.mode in FORCED:
+                # A forced call cut by max_tokens: the call so far, as streaming sends it.
+                message = cut_tool_message(last.text, tools)
+            choice = {"message": message, "logprobs": logprobs(outs), "finish_reason": reason}
+            if parsed.prompt_logprobs is not None:  # vLLM's, of the rendered prompt
+                choice["prompt_logprobs"] = scoring.vllm_prompt_logprobs(
+                    last, parsed.prompt_logprobs, self._token_str
+                )
+            return choice
 
         def chunk(index: int, out: RequestOutput) -> list[dict[str, Any]] | dict[str, Any] | None:
             if calling:

@@ -57,17 +57,50 @@ class EngineHandle:
         return self._engine.engine.tokenizer.chat_template or ""
 
     def tokenize_chat(
-        self, messages: Any, add_generation_prompt: bool, escape: bool, **template_vars: Any
+        self,
+        messages: Any,
+        add_generation_prompt: bool,
+        escape: bool,
+        continue_final_message: bool = False,
+        **template_vars: Any,
     ) -> list[int]:
         """A chat's prompt tokens (its template); ValueError for messages it cannot render.
         Tools are rendered into the messages and `template_vars` by the /v1 surface
         (controlplane.openai.tools)."""
         tok = self._engine.engine.tokenizer
-        return tok.encode_chat(messages, add_generation_prompt, escape=escape, **template_vars)
+        return tok.encode_chat(
+            messages,
+            add_generation_prompt,
+            escape=escape,
+            continue_final_message=continue_final_message,
+            **template_vars,
+        )
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs)."""
         return self._engine.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (logprobs' `bytes`): part of a UTF-8 character for some."""
+        return self._engine.engine.tokenizer.token_bytes(token_id)
+
+    # -- POST /tokenize, /detokenize --------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in [0, vocab_size) (the model's, as prompt token ids are checked)."""
+        return self._engine.engine.model_config.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._engine.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens included (what vLLM's /detokenize gives)."""
+        return self._engine.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's string of each token (byte-level pieces as they are: `Ġcaf`)."""
+        tok = self._engine.engine.tokenizer
+        return [tok.id_to_token(t) or "" for t in token_ids]
 
     def warm_grammars(self) -> None:
         """Build the grammar engine's view of the vocabulary now, in the background (0.4 s for

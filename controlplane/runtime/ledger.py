@@ -119,15 +119,27 @@ class RequestLedger:
         out: RequestOutput | None,
         token_times: list[float],
         error: str | None = None,
+        *,
+        max_tokens: int | None = None,
+        n: int = 1,
+        max_choice_tokens: int | None = None,
     ) -> None:
-        """Record a request's end and count it in the metrics."""
+        """Record a request's end and count it in the metrics (`max_tokens`, `n`: its
+        parameters; `max_choice_tokens`: the most tokens one of its choices generated)."""
         final = self.final_record(rec, out, error)
         self.record(final)
         if self.live.effective.server.access_log:
             log_access(final)
         if out is not None:
             reason = out.finish_reason if out.finished and out.finish_reason else "abort"
-            self.metrics.observe_request(reason, out.metrics, token_times)
+            self.metrics.observe_request(
+                reason,
+                out.metrics,
+                token_times,
+                max_tokens=max_tokens,
+                n=n,
+                max_choice_tokens=max_choice_tokens,
+            )
             gaps = [b - a for a, b in itertools.pairwise(token_times)]
             self._finished.append(
                 Finished(time.time(), out.metrics.ttft, gaps, final.structured is not None)

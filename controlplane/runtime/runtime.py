@@ -41,6 +41,7 @@ from controlplane.runtime.state import DaemonState
 from controlplane.runtime.store_handle import StoreHandle
 from controlplane.store.records import hash_api_key
 from controlplane.telemetry.diagnosis import Signals, diagnose
+from controlplane.telemetry.http import HttpMetrics
 from controlplane.telemetry.metrics import Metrics
 from controlplane.telemetry.slo import slo, thresholds
 from controlplane.telemetry.stats import cache_and_speculation, structured_outputs, summarize
@@ -74,7 +75,12 @@ class Runtime:
         self.state = DaemonState.LOADING
         self.started_at = time.time()
         self.engine = EngineHandle()
-        self.ledger = RequestLedger(live, Metrics(model_name or "loading"))
+        # The HTTP series outlive the registry the daemon swaps in once the model has loaded.
+        self.http_metrics = HttpMetrics(self.metrics_prefix)
+        self.ledger = RequestLedger(
+            live,
+            Metrics(model_name or "loading", prefix=self.metrics_prefix, http=self.http_metrics),
+        )
         self.events = Events()
         # /v1 arrivals, rejections and ends (counted by InferenceAPI.serve) for /admin/stats.
         self.traffic = Traffic(self.started_at)
@@ -97,6 +103,11 @@ class Runtime:
         # dropped ({"field", "live", "file"}: controlplane.runtime.persist).
         self.config_path: Path | None = None
         self.dropped_at_restart: list[dict[str, Any]] = []
+
+    @property
+    def metrics_prefix(self) -> str:
+        """Every series' prefix: server.metrics_prefix and a colon (restart-only)."""
+        return self.live.effective.server.metrics_prefix + ":"
 
     @property
     def metrics(self) -> Metrics:
