@@ -8,6 +8,10 @@ response shapes, behind the /v1 API-key guard.
   is the `prompt_tokens` a chat completion of the same messages reports. Answers `{"count",
   "max_model_len", "tokens"}` (and `"token_strs"`, the vocabulary's strings, when asked).
 - detokenize: `{"model"?, "tokens"}` -> `{"prompt"}` (special tokens included, as vLLM).
+- `GET /tokenizer_info`: the special tokens' text (`eos_token`, `bos_token`, `pad_token`... as
+  the model's tokenizer config names them), `chat_template`, `model_max_length`: with the two
+  above, what a client needs to tokenize through the server (lm-evaluation-harness's
+  `tokenizer_backend=remote` runs with no local tokenizer and no model hub).
 
 Neither is a generation request: nothing is queued, counted in the traffic or recorded.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from litestar import Request, post
+from litestar import Request, get, post
 from litestar.handlers import HTTPRouteHandler
 
 from controlplane.http.body import load_json, openapi_body
@@ -158,4 +162,9 @@ def tokenize_routes(api: InferenceAPI, guards: list[Any]) -> list[HTTPRouteHandl
     async def detokenize_route(request: Request) -> dict[str, Any]:
         return await detokenize(api, request)
 
-    return [tokenize_route, detokenize_route]
+    @get("/tokenizer_info", summary="vLLM: the tokenizer's special tokens and chat template",
+         guards=guards)  # fmt: skip
+    async def tokenizer_info_route() -> dict[str, Any]:
+        return api.runtime.engine.tokenizer_info()
+
+    return [tokenize_route, detokenize_route, tokenizer_info_route]

@@ -97,6 +97,18 @@ class EngineHandle:
         """The text of `token_ids`, special tokens included (what vLLM's /detokenize gives)."""
         return self._engine.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What vLLM's GET /tokenizer_info tells a client tokenizing remotely
+        (lm-evaluation-harness's `tokenizer_backend=remote`): the special tokens' text and the
+        chat template; the ids come from /tokenize."""
+        tok = self._engine.engine.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **tok.special_tokens,
+            "chat_template": tok.chat_template,
+            "model_max_length": self.max_model_len,
+        }
+
     def token_strs(self, token_ids: list[int]) -> list[str]:
         """The vocabulary's string of each token (byte-level pieces as they are: `Ġcaf`)."""
         tok = self._engine.engine.tokenizer
