@@ -134,7 +134,8 @@ def test_form_lists_every_live_field_with_its_range(daemon, c):
             # Docked right: the dashboard's panels stay visible beside it at 120 columns.
             box = form.query_one("#tune-box")
             assert box.region.x > 40 and box.region.right == 120
-            assert "Live requests" in screen_text(app)
+            # (Polled: the first frames of the modal can hold the form alone.)
+            await wait_until(pilot, lambda: "Live requests" in screen_text(app), 5, "beside")
 
     asyncio.run(main())
 
