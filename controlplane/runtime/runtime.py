@@ -62,6 +62,19 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
+def latency_ms(finished: list[Any], q: float) -> dict[str, float | None]:
+    """TTFT and inter-token latency q-th percentiles (ms) of `finished` requests, keyed as
+    /admin/stats names them (`ttft_p99_ms`, `itl_p99_ms`); None where there is no value."""
+
+    def ms(values: list[float]) -> float | None:
+        return None if not values else round(1000 * percentile(values, q), 3)
+
+    return {
+        f"ttft_p{q:g}_ms": ms([f.ttft for f in finished if f.ttft is not None]),
+        f"itl_p{q:g}_ms": ms([g for f in finished for g in f.gaps]),
+    }
+
+
 class Runtime:
     """One per daemon. `engine.aengine` is None until the model has loaded (state LOADING)."""
 
@@ -215,17 +228,9 @@ class Runtime:
             max_num_batched_tokens=s.max_num_batched_tokens,
         )
         recent = self.ledger.finished_since(now - 60.0)
-        ttfts = [f.ttft for f in recent if f.ttft is not None]
-        gaps = [g for f in recent for g in f.gaps]
-
-        def ms(values: list[float], q: float) -> float | None:
-            return None if not values else round(1000 * percentile(values, q), 3)
-
         body.update(
-            ttft_p50_ms=ms(ttfts, 50),
-            ttft_p99_ms=ms(ttfts, 99),
-            itl_p50_ms=ms(gaps, 50),
-            itl_p99_ms=ms(gaps, 99),
+            **latency_ms(recent, 50),
+            **latency_ms(recent, 99),
             latency_window_s=60.0,
             requests_finished_in_window=len(recent),
         )
@@ -255,25 +260,22 @@ class Runtime:
             memory=self.engine.memory(),
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
-        self._incident_signals(body, now)
+        self._incident_signals(body, now, recent)
         return body
 
-    def _incident_signals(self, body: dict[str, Any], now: float) -> None:
+    def _incident_signals(self, body: dict[str, Any], now: float, minute: list[Any]) -> None:
         """The figures that explain an incident, added to the /admin/stats `body`: traffic
         rates, the oldest wait, 10 s latency p99s, the best completion rate, the SLO, the
-        severity thresholds and the diagnosis (docs/admin-api.md lists them)."""
+        severity thresholds and the diagnosis (docs/admin-api.md lists them). `minute`: the
+        requests finished in the last 60 s (oldest first), which the body's latency read."""
         rates = self.traffic.rates(now)
         body.update(rates)
         body["oldest_waiting_s"] = self._oldest_waiting_s(now)
-        recent = self.ledger.finished_since(now - 10.0)
-        ttfts = [f.ttft for f in recent if f.ttft is not None]
-        gaps = [g for f in recent for g in f.gaps]
-        body["ttft_p99_10s_ms"] = None if not ttfts else round(1000 * percentile(ttfts, 99), 3)
-        body["itl_p99_10s_ms"] = None if not gaps else round(1000 * percentile(gaps, 99), 3)
+        p99 = latency_ms([f for f in minute if f.time > now - 10.0], 99)
+        body["ttft_p99_10s_ms"], body["itl_p99_10s_ms"] = p99["ttft_p99_ms"], p99["itl_p99_ms"]
         best = self.traffic.best_completion_rate(now)
         body["best_completion_rate_per_s"] = best
         cfg = self.cfg
-        minute = self.ledger.finished_since(now - 60.0)
         body["slo"] = slo(
             cfg.alerts, cfg.autopilot, minute, body["ttft_p99_ms"], body["itl_p99_ms"]
         )

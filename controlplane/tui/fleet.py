@@ -23,7 +23,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from controlplane.client.admin import ClientError
 from controlplane.fleet.order import WORST_FIRST, slo_missed, worst_first_key
-from controlplane.tui.history import fmt_ms, fmt_num, fmt_usd
+from controlplane.tui.history import fmt_age, fmt_ms, fmt_num, fmt_usd
 from controlplane.tui.widgets import STATE_STYLE
 
 # (payload key, header); "worst" is controlplane.fleet.order's (WORST_FIRST says it in words),
@@ -83,17 +83,6 @@ def _since(iso: str | None) -> str:
         return ""
 
 
-def _wait(s: Any) -> str:
-    """An age in seconds, short: 0.4 s, 38 s, 12 min, 3.5 h."""
-    if not isinstance(s, int | float) or isinstance(s, bool):
-        return str(s)
-    if s < 10:
-        return f"{s:.1f} s"
-    if s < 600:
-        return f"{s:.0f} s"
-    return f"{s / 60:.0f} min" if s < 3600 * 3 else f"{s / 3600:.1f} h"
-
-
 def _cell(key: str, m: dict[str, Any]) -> str:
     value = m.get(key)
     if key == "ttft_p99_ms" and slo_missed(m):
@@ -111,7 +100,7 @@ def _cell(key: str, m: dict[str, Any]) -> str:
     if key == "ttft_p99_ms":
         return fmt_ms(value)
     if key == "oldest_waiting_s":
-        return _wait(value)
+        return fmt_age(value)
     if key == "heartbeat_age_s":
         return f"{value:.0f}s ago"
     return str(value)

@@ -101,6 +101,18 @@ def fmt_ms(v: Any) -> str:
     return f"{n:.0f} ms" if n < 10_000 else f"{n / 1000:.1f} s"
 
 
+def fmt_age(v: Any) -> str:
+    """An age in seconds, short: 0.4 s, 38 s, 12 min, 3.5 h (the oldest waiting request)."""
+    n = _num(v)
+    if n is None:
+        return "–" if v is None else str(v)
+    if n < 10:
+        return f"{n:.1f} s"
+    if n < 600:
+        return f"{n:.0f} s"
+    return f"{n / 60:.0f} min" if n < 3600 * 3 else f"{n / 3600:.1f} h"
+
+
 def fmt_usd(v: Any) -> str:
     n = _num(v)
     return "–" if n is None else f"${n:.4f}" if n < 1 else f"${n:,.2f}"

@@ -12,7 +12,7 @@ from typing import Any
 
 from textual.widgets import Static
 
-from controlplane.tui.history import StatsHistory, fmt_ms, fmt_num, fmt_value
+from controlplane.tui.history import StatsHistory, fmt_age, fmt_ms, fmt_num, fmt_value
 from controlplane.tui.severity import (
     CRIT,
     LINE_STYLE,
@@ -113,7 +113,7 @@ def signal_lines(s: dict[str, Any]) -> list[str]:
     q = f"{fmt_value(s.get('queue_length'))}/{fmt_value(s.get('max_queue_len'))}"
     kv = fmt_num(s.get("kv_usage_perc"), 0) + "%"
     queue = (
-        f"queue {paint(q, q_level)} oldest {paint(fmt_seconds(oldest), q_level if oldest else None)}"
+        f"queue {paint(q, q_level)} oldest {paint(fmt_age(oldest), q_level if oldest else None)}"
         f"  KV {paint(kv, metric_level(s, 'kv_usage_perc'))}"
         f"  prefill {paint(fmt_ms(pre), stall)} decode [b]{fmt_ms(dec)}[/]"
     )
@@ -128,12 +128,6 @@ def signal_lines(s: dict[str, Any]) -> list[str]:
     word, slo_level = header_slo(s)
     latency = f"TTFT p99 {lat('ttft')}  ITL p99 {lat('itl')}  SLO {paint(word or '–', slo_level)}"
     return [load, queue, latency]
-
-
-def fmt_seconds(v: Any) -> str:
-    if not isinstance(v, (int, float)):
-        return "–"
-    return f"{v:.1f} s" if v < 100 else f"{v:.0f} s"
 
 
 def trend_lines(s: dict[str, Any], hist: StatsHistory, width: int) -> list[str]:
