@@ -108,6 +108,29 @@ def require_smollm2(found: Path | None = None) -> Path:
     return path
 
 
+def start_smollm2_float32(tmp: Path, **server: Any) -> Any:
+    """An in-process daemon on SmolLM2 with float32 weights and activations (the scoring
+    references compare against transformers' float32 forward of the same GGUF), served as
+    `smol`; `server` adds [server] keys."""
+    from controlplane.config import load_config
+    from harness import InProcessDaemon, write_config
+
+    cfg_path = write_config(
+        tmp / "cp.toml",
+        tmp / "data",
+        require_smollm2(),
+        engine={
+            "dtype": "float32",
+            "quantization": "none",
+            "max_num_seqs": 4,
+            "kv_cache_memory_bytes": 64 << 20,
+        },
+        server={"model_name": "smol", **server},
+        store={"flush_interval_s": 0.05},
+    )
+    return InProcessDaemon(load_config(cfg_path, env={}), config_path=cfg_path).start()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from controlplane.engine.demo_model import write_demo_model

@@ -12,10 +12,8 @@ import lm_eval
 import pytest
 import torch
 
-from controlplane.config import load_config
-from harness import InProcessDaemon, write_config
 from harness.store import wait_rows
-from tests.conftest import require_smollm2
+from tests.conftest import require_smollm2, start_smollm2_float32
 
 # About a minute on 2 CPU cores: the daemon, 96 scored requests, transformers' reference.
 pytestmark = pytest.mark.slow
@@ -32,22 +30,9 @@ def smollm2(tmp_path_factory):
 
     path = require_smollm2()
     tmp = tmp_path_factory.mktemp("lm_eval")
-    cfg_path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        path,
-        engine={
-            "dtype": "float32",
-            "quantization": "none",
-            "max_num_seqs": 4,
-            "kv_cache_memory_bytes": 64 << 20,
-        },
-        server={"model_name": "smol"},
-        store={"flush_interval_s": 0.05},
-    )
     tok_dir = tmp / "tokenizer"
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tok_dir)
-    d = InProcessDaemon(load_config(cfg_path, env={}), config_path=cfg_path).start()
+    d = start_smollm2_float32(tmp)
     yield d, path, tok_dir
     d.stop()
 

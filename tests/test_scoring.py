@@ -12,10 +12,13 @@ import openai
 import pytest
 import torch
 
-from controlplane.config import load_config
 from controlplane.engine import Engine, SamplingParams
-from harness import InProcessDaemon, write_config
-from tests.conftest import MIXED_ENGINE, mixed_workload, require_smollm2
+from tests.conftest import (
+    MIXED_ENGINE,
+    mixed_workload,
+    require_smollm2,
+    start_smollm2_float32,
+)
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 TOL = 1e-4
@@ -133,21 +136,7 @@ LIMIT = 1024
 @pytest.fixture(scope="module")
 def smollm2_daemon(tmp_path_factory):
     path = require_smollm2()
-    tmp = tmp_path_factory.mktemp("scoring")
-    cfg_path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        path,
-        engine={
-            "dtype": "float32",
-            "quantization": "none",
-            "max_num_seqs": 4,
-            "kv_cache_memory_bytes": 64 << 20,
-        },
-        server={"max_prompt_logprobs_tokens": LIMIT, "model_name": "smol"},
-        store={"flush_interval_s": 0.05},
-    )
-    d = InProcessDaemon(load_config(cfg_path, env={}), config_path=cfg_path).start()
+    d = start_smollm2_float32(tmp_path_factory.mktemp("scoring"), max_prompt_logprobs_tokens=LIMIT)
     yield d, path
     d.stop()
 
