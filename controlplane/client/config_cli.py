@@ -15,7 +15,7 @@ def _save(args: argparse.Namespace) -> int:
     import asyncio
 
     from controlplane.client.admin import AdminClient, ClientError
-    from controlplane.tui import resolve_token
+    from controlplane.client.token import resolve_token
 
     async def call() -> dict[str, Any]:
         client = AdminClient(args.url, resolve_token(args.token), source="api")

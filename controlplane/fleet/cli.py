@@ -129,8 +129,8 @@ def _members(args: argparse.Namespace, include_stopped: bool = False) -> list[An
 
 
 def _token(args: argparse.Namespace) -> str | None:
+    from controlplane.client.token import resolve_token
     from controlplane.config import load_config
-    from controlplane.tui import resolve_token
 
     env = {**os.environ, "CONTROLPLANE_DATA_DIR": str(load_config(args.config).data_path)}
     return resolve_token(args.token, env)

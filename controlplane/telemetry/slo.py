@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from statistics import fmean
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from controlplane.config import AlertsSettings, AutopilotSettings
 
-if TYPE_CHECKING:
-    from controlplane.runtime.ledger import Finished
+
+class Finished(Protocol):
+    """What the SLO reads of a finished request (the runtime ledger's records have it)."""
+
+    ttft: float | None
+    gaps: list[float]
+
 
 AUTOPILOT_WARN = 0.8  # warn at this share of an autopilot target
 

@@ -5,26 +5,13 @@ Importing this package is cheap: Textual and httpx are imported when the command
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import Any
 
+# Where the token comes from is the admin client's concern (the fleet CLI and `config save`
+# resolve it the same way); kept importable from here.
+from controlplane.client.token import resolve_token
+
 DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def resolve_token(token: str | None, env: dict[str, str] | None = None) -> str | None:
-    """--token, else CONTROLPLANE_ADMIN_TOKEN, else <data_dir>/admin_token (data dir from
-    CONTROLPLANE_DATA_DIR, default `data`)."""
-    env = dict(os.environ) if env is None else env
-    if token:
-        return token
-    if env.get("CONTROLPLANE_ADMIN_TOKEN"):
-        return env["CONTROLPLANE_ADMIN_TOKEN"]
-    path = Path(env.get("CONTROLPLANE_DATA_DIR") or "data") / "admin_token"
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
 
 
 def _cmd_tui(args: argparse.Namespace) -> int:
