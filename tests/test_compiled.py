@@ -77,6 +77,26 @@ def test_live_knob_changes_never_compile_in_the_hot_path(hf_model_dirs):
     assert not compiled._eager_rows
 
 
+def test_every_engine_keeps_its_own_graphs(hf_model_dirs):
+    """Five compiled engines in one process (dynamo keeps at most 8 graphs per code object:
+    had they shared one, the fifth would have run eagerly) each hold their 2 graphs and give
+    their own eager tokens: the guards left after warm-up are the inputs' only, so an engine
+    must never reach another's graph (other weights, other shapes)."""
+    kinds = ["llama", "qwen2", "mistral", "llama", "qwen2"]
+    kw = dict(dtype="float32", max_num_seqs=4)
+    compiled = [Engine(model=str(hf_model_dirs[k]), compile="on", **kw) for k in kinds]
+    assert [e.runner.compiled.num_graphs for e in compiled] == [2] * len(kinds)
+    gen = torch.Generator().manual_seed(9)
+    # Different lengths: steps of 3, 2 and 1 rows (both graphs).
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 3, 5)]
+    for kind, eng in zip(kinds, compiled, strict=True):
+        vocab = eng.model_config.vocab_size
+        prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 9, 2)]
+        eager = Engine(model=str(hf_model_dirs[kind]), compile="off", **kw)
+        assert run_to_end(eng, prompts, params) == run_to_end(eager, prompts, params), kind
+        assert eng.runner.compiled.num_graphs == 2 and not eng.runner.compiled._eager_rows
+
+
 def test_compile_setting():
     with pytest.raises(InvalidSettingError, match="compile"):
         Engine(model="unused", compile="yes")

@@ -142,19 +142,13 @@ class TorchPagedAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         self.kv.write(layer, meta.slot_mapping, k, v)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        kv_heads = k.shape[1]
-        group = num_heads // kv_heads
+        if not meta.prefills and len(meta.decodes) == 1:
+            # A decode-only step in one bucket (every batch-1 step): its output is the whole
+            # result, with no buffer to fill (46 -> 37 us a layer for one SmolLM2 row here).
+            return self._decode(layer, q, meta.decodes[0])
         out = torch.empty_like(q)
         for b in meta.decodes:
-            n = b.end - b.start
-            # q: [n, Hkv, group, D] (a group's heads act as `group` queries); k/v: [n, Hkv, L, D]
-            kd, vd = self.kv.read_blocks(layer, b.blocks, q.dtype)
-            kd = kd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            vd = vd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            qd = q[b.start : b.end].view(n, kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.mask)
-            out[b.start : b.end] = o.reshape(n, num_heads, head_dim)
+            out[b.start : b.end] = self._decode(layer, q[b.start : b.end], b)
         for p in meta.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if p.context_blocks is None:
@@ -169,6 +163,18 @@ class TorchPagedAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, b: DecodeBucket) -> torch.Tensor:
+        """One bucket's rows q [n, H, D]: a KV group's heads act as `group` query rows of one
+        SDPA over that group's gathered K/V ([n, Hkv, L, D])."""
+        n, num_heads, head_dim = q.shape
+        kd, vd = self.kv.read_blocks(layer, b.blocks, q.dtype)
+        kv_heads = kd.shape[1]
+        kd = kd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        vd = vd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        qd = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.mask)
+        return o.reshape(n, num_heads, head_dim)
 
 
 # -- the seam a compiled forward is split at ---------------------------------------------------
