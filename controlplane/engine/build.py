@@ -85,6 +85,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
     in int8, one shared table when tied. Otherwise `quantize_lm_head` decides the lm_head (with
     the linears quantized) and the embedding stays float.
     """
+    dense = s.int4_dense_copy and s.cpu_weight_packing
     if quantization == "auto":
         return QuantConfig(
             cfg.stored_quantization,
@@ -92,9 +93,13 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
             lm_head=cfg.stored_quantized_lm_head
             or (s.quantize_lm_head and cfg.stored_quantization != "none"),
             embedding=cfg.stored_quantized_embedding,
+            dense=dense,
         )
     return QuantConfig(
-        quantization, s.quantization_group_size, s.quantize_lm_head and quantization != "none"
+        quantization,
+        s.quantization_group_size,
+        s.quantize_lm_head and quantization != "none",
+        dense=dense,
     )
 
 

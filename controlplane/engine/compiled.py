@@ -9,12 +9,13 @@ serving) of up to `max_rows` rows take it; prefill chunks and speculative verifi
 eagerly, as before.
 
 Shapes: the row count is a dynamic dimension, so one graph serves 2..max_rows rows and one
-(torch specializes size 1) serves a single user: warm-up compiles both at start, and after it
-a recompile is an error that sends the step down the eager path, so a step that would need
-another graph (a shape or dtype never seen) never compiles in the hot path. Live knobs
-(`max_num_seqs`, the token budget) change the row count only, never the graph; rows beyond
-`max_rows` run eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the one shape
-branch inside the model.
+(torch specializes size 1) serves a single user; int4 linears with a dense copy branch at
+Int4Linear.dense_min_rows (16), which splits the dynamic graph in two (2..15 and 16..max_rows).
+Warm-up compiles them all at start (and runs every row count once), and after it a recompile is an
+error that sends the step down the eager path, so a step that would need another graph (a
+shape or dtype never seen) never compiles in the hot path. Live knobs (`max_num_seqs`, the
+token budget) change the row count only, never the graph; rows beyond `max_rows` run
+eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the model's other shape branch.
 
 On a GPU, `cuda_graphs.CudaGraphDecode` captures this step as CUDA graphs for padded batch
 sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles on CUDA.
@@ -39,7 +40,7 @@ from controlplane.engine.settings import MAX_DECODE_ROWS
 
 log = logging.getLogger(__name__)
 
-# 32: below Int8Linear.dequant_min_rows (64), so no shape branch in the graph. Defined in the
+# 32: below Int8Linear.dequant_min_rows (64), so no graph for that branch. Defined in the
 # torch-free settings module, which validates cuda_graph_max_rows against it.
 MAX_ROWS = MAX_DECODE_ROWS
 
@@ -115,7 +116,10 @@ class CompiledDecode:
         # specialize_float: the model's float attributes (61 RMSNorm eps on SmolLM2) are
         # constants of the graph, not tensors built from Python floats before every call.
         with torch._dynamo.config.patch(error_on_recompile=False, specialize_float=True):
-            for rows in (1, 2, self.max_rows):
+            # 1, 2 and max_rows compile the graphs; every other row count then runs once, so
+            # that whatever bounds the graphs got (a shape branch in the model, guards a
+            # cached graph brought from an earlier version of the code) are all covered here.
+            for rows in (1, 2, self.max_rows, *range(3, self.max_rows)):
                 spans = [SeqSpan(1, 1, [0]) for _ in range(rows)]
                 # Three distinct tensors: dynamo guards on aliasing between inputs too.
                 ids, positions = (torch.zeros(rows, dtype=torch.long, device=device) for _ in "ip")
@@ -125,7 +129,7 @@ class CompiledDecode:
         self.steps = 0
         self.warmup_s = time.perf_counter() - t0
         log.info(
-            "compiled the decode step (%d graphs: 1 row, and 2..%d rows as one dynamic shape) "
+            "compiled the decode step (%d graphs: 1 row, and 2..%d rows as dynamic shapes) "
             "in %.1fs; other steps run eagerly",
             self.num_graphs,
             self.max_rows,

@@ -126,6 +126,14 @@ class EngineSettings:
         "file's quantized lm_head is int8 whatever this says.",
         False,
     )
+    int4_dense_copy: bool = _restart(
+        "On a CPU with native bf16, int4 linears also keep their dequantized weights in bf16, "
+        "packed for oneDNN, for steps of 16 rows or more (prompt chunks, batched decode), "
+        "where torch's int4 kernel slows with every row (1.5x slower than the copy at 16 "
+        "rows). Costs 2 bytes a weight (SmolLM2: +200 MiB); off keeps int4 only. Needs "
+        "cpu_weight_packing.",
+        True,
+    )
     compile: str = _restart(
         "Compile the decode step's forward with torch.compile (attention stays an opaque op): "
         "on, off, or auto (on CUDA; off on CPU, where SmolLM2 measured 1.2x batch-1 decode "
@@ -257,6 +265,7 @@ def check(settings: EngineSettings) -> EngineSettings:
         _ranged(s, "max_model_len")
     _ranged(s, "seed")
     _bool("cpu_weight_packing", s.cpu_weight_packing)
+    _bool("int4_dense_copy", s.int4_dense_copy)
     _one_of(s, "quantization")
     if isinstance(s.quantization_group_size, bool) or (
         s.quantization_group_size not in INT4_GROUP_SIZES

@@ -124,6 +124,17 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
+def packed_matmul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [T, in] @ a weight packed by `mkldnn._reorder_linear_weight`: the opaque op inside a
+    compiled graph (inductor cannot lower the oneDNN call on a weight it did not pack itself,
+    and the row padding would specialize the graph on T), the call itself outside one."""
+    if torch.compiler.is_compiling():
+        return torch.ops.controlplane.packed_linear(x, packed, bias, out_features)
+    return _packed_linear(x, packed, bias)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -133,13 +144,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # Opaque to the compiler: inductor cannot lower the oneDNN call on a weight it did
-            # not pack itself, and the row padding would specialize the graph on T.
-            return torch.ops.controlplane.packed_linear(
-                x, self.packed, self.bias, self.out_features
-            )
-        return _packed_linear(x, self.packed, self.bias)
+        return packed_matmul(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
