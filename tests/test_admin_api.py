@@ -323,7 +323,7 @@ def test_config_file_edit_and_sighup_apply_and_audit(tiny_model_dir, tmp_path):
             5,
             7,
         ) in file_changes
-        assert ("engine.prefill_chunk_size", 512, 64) in file_changes
+        assert ("engine.prefill_chunk_size", 128, 64) in file_changes
         assert all(h["actor"] is None for h in history if h["source"] == "file")
     finally:
         assert proc.stop() == 0

@@ -396,7 +396,7 @@ def test_latest_values_and_last_accounted_on_each_database(engine):
     # The file's value is no live value; a live value equal to the config's is not dropped.
     assert dropped_values(latest, Config()) == [
         {"field": "engine.max_num_seqs", "live": 8, "file": 32},
-        {"field": "engine.prefill_chunk_size", "live": 2, "file": 512},
+        {"field": "engine.prefill_chunk_size", "live": 2, "file": 128},
     ]
     assert last_accounted(engine, "cp-a") is None
     mark = t0 + timedelta(seconds=5)
