@@ -68,7 +68,7 @@ class CompiledDecode:
 
     @property
     def num_graphs(self) -> int:
-        """Graphs compiled for this engine's decode step (2 once warmed up)."""
+        """Graphs compiled for this engine's decode step (1 row, then 1 or 2 for 2..max_rows)."""
         return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(self._code))
 
     def _forward(
@@ -151,11 +151,11 @@ def _own_code(method: MethodType) -> MethodType:
 def _input_guards_only(entries: list) -> list[bool]:
     """Keep the guards on the step's inputs; drop those on the model (`self`'s attributes).
 
-    Dynamo guards every parameter's identity, size and aliasing before each call (~5,000
-    guards on SmolLM2: 0.6 ms of a 7.4 ms batch-1 step here). The model is fixed once loaded
-    and each CompiledDecode has its code (`_own_code`), hence its graphs, to itself, so only
-    what varies from step to step is checked: the inputs' dtypes and sizes (the row count
-    picks the 1-row or the dynamic graph).
+    Dynamo guards every parameter's identity, size and aliasing before each call (5,910 guards
+    on SmolLM2, 0.68 ms of a ~7 ms batch-1 step here; 36 and 0.04 ms kept). The model is fixed
+    once loaded and each CompiledDecode has its code (`_own_code`), hence its graphs, to
+    itself, so only what varies from step to step is checked: the inputs' dtypes and sizes
+    (the row count picks the graph).
     """
     return [not entry.name.startswith("self.") for entry in entries]
 
