@@ -207,8 +207,8 @@ def test_int4_dense_copy_serves_many_row_steps_with_the_same_weights(bias):
 
 def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):
     kw = dict(model=str(tiny_model_dir), quantization="int4", kv_cache_memory_bytes=8 << 20)
-    on, off = Engine(**kw), Engine(int4_dense_copy=False, **kw)
-    unpacked = Engine(cpu_weight_packing=False, **kw)
+    on, off = Engine(int4_dense_copy=True, **kw), Engine(**kw)  # off by default
+    unpacked = Engine(int4_dense_copy=True, cpu_weight_packing=False, **kw)
     int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
     assert int4 and all(
         (m.dense is not None) == cpu_packing_supported(torch.bfloat16) for m in int4
@@ -570,8 +570,8 @@ def test_int4_dense_copy_keeps_smollm2_perplexity(smollm2_reference):
     same perplexity up to bf16 rounding of the outputs."""
     path, ids, _ = smollm2_reference
     kw = {"model": str(path), "kv_cache_memory_bytes": 32 << 20}
-    (dense,) = _prefill_logits(Engine(**kw), [ids])
-    (int4,) = _prefill_logits(Engine(int4_dense_copy=False, **kw), [ids])
+    (dense,) = _prefill_logits(Engine(int4_dense_copy=True, **kw), [ids])
+    (int4,) = _prefill_logits(Engine(**kw), [ids])
     ppl_d, ppl_k = _perplexity(dense, ids), _perplexity(int4, ids)
     print(f"SmolLM2 perplexity, int4 dense copy {ppl_d:.4f}, int4 kernel {ppl_k:.4f}")
     assert abs(ppl_d / ppl_k - 1) < 0.002
