@@ -73,8 +73,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, then scale in the model dtype.
+        # The mean of squares is summed in float64: the one reduction of a compiled step, and
+        # inductor sums in another order than eager's kernel, so in float32 a row's scale could
+        # differ by an ulp and flip bf16 roundings downstream (SmolLM2, 296 decode rows: 7
+        # differed from eager in bf16, 47 in float32; 0 and 0 in float64). Each float32 square
+        # is exact in float64, so the order no longer shows once the result is rounded back.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        var = xf.pow(2).mean(-1, keepdim=True, dtype=torch.float64)
+        xf = xf * torch.rsqrt(var + self.eps).float()
         return self.weight * xf.to(x.dtype)
 
 
