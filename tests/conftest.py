@@ -57,6 +57,28 @@ def run_to_end(engine: Any, prompts: list[list[int]], params: list[Any]) -> list
     return [done[i] for i in ids]
 
 
+def traced_logits(
+    engine: Any, prompts: list[list[int]], params: list[Any]
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Logits of every position the requests computed, by (prompt index, position): the
+    runner's trace, the engine stepped until all are finished (a recomputed position keeps
+    its last logits)."""
+    engine.runner.trace = []
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+        trace = engine.runner.trace
+    finally:
+        engine.runner.trace = None
+    index = {rid: i for i, rid in enumerate(ids)}
+    return {
+        (index[rid], pos): row
+        for rid, positions, logits in trace
+        for pos, row in zip(positions, logits, strict=True)
+    }
+
+
 # The engine settings mixed_workload runs under in equivalence tests: 16 sequences at once,
 # chunked prefill, and 640 KV slots for sequences of up to ~130 tokens: preemption.
 MIXED_ENGINE = dict(

@@ -18,7 +18,13 @@ from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.compiled import compile_enabled
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
-from tests.conftest import MIXED_ENGINE, mixed_workload, require_smollm2, run_to_end
+from tests.conftest import (
+    MIXED_ENGINE,
+    mixed_workload,
+    require_smollm2,
+    run_to_end,
+    traced_logits,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -111,22 +117,9 @@ def test_compile_setting():
 
 
 def _decode_logits(engine, prompts, params) -> dict[tuple[int, int], torch.Tensor]:
-    """Logits of every generated position, by (prompt index, position) (the runner's trace)."""
-    engine.runner.trace = []
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-        trace = engine.runner.trace
-    finally:
-        engine.runner.trace = None
-    index = {rid: i for i, rid in enumerate(ids)}
-    return {
-        (index[rid], pos): row
-        for rid, positions, logits in trace
-        for pos, row in zip(positions, logits, strict=True)
-        if pos >= len(prompts[index[rid]])
-    }
+    """Logits of every generated position, by (prompt index, position)."""
+    rows = traced_logits(engine, prompts, params)
+    return {(i, pos): row for (i, pos), row in rows.items() if pos >= len(prompts[i])}
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

@@ -33,7 +33,7 @@ from controlplane.engine.settings import (
     validate_changes,
 )
 from harness import InProcessDaemon, write_config
-from tests.conftest import require_smollm2
+from tests.conftest import require_smollm2, traced_logits
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 TOKEN = "quant-token-0123456789abcdef"
@@ -284,22 +284,9 @@ def _prefill_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
     from controlplane.engine import SamplingParams
 
     engine.reset_prefix_cache()  # every position computed, not reused from an earlier call
-    engine.runner.trace = []
-    ids = [engine.add_request(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-        trace = engine.runner.trace
-    finally:
-        engine.runner.trace = None
-    out = []
-    for rid, prompt in zip(ids, prompts, strict=True):
-        rows: dict[int, torch.Tensor] = {}
-        for r, positions, logits in trace:
-            if r == rid:
-                rows.update(zip(positions, logits, strict=True))
-        out.append(torch.stack([rows[p] for p in range(len(prompt))]))
-    return out
+    params = [SamplingParams(max_tokens=1, temperature=0.0)] * len(prompts)
+    rows = traced_logits(engine, prompts, params)
+    return [torch.stack([rows[i, p] for p in range(len(x))]) for i, x in enumerate(prompts)]
 
 
 def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
