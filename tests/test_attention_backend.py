@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 
-from controlplane.engine import Engine, SamplingParams
+from controlplane.engine import Engine, SamplingParams, cpu_ops
 from controlplane.engine.attention import TorchPagedAttention
 from controlplane.engine.build import make_backend
+from controlplane.engine.cpu_attention import CpuPagedAttention
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end, speculation_prompts
@@ -26,7 +27,9 @@ def test_setting_and_choice():
     with pytest.raises(InvalidSettingError, match="attention_backend"):
         Engine(model="unused", attention_backend="flash")
     kv = KVCache(KVCacheSpec(1, 1, 16, 16, torch.float32), 2, 0, CPU)
-    assert type(make_backend("auto", kv, CPU)) is TorchPagedAttention
+    # auto on a CPU: our kernel where it builds (tests/test_cpu_attention.py covers the rest)
+    expected = CpuPagedAttention if cpu_ops.available() else TorchPagedAttention
+    assert type(make_backend("auto", kv, CPU)) is expected
     assert type(make_backend("torch", kv, CPU)) is TorchPagedAttention
 
 
@@ -41,7 +44,9 @@ def test_the_default_cpu_engine_never_loads_the_triton_backend(tiny_model_dir):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, f"the engine loaded the kernels\n{result.stderr[-2000:]}"
-    assert result.stdout.strip().endswith("TorchPagedAttention")
+    assert result.stdout.strip().endswith(
+        "CpuPagedAttention" if cpu_ops.available() else "TorchPagedAttention"
+    )
 
 
 @pytest.mark.slow

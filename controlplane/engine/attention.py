@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,9 @@ class DecodeBucket:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot for each row's new K/V
-    decodes: list[DecodeBucket] = field(default_factory=list)
+    # DecodeBucket here; a backend's own record of decode rows where it reads the cache its
+    # own way (each has .start and .end, the rows it covers in the flat batch).
+    decodes: list[Any] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -96,14 +99,7 @@ class TorchPagedAttention(AttentionBackend):
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device)
         )
-        start = 0
-        while start < decode_rows:
-            longest = spans[start].context_len
-            end = start + 1
-            while end < decode_rows and spans[end].context_len >= self.BUCKET_RATIO * longest:
-                end += 1
-            meta.decodes.append(self._bucket(spans, start, end, device))
-            start = end
+        meta.decodes = self._decode_buckets(spans[:decode_rows], device)
         row = decode_rows
         for span in spans[decode_rows:]:
             q_len, ctx = span.num_new_tokens, span.context_len
@@ -119,6 +115,20 @@ class TorchPagedAttention(AttentionBackend):
                 meta.prefills.append(PrefillSpan(row, row + q_len, ctx, blocks_t, mask.to(device)))
             row += q_len
         return meta
+
+    def _decode_buckets(self, spans: list[SeqSpan], device: torch.device) -> list[Any]:
+        """The decode rows' metadata (`spans`: the step's single-token sequences, longest
+        context first), as `_decode` takes it."""
+        buckets = []
+        start = 0
+        while start < len(spans):
+            longest = spans[start].context_len
+            end = start + 1
+            while end < len(spans) and spans[end].context_len >= self.BUCKET_RATIO * longest:
+                end += 1
+            buckets.append(self._bucket(spans, start, end, device))
+            start = end
+        return buckets
 
     def _bucket(
         self, spans: list[SeqSpan], start: int, end: int, device: torch.device
@@ -164,7 +174,7 @@ class TorchPagedAttention(AttentionBackend):
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _decode(self, layer: int, q: torch.Tensor, b: DecodeBucket) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, b: Any) -> torch.Tensor:
         """One bucket's rows q [n, H, D]: a KV group's heads act as `group` query rows of one
         SDPA over that group's gathered K/V ([n, Hkv, L, D])."""
         n, num_heads, head_dim = q.shape

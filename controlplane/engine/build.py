@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from controlplane.engine import cpu_ops
 from controlplane.engine.attention import AttentionBackend, TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.draft import DraftModel
@@ -58,7 +59,9 @@ def make_backend(name: str, kv_cache: KVCache, device: torch.device) -> Attentio
     triton package is installed: it is an optional extra) and torch elsewhere."""
     if name == "auto":
         name = "torch"
-        if device.type == "cuda":
+        if device.type == "cpu" and cpu_ops.available():
+            name = "cpu"
+        elif device.type == "cuda":
             try:
                 import triton  # noqa: F401
             except ImportError:
@@ -67,6 +70,13 @@ def make_backend(name: str, kv_cache: KVCache, device: torch.device) -> Attentio
                 name = "triton"
     if name == "torch":
         return TorchPagedAttention(kv_cache)
+    if name == "cpu":
+        if device.type != "cpu" or not cpu_ops.available():
+            why = "the device is " + device.type if device.type != "cpu" else cpu_ops.build_error()
+            raise InvalidSettingError("attention_backend", f"cpu is not available here: {why}")
+        from controlplane.engine.cpu_attention import CpuPagedAttention
+
+        return CpuPagedAttention(kv_cache)
     if device.type == "cpu":
         log.warning(
             "attention_backend triton on CPU: Triton's interpreter runs the kernels, "

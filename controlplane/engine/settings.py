@@ -29,7 +29,7 @@ CUDA_GRAPH_MODES = ("auto", "off")
 # torch-free and cuda_graph_max_rows is checked against it).
 MAX_DECODE_ROWS = 32
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
@@ -93,9 +93,11 @@ class EngineSettings:
         "auto",
     )
     attention_backend: str = _restart(
-        "Paged attention kernels: auto (triton on CUDA, torch elsewhere), torch (runs "
-        "anywhere), triton (needs the triton package; on CPU it runs under Triton's "
-        "interpreter, for tests and debugging only: very slow).",
+        "Paged attention kernels: auto (triton on CUDA; on CPU, cpu where its kernels build, "
+        "torch otherwise), torch (runs anywhere), cpu (our C++ decode kernel, built at first "
+        "start for this CPU: needs a C++ compiler and ninja), triton (needs the triton "
+        "package; on CPU it runs under Triton's interpreter, for tests and debugging only: "
+        "very slow).",
         "auto",
     )
     kv_cache_memory_bytes: int = _restart("KV cache budget on CPU, in bytes.", 1 << 30)

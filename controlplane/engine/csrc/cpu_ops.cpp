@@ -1,0 +1,223 @@
+// CPU kernels of our own, built at first use by controlplane/engine/cpu_ops.py (torch's
+// cpp_extension, with the vector ISA flags inductor picks for this machine).
+//
+// paged_decode_attention: attention of single-token queries over the paged KV cache, read in
+// place through each row's block table: no gather into a contiguous copy, no padding mask,
+// no per-bucket SDPA call. The query heads of a KV group share every K/V row loaded (GQA
+// without expansion). Scores, softmax and the weighted sum run in
+// float32 whatever the storage; 8-bit caches (int8, fp8 e4m3) apply their per-(slot, head)
+// scales to the score (K) and to the probability (V), so the dequantized cache is never
+// materialized. Each item is computed by one thread in a fixed order: a row's output does not
+// depend on which other rows share the step (batch invariance).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+// One row of D stored values -> float32 (vectorizes for float / bf16 / half / int8).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bf16 -> float is a 16-bit shift; spelled out so that it vectorizes (c10's conversion did
+// not: a bf16 cache ran 2x slower than an int8 one).
+template <>
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  Vec acc(0.f);
+  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float s = at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  const Vec wv(w);
+  for (; i + kLanes <= n; i += kLanes) at::vec::fmadd(wv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// exp(x - m) in place over n floats; returns their sum.
+inline float exp_sum(float* x, float m, int64_t n) {
+  int64_t i = 0;
+  const Vec mv(m);
+  Vec acc(0.f);
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec e = (Vec::loadu(x + i) - mv).exp_u20();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float s = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    s += x[i];
+  }
+  return s;
+}
+
+template <typename QT, typename CT>
+void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const float* k_scale, const float* v_scale, const at::Tensor& block_table,
+                      const at::Tensor& context_lens, int64_t block_size, double sm_scale,
+                      const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                      const std::optional<at::Tensor>& slots, at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
+  const int64_t width = block_table.size(1), slot_len = kv_heads * dim;
+  const QT* qp = q.const_data_ptr<QT>();
+  const CT* kp = k_cache.const_data_ptr<CT>();
+  const CT* vp = v_cache.const_data_ptr<CT>();
+  const int64_t* tables = block_table.const_data_ptr<int64_t>();
+  const int64_t* lens = context_lens.const_data_ptr<int64_t>();
+  QT* op = out.data_ptr<QT>();
+  const float scale = static_cast<float>(sm_scale);
+  if (k_new.has_value()) {  // the rows' own K/V first (16/32-bit caches: a cast and a copy)
+    const QT* kn = k_new->const_data_ptr<QT>();
+    const QT* vn = v_new->const_data_ptr<QT>();
+    const int64_t* sp = slots->const_data_ptr<int64_t>();
+    CT* kw = k_cache.data_ptr<CT>();
+    CT* vw = v_cache.data_ptr<CT>();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < slot_len; ++j) {
+        kw[sp[i] * slot_len + j] = static_cast<CT>(static_cast<float>(kn[i * slot_len + j]));
+        vw[sp[i] * slot_len + j] = static_cast<CT>(static_cast<float>(vn[i * slot_len + j]));
+      }
+  }
+
+  // One work item is one row, all its heads: each slot's K (then V) row of every KV head is
+  // read once, in slot order. (Items of (row, KV head) read a slot's heads in separate
+  // sweeps: with 30 layers' caches out of L3, 3x slower here.)
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), acc(heads * dim), row(slot_len), inv(heads), scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t len = lens[i];
+      const int64_t* table = tables + i * width;
+      scores.resize(heads * len);
+      to_float(qp + i * heads * dim, qf.data(), heads * dim);
+      for (float& x : qf) x *= scale;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        to_float(kp + slot * slot_len, row.data(), slot_len);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const float ks = k_scale ? k_scale[slot * kv_heads + g] : 1.f;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h)
+            scores[h * len + t] = dot(qf.data() + h * dim, row.data() + g * dim, dim) * ks;
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * len;
+        inv[h] = 1.f / exp_sum(s, *std::max_element(s, s + len), len);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        to_float(vp + slot * slot_len, row.data(), slot_len);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const float vs = v_scale ? v_scale[slot * kv_heads + g] : 1.f;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h)
+            axpy(scores[h * len + t] * vs, row.data() + g * dim, acc.data() + h * dim, dim);
+        }
+      }
+      QT* o = op + i * heads * dim;
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = static_cast<QT>(acc[h * dim + d] * inv[h]);
+    }
+  });
+}
+
+// The arguments of decode_attention, as dispatch_cache and paged_decode_attention name them.
+#define ARGS q, k, v, ks, vs, bt, lens, bs, scale, k_new, v_new, slots, out
+template <typename QT>
+void dispatch_cache(const at::Tensor& q, at::Tensor& k, at::Tensor& v, const float* ks,
+                    const float* vs, const at::Tensor& bt, const at::Tensor& lens, int64_t bs,
+                    double scale, const std::optional<at::Tensor>& k_new,
+                    const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& slots,
+                    at::Tensor& out) {
+  switch (k.scalar_type()) {
+    case at::kFloat: return decode_attention<QT, float>(ARGS);
+    case at::kBFloat16: return decode_attention<QT, c10::BFloat16>(ARGS);
+    case at::kHalf: return decode_attention<QT, c10::Half>(ARGS);
+    case at::kChar: return decode_attention<QT, int8_t>(ARGS);
+    case at::kFloat8_e4m3fn: return decode_attention<QT, c10::Float8_e4m3fn>(ARGS);
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported KV cache dtype ", k.scalar_type());
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, at::Tensor& k, at::Tensor& v,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale, const at::Tensor& bt,
+                                  const at::Tensor& lens, int64_t bs, double scale,
+                                  const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new,
+                                  const std::optional<at::Tensor>& slots) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k_cache, v_cache: 3-D");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k_cache and v_cache differ");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head shapes");
+  TORCH_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2 && bt.is_contiguous() && bt.size(0) == q.size(0),
+              "block_table: int64 [rows, blocks]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == q.size(0) && lens.is_contiguous(),
+              "context_lens: int64 [rows]");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale: both or neither");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (k_scale.has_value()) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() && v_scale->is_contiguous(),
+                "scales: contiguous float32 [slots, kv heads]");
+    ks = k_scale->const_data_ptr<float>();
+    vs = v_scale->const_data_ptr<float>();
+  }
+  TORCH_CHECK(k_new.has_value() == v_new.has_value() && k_new.has_value() == slots.has_value(),
+              "k_new, v_new and slot_mapping: all or none");
+  if (k_new.has_value()) {
+    TORCH_CHECK(!k_scale.has_value(), "an 8-bit cache is written by KVCache.write, not here");
+    for (const at::Tensor* t : {&*k_new, &*v_new})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == q.scalar_type() && t->dim() == 3 &&
+                      t->size(0) == q.size(0) && t->size(1) == k.size(1) && t->size(2) == k.size(2),
+                  "k_new, v_new: contiguous [rows, kv heads, head dim] in q's dtype");
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == q.size(0),
+                "slot_mapping: int64 [rows]");
+  }
+  at::Tensor out = at::empty_like(q);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_cache<float>(ARGS); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(ARGS); break;
+    case at::kHalf: dispatch_cache<c10::Half>(ARGS); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported query dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(controlplane_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
+      "Tensor? v_scale, Tensor block_table, Tensor context_lens, int block_size, float sm_scale, "
+      "Tensor? k_new=None, Tensor? v_new=None, Tensor? slot_mapping=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

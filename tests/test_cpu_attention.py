@@ -1,0 +1,149 @@
+"""Our CPU decode-attention kernel (csrc/cpu_ops.cpp, the `cpu` attention backend): against
+the torch backend's SDPA over gathered blocks for every cache dtype, query dtype and GQA shape
+we serve, the fused K/V write, batch invariance, whole engines giving the torch backend's
+tokens, and the fallback when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from controlplane.engine import Engine, cpu_ops
+from controlplane.engine.attention import SeqSpan, TorchPagedAttention
+from controlplane.engine.cpu_attention import CpuPagedAttention
+from controlplane.engine.kv_cache import KVCache, KVCacheSpec
+from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end
+
+CPU = torch.device("cpu")
+BS = 16
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=cpu_ops.build_error())
+
+
+def _filled_cache(kv_dtype: torch.dtype, kv_heads: int, dim: int, blocks: int) -> KVCache:
+    kv = KVCache(KVCacheSpec(2, kv_heads, dim, BS, kv_dtype), blocks, 0, CPU)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(2):
+        k, v = (torch.randn(blocks * BS, kv_heads, dim, generator=g) for _ in range(2))
+        kv.write(layer, torch.arange(blocks * BS), k, v)
+    return kv
+
+
+def _spans(lens: list[int], blocks: int) -> list[SeqSpan]:
+    """Decode spans, longest first (the runner's order), on scattered blocks."""
+    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(2)).tolist()
+    spans, used = [], 0
+    for n in sorted(lens, reverse=True):
+        need = -(-n // BS)
+        spans.append(SeqSpan(1, n, perm[used : used + need]))
+        used += need
+    return spans
+
+
+def _decode(backend_cls, kv, spans, q, layer=1):
+    backend = backend_cls(kv)
+    meta = backend.prepare(spans, CPU)
+    return torch.cat([backend._decode(layer, q[d.start : d.end], d) for d in meta.decodes])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
+)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 32), (8, 2, 24)])
+def test_kernel_matches_the_torch_backend(q_dtype, kv_dtype, heads, kv_heads, dim):
+    # Lengths on and off block boundaries, one token, and one much longer than the rest (the
+    # torch backend puts it in a bucket of its own).
+    lens = [1, 15, 16, 17, 100, 300]
+    kv = _filled_cache(kv_dtype, kv_heads, dim, blocks=48)
+    spans = _spans(lens, 48)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(3))
+    q = q.to(q_dtype)
+    ours = _decode(CpuPagedAttention, kv, spans, q)
+    ref = _decode(TorchPagedAttention, kv, spans, q)
+    assert ours.dtype == q_dtype and ours.shape == q.shape
+    # float32 agrees to rounding; a bf16 query's output is rounded to bf16 by both (one ulp).
+    tol = 2e-6 if q_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    kv = _filled_cache(torch.bfloat16, 3, 64, blocks=64)
+    lens = [250, 7, 64, 129, 33, 1, 90, 200]
+    spans = _spans(lens, 64)
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    together = _decode(CpuPagedAttention, kv, spans, q)
+    for i, span in enumerate(spans):
+        alone = _decode(CpuPagedAttention, kv, [span], q[i : i + 1])
+        assert torch.equal(alone[0], together[i]), f"row {i} differs alone"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_write_stores_what_kv_cache_write_stores(kv_dtype):
+    spans = _spans([40, 17, 1], 16)
+    ours, ref = _filled_cache(kv_dtype, 2, 32, 16), _filled_cache(kv_dtype, 2, 32, 16)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, n, 32, generator=g) for n in (4, 2, 2))
+    a, b = CpuPagedAttention(ours), TorchPagedAttention(ref)
+    out = a.forward(0, q, k, v, a.prepare(spans, CPU))
+    expected = b.forward(0, q, k, v, b.prepare(spans, CPU))
+    assert torch.equal(ours.k[0], ref.k[0]) and torch.equal(ours.v[0], ref.v[0])
+    assert not torch.equal(ours.k[0], _filled_cache(kv_dtype, 2, 32, 16).k[0])  # it wrote
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_errors_name_the_argument():
+    kv = _filled_cache(torch.float32, 2, 32, 4)
+    op = torch.ops.controlplane_cpu.paged_decode_attention
+    q = torch.randn(1, 4, 32)
+    lens = torch.tensor([5])
+    with pytest.raises(RuntimeError, match="block_table"):
+        op(q, kv.k[0], kv.v[0], None, None, torch.zeros(1, 1, dtype=torch.int32), lens, BS, 1.0)
+    with pytest.raises(RuntimeError, match="unsupported query dtype"):
+        op(q.to(torch.int32), kv.k[0], kv.v[0], None, None, torch.zeros(1, 1).long(), lens, BS, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kind, preemption, kv_dtype",
+    [("llama", "recompute", "auto"), ("mistral", "swap", "auto"), ("qwen2", "swap", "int8")],
+)
+def test_engine_gives_the_torch_backends_tokens(kind, preemption, kv_dtype, hf_model_dirs):
+    kw = dict(
+        model=str(hf_model_dirs[kind]),
+        dtype="float32",
+        kv_cache_dtype=kv_dtype,
+        **MIXED_ENGINE,
+        preemption_mode=preemption,
+    )
+    ref, ours = Engine(attention_backend="torch", **kw), Engine(attention_backend="cpu", **kw)
+    assert type(ours.runner.backend) is CpuPagedAttention
+    prompts, params = mixed_workload(ref.model_config.vocab_size, 11, 10)
+    assert run_to_end(ours, prompts, params) == run_to_end(ref, prompts, params)
+    assert ours.scheduler.num_preemptions > 0
+    assert ours.stats().prefix_cache_hits_total > 0
+
+
+def test_without_a_compiler_auto_keeps_torch_and_cpu_says_why(tiny_model_dir, tmp_path):
+    # A real failed build: no C++ compiler (CXX=false) and an empty extensions directory.
+    code = (
+        "from controlplane.engine import Engine\n"
+        "from controlplane.engine.errors import InvalidSettingError\n"
+        f"e = Engine(model={str(tiny_model_dir)!r}, kv_cache_memory_bytes=1 << 20)\n"
+        "print(type(e.runner.backend).__name__)\n"
+        "try:\n"
+        f"    Engine(model={str(tiny_model_dir)!r}, kv_cache_memory_bytes=1 << 20, "
+        "attention_backend='cpu')\n"
+        "except InvalidSettingError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = dict(os.environ, CXX="false", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "TorchPagedAttention"
+    assert lines[1].startswith("refused:") and "attention_backend" in lines[1]
+    assert "Compiler" in lines[1] or "Error building extension" in lines[1]
