@@ -56,11 +56,11 @@ def _decode(backend_cls, kv, spans, q, layer=1):
 )
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 32), (8, 2, 24)])
 def test_kernel_matches_the_torch_backend(q_dtype, kv_dtype, heads, kv_heads, dim):
-    # Lengths on and off block boundaries, one token, and one much longer than the rest (the
-    # torch backend puts it in a bucket of its own).
-    lens = [1, 15, 16, 17, 100, 300]
-    kv = _filled_cache(kv_dtype, kv_heads, dim, blocks=48)
-    spans = _spans(lens, 48)
+    # Lengths on and off block boundaries, one token, and longer ones cut into two and three
+    # partitions of 256 tokens (the torch backend buckets them apart).
+    lens = [1, 15, 16, 17, 100, 300, 700]
+    kv = _filled_cache(kv_dtype, kv_heads, dim, blocks=96)
+    spans = _spans(lens, 96)
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(3))
     q = q.to(q_dtype)
     ours = _decode(CpuPagedAttention, kv, spans, q)
@@ -72,9 +72,9 @@ def test_kernel_matches_the_torch_backend(q_dtype, kv_dtype, heads, kv_heads, di
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():
-    kv = _filled_cache(torch.bfloat16, 3, 64, blocks=64)
-    lens = [250, 7, 64, 129, 33, 1, 90, 200]
-    spans = _spans(lens, 64)
+    kv = _filled_cache(torch.bfloat16, 3, 64, blocks=96)
+    lens = [250, 7, 64, 129, 33, 1, 90, 600]
+    spans = _spans(lens, 96)
     q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
     together = _decode(CpuPagedAttention, kv, spans, q)
     for i, span in enumerate(spans):

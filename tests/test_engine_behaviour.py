@@ -503,7 +503,11 @@ def test_packed_cpu_linears_match_plain_linears(tiny_model_dir, dtype):
         drain(eng)
         traces.append(torch.cat([t[2] for t in eng.runner.trace]))
     packed, plain = traces
-    assert (packed - plain).abs().max() <= 1e-5 * plain.abs().max()
+    # float32: the same sums. bfloat16: oneDNN's packed GEMM and the plain one round an output
+    # differently now and then (one ulp: seen at layer 1's o_proj of this model, from the same
+    # input, at the 8th token), so the logits agree to within one bf16 ulp of the largest.
+    tol = 1e-5 if dtype == "float32" else 2**-7
+    assert (packed - plain).abs().max() <= tol * plain.abs().max()
 
 
 def test_packed_linears_pad_rows_to_few_buckets_with_the_same_results():

@@ -7,8 +7,10 @@
 // without expansion). Scores, softmax and the weighted sum run in
 // float32 whatever the storage; 8-bit caches (int8, fp8 e4m3) apply their per-(slot, head)
 // scales to the score (K) and to the probability (V), so the dequantized cache is never
-// materialized. Each item is computed by one thread in a fixed order: a row's output does not
-// depend on which other rows share the step (batch invariance).
+// materialized. A row's context is cut into partitions of kPartition tokens, one work item
+// each (flash-decoding: a long row uses every thread), merged in a fixed order; how a row is
+// cut depends on its own length only, so its output does not depend on which other rows
+// share the step (batch invariance).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,20 +46,30 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+constexpr int64_t kTile = 16;  // tokens whose partial dot products are summed together
+constexpr int64_t kChunk = 4;  // V rows accumulated per load and store of the accumulator
+// Context tokens per work item: a row longer than this is split over threads.
+constexpr int64_t kPartition = 256;
+
+// a . b as a vector of partial sums (its lanes add up to the dot product).
+inline Vec partial_dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   Vec acc(0.f);
   for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float s = at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  if (i < n) acc = at::vec::fmadd(Vec::loadu(a + i, n - i), Vec::loadu(b + i, n - i), acc);
+  return acc;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t n) {
+// y += sum over j < c of w[j] * x[j * stride : j * stride + n]  (c <= kChunk).
+inline void weighted_sum(const float* w, const float* x, int64_t stride, int64_t c, float* y, int64_t n) {
   int64_t i = 0;
-  const Vec wv(w);
-  for (; i + kLanes <= n; i += kLanes) at::vec::fmadd(wv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < n; ++i) y[i] += w * x[i];
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec a = Vec::loadu(y + i);
+    for (int64_t j = 0; j < c; ++j) a = at::vec::fmadd(Vec(w[j]), Vec::loadu(x + j * stride + i), a);
+    a.store(y + i);
+  }
+  for (; i < n; ++i)
+    for (int64_t j = 0; j < c; ++j) y[i] += w[j] * x[j * stride + i];
 }
 
 // exp(x - m) in place over n floats; returns their sum.
@@ -78,13 +90,15 @@ inline float exp_sum(float* x, float m, int64_t n) {
   return s;
 }
 
-template <typename QT, typename CT>
+// DIM: the head dim when it is a compile-time constant (64, 128: the loops over it unroll;
+// 1.1-1.3x here), 0 for any other.
+template <typename QT, typename CT, int64_t DIM>
 void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                       const float* k_scale, const float* v_scale, const at::Tensor& block_table,
                       const at::Tensor& context_lens, int64_t block_size, double sm_scale,
                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
                       const std::optional<at::Tensor>& slots, at::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t n = q.size(0), heads = q.size(1), dim = DIM ? DIM : q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t width = block_table.size(1), slot_len = kv_heads * dim;
   const QT* qp = q.const_data_ptr<QT>();
@@ -107,49 +121,128 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
       }
   }
 
-  // One work item is one row, all its heads: each slot's K (then V) row of every KV head is
-  // read once, in slot order. (Items of (row, KV head) read a slot's heads in separate
-  // sweeps: with 30 layers' caches out of L3, 3x slower here.)
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * dim), acc(heads * dim), row(slot_len), inv(heads), scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t len = lens[i];
+  // Work items: (row, partition of kPartition tokens). A partition reads each slot's K (then
+  // V) row of every KV head once, in slot order. (Items of (row, KV head) read a slot's heads
+  // in separate sweeps: with 30 layers' caches out of L3, 3x slower here.) Partitions let one
+  // long row use every thread; their number depends on the row's own length only, so a row's
+  // output stays the same whatever else is in the step.
+  std::vector<int64_t> first_item(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(lens[i] >= 1, "context_lens: at least 1 (the row's own token)");
+  for (int64_t i = 0; i < n; ++i) first_item[i + 1] = first_item[i] + (lens[i] + kPartition - 1) / kPartition;
+  const int64_t items = first_item[n];
+  // A split row's partitions leave (max, sum, unnormalized output) per head, merged below.
+  std::vector<float> part_max(items * heads), part_sum(items * heads), part_acc(items * heads * dim);
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), acc(heads * dim), rows(kChunk * slot_len);
+    std::vector<float> part(heads * kTile * kLanes), tposed(kLanes * kTile), scores(heads * kPartition);
+    int64_t i = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (first_item[i + 1] <= item) ++i;
+      const int64_t p = item - first_item[i];
+      const int64_t lo = p * kPartition, hi = std::min(lens[i], lo + kPartition), len = hi - lo;
+      const bool split = first_item[i + 1] - first_item[i] > 1;
       const int64_t* table = tables + i * width;
-      scores.resize(heads * len);
+      auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
       to_float(qp + i * heads * dim, qf.data(), heads * dim);
       for (float& x : qf) x *= scale;
+      // Scores. A dot product ends in a horizontal sum, the costly part at head_dim 64: each
+      // (token, head) leaves its vector of partial sums in a tile of kTile tokens, and one
+      // transpose per tile turns the tile's horizontal sums into vertical adds.
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        to_float(kp + slot * slot_len, row.data(), slot_len);
+        const int64_t slot = slot_of(lo + t);
+        to_float(kp + slot * slot_len, rows.data(), slot_len);
         for (int64_t g = 0; g < kv_heads; ++g) {
-          const float ks = k_scale ? k_scale[slot * kv_heads + g] : 1.f;
+          const Vec ks(k_scale ? k_scale[slot * kv_heads + g] : 1.f);
+          const float* k = rows.data() + g * dim;
           for (int64_t h = g * group; h < (g + 1) * group; ++h)
-            scores[h * len + t] = dot(qf.data() + h * dim, row.data() + g * dim, dim) * ks;
+            (partial_dot(qf.data() + h * dim, k, dim) * ks).store(part.data() + (h * kTile + t % kTile) * kLanes);
+        }
+        if (t % kTile == kTile - 1 || t == len - 1) {
+          const int m = static_cast<int>(t % kTile + 1);
+          for (int64_t h = 0; h < heads; ++h) {
+            at::vec::transpose_mxn<float>(part.data() + h * kTile * kLanes, kLanes, tposed.data(), kTile, m, kLanes);
+            float* out_s = scores.data() + h * kPartition + t + 1 - m;
+            // Summed in registers (columns past m hold stale values, never stored): a loop
+            // adding into out_s in memory spent 28% of the kernel on store forwarding.
+            for (int j = 0; j < m; j += kLanes) {
+              Vec sum = Vec::loadu(tposed.data() + j);
+              for (int64_t l = 1; l < kLanes; ++l) sum = sum + Vec::loadu(tposed.data() + l * kTile + j);
+              sum.store(out_s + j, std::min<int>(kLanes, m - j));
+            }
+          }
         }
       }
+      float* pmax = part_max.data() + item * heads;
+      float* psum = part_sum.data() + item * heads;
       for (int64_t h = 0; h < heads; ++h) {
-        float* s = scores.data() + h * len;
-        inv[h] = 1.f / exp_sum(s, *std::max_element(s, s + len), len);
+        float* s = scores.data() + h * kPartition;
+        pmax[h] = *std::max_element(s, s + len);
+        psum[h] = exp_sum(s, pmax[h], len);
       }
+      // Weighted sum of V, kChunk tokens at a time: each head's accumulator is loaded and
+      // stored once per chunk rather than once per token.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        to_float(vp + slot * slot_len, row.data(), slot_len);
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          const float vs = v_scale ? v_scale[slot * kv_heads + g] : 1.f;
-          for (int64_t h = g * group; h < (g + 1) * group; ++h)
-            axpy(scores[h * len + t] * vs, row.data() + g * dim, acc.data() + h * dim, dim);
+      for (int64_t t0 = 0; t0 < len; t0 += kChunk) {
+        const int64_t c = std::min(kChunk, len - t0);
+        int64_t slots_c[kChunk];
+        float w[kChunk];
+        for (int64_t j = 0; j < c; ++j) {
+          slots_c[j] = slot_of(lo + t0 + j);
+          to_float(vp + slots_c[j] * slot_len, rows.data() + j * slot_len, slot_len);
         }
+        for (int64_t g = 0; g < kv_heads; ++g)
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            for (int64_t j = 0; j < c; ++j)
+              w[j] = scores[h * kPartition + t0 + j] * (v_scale ? v_scale[slots_c[j] * kv_heads + g] : 1.f);
+            weighted_sum(w, rows.data() + g * dim, slot_len, c, acc.data() + h * dim, dim);
+          }
+      }
+      if (split) {
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + item * heads * dim);
+        continue;
       }
       QT* o = op + i * heads * dim;
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = static_cast<QT>(acc[h * dim + d] * inv[h]);
+        for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = static_cast<QT>(acc[h * dim + d] / psum[h]);
     }
   });
+
+  // Merge the partitions of split rows, in partition order.
+  std::vector<float> acc(dim);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t a = first_item[i], b = first_item[i + 1];
+    if (b - a < 2) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t it = a; it < b; ++it) m = std::max(m, part_max[it * heads + h]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t it = a; it < b; ++it) {
+        const float w = std::exp(part_max[it * heads + h] - m);
+        total += w * part_sum[it * heads + h];
+        const float* pa = part_acc.data() + (it * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += w * pa[d];
+      }
+      QT* o = op + (i * heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<QT>(acc[d] / total);
+    }
+  }
 }
 
 // The arguments of decode_attention, as dispatch_cache and paged_decode_attention name them.
 #define ARGS q, k, v, ks, vs, bt, lens, bs, scale, k_new, v_new, slots, out
+template <typename QT, typename CT>
+void with_dim(const at::Tensor& q, at::Tensor& k, at::Tensor& v, const float* ks, const float* vs,
+              const at::Tensor& bt, const at::Tensor& lens, int64_t bs, double scale,
+              const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+              const std::optional<at::Tensor>& slots, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return decode_attention<QT, CT, 64>(ARGS);
+    case 128: return decode_attention<QT, CT, 128>(ARGS);
+    default: return decode_attention<QT, CT, 0>(ARGS);
+  }
+}
+
 template <typename QT>
 void dispatch_cache(const at::Tensor& q, at::Tensor& k, at::Tensor& v, const float* ks,
                     const float* vs, const at::Tensor& bt, const at::Tensor& lens, int64_t bs,
@@ -157,11 +250,11 @@ void dispatch_cache(const at::Tensor& q, at::Tensor& k, at::Tensor& v, const flo
                     const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& slots,
                     at::Tensor& out) {
   switch (k.scalar_type()) {
-    case at::kFloat: return decode_attention<QT, float>(ARGS);
-    case at::kBFloat16: return decode_attention<QT, c10::BFloat16>(ARGS);
-    case at::kHalf: return decode_attention<QT, c10::Half>(ARGS);
-    case at::kChar: return decode_attention<QT, int8_t>(ARGS);
-    case at::kFloat8_e4m3fn: return decode_attention<QT, c10::Float8_e4m3fn>(ARGS);
+    case at::kFloat: return with_dim<QT, float>(ARGS);
+    case at::kBFloat16: return with_dim<QT, c10::BFloat16>(ARGS);
+    case at::kHalf: return with_dim<QT, c10::Half>(ARGS);
+    case at::kChar: return with_dim<QT, int8_t>(ARGS);
+    case at::kFloat8_e4m3fn: return with_dim<QT, c10::Float8_e4m3fn>(ARGS);
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported KV cache dtype ", k.scalar_type());
   }
 }
