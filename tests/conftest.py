@@ -90,6 +90,32 @@ MIXED_ENGINE = dict(
 )
 
 
+# Whole-engine backend checks: (architecture, preemption mode, KV cache dtype).
+BACKEND_CASES = [
+    ("llama", "recompute", "auto"),
+    ("mistral", "swap", "auto"),
+    ("qwen2", "swap", "int8"),
+]
+
+
+def engine_on_torch_tokens(backend: str, model_dir: Path, preemption: str, kv_dtype: str) -> Any:
+    """An engine on attention `backend` that has run mixed_workload under MIXED_ENGINE (float32)
+    with greedy tokens asserted equal to the torch backend's; returned for further checks."""
+    from controlplane.engine import Engine
+
+    kw = dict(
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_dtype=kv_dtype,
+        **MIXED_ENGINE,
+        preemption_mode=preemption,
+    )
+    ref, other = Engine(attention_backend="torch", **kw), Engine(attention_backend=backend, **kw)
+    prompts, params = mixed_workload(ref.model_config.vocab_size, 11, 10)
+    assert run_to_end(other, prompts, params) == run_to_end(ref, prompts, params)
+    return other
+
+
 def speculation_prompts() -> list[list[int]]:
     """Three prompts of 300 distinct tokens: with 1-gram matching a sampled token is often in
     the prompt, so drafts are proposed at many steps (and mostly rejected: verification)."""

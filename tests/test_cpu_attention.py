@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from controlplane.engine import Engine, cpu_ops
+from controlplane.engine import cpu_ops
 from controlplane.engine.attention import SeqSpan, TorchPagedAttention
 from controlplane.engine.cpu_attention import CpuPagedAttention
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
-from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end
+from tests.conftest import BACKEND_CASES, engine_on_torch_tokens
 
 CPU = torch.device("cpu")
 BS = 16
@@ -107,22 +107,10 @@ def test_errors_name_the_argument():
         op(q.to(torch.int32), kv.k[0], kv.v[0], None, None, torch.zeros(1, 1).long(), lens, BS, 1.0)
 
 
-@pytest.mark.parametrize(
-    "kind, preemption, kv_dtype",
-    [("llama", "recompute", "auto"), ("mistral", "swap", "auto"), ("qwen2", "swap", "int8")],
-)
+@pytest.mark.parametrize("kind, preemption, kv_dtype", BACKEND_CASES)
 def test_engine_gives_the_torch_backends_tokens(kind, preemption, kv_dtype, hf_model_dirs):
-    kw = dict(
-        model=str(hf_model_dirs[kind]),
-        dtype="float32",
-        kv_cache_dtype=kv_dtype,
-        **MIXED_ENGINE,
-        preemption_mode=preemption,
-    )
-    ref, ours = Engine(attention_backend="torch", **kw), Engine(attention_backend="cpu", **kw)
+    ours = engine_on_torch_tokens("cpu", hf_model_dirs[kind], preemption, kv_dtype)
     assert type(ours.runner.backend) is CpuPagedAttention
-    prompts, params = mixed_workload(ref.model_config.vocab_size, 11, 10)
-    assert run_to_end(ours, prompts, params) == run_to_end(ref, prompts, params)
     assert ours.scheduler.num_preemptions > 0
     assert ours.stats().prefix_cache_hits_total > 0
 
