@@ -135,3 +135,25 @@ def test_without_a_compiler_auto_keeps_torch_and_cpu_says_why(tiny_model_dir, tm
     assert lines[0] == "TorchPagedAttention"
     assert lines[1].startswith("refused:") and "attention_backend" in lines[1]
     assert "Compiler" in lines[1] or "Error building extension" in lines[1]
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_path):
+    # A process killed mid-build leaves torch's lock file, which torch alone waits on forever.
+    code = (
+        "import os, time\n"
+        "from torch.utils.cpp_extension import _get_build_directory\n"
+        "from controlplane.engine import cpu_ops\n"
+        "d = _get_build_directory(cpu_ops.build_spec()[0], False)\n"
+        "os.makedirs(d, exist_ok=True)\n"
+        "lock = os.path.join(d, 'lock')\n"
+        "open(lock, 'w').close()\n"
+        "os.utime(lock, (time.time() - 3600, time.time() - 3600))\n"
+        "print(cpu_ops.available(), cpu_ops.build_error())\n"
+    )
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True", result.stdout
+    assert "never finished" in result.stderr

@@ -2,15 +2,16 @@
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
-cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`): the first
-build takes ~15-20 s on 2 cores, a later process loads the cached library in well under a
-second, and torch rebuilds it when the source or the flags change. Building needs a C++
+cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build
+per source and flags (their hash is in the name): the first build takes ~25 s on 2 cores, a
+later process loads the cached library in well under a second. Building needs a C++
 compiler and ninja, which `engine.compile` needs too; without them `available()` is False
 and the callers keep torch's kernels.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -39,21 +40,33 @@ def build_error() -> str:
     return str(_state.get("error", ""))
 
 
-def _build() -> bool:
+def build_spec() -> tuple[str, list[str]]:
+    """The extension's name and compiler flags on this machine (raises without a compiler)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()  # probes the compiler
+    # -fopenmp: ATen's parallel_for is OpenMP in torch's CPU wheels (as inductor builds).
+    flags = [
+        "-O3",
+        "-fopenmp",
+        *(f"-D{m}" for m in isa.build_macro()),
+        *isa.build_arch_flags().split(),
+    ]
+    # The source's hash in the name: two versions of controlplane on one host (a rolling
+    # upgrade, a test checkout beside a daemon) each keep their own build rather than
+    # rebuilding over each other at every start.
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+    isa_name = "_".join(str(isa).split()) or "scalar"
+    return f"controlplane_cpu_ops_{isa_name}_{digest[:12]}", flags
+
+
+def _build() -> bool:
     from torch.utils.cpp_extension import load
 
     started = time.perf_counter()
     try:
-        isa = pick_vec_isa()  # probes the compiler: raises without one
-        # -fopenmp: ATen's parallel_for is OpenMP in torch's CPU wheels (as inductor builds).
-        flags = [
-            "-O3",
-            "-fopenmp",
-            *(f"-D{m}" for m in isa.build_macro()),
-            *isa.build_arch_flags().split(),
-        ]
-        name = "controlplane_cpu_ops_" + ("_".join(str(isa).split()) or "scalar")
+        name, flags = build_spec()
+        _clear_stale_lock(name)
         load(
             name,
             [str(SOURCE)],
@@ -73,3 +86,22 @@ def _build() -> bool:
         "CPU kernels (%s, %s) ready in %.1f s", name, " ".join(flags), time.perf_counter() - started
     )
     return True
+
+
+# A build takes ~25 s; a lock this much older was left by a process killed mid-build.
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's builder waits, forever, for the lock file of a build in progress: a daemon killed
+    during its first build would leave every later start waiting. An old lock is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age)
+        lock.unlink(missing_ok=True)
