@@ -56,7 +56,8 @@ class EngineParts:
 
 def make_backend(name: str, kv_cache: KVCache, device: torch.device) -> AttentionBackend:
     """The `engine.attention_backend` setting's backend: auto is Triton on CUDA (when the
-    triton package is installed: it is an optional extra) and torch elsewhere."""
+    triton package is installed: it is an optional extra), our C++ kernel on a CPU where it
+    builds (cpu_ops), torch elsewhere."""
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and cpu_ops.available():
