@@ -57,6 +57,14 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+def padded_block_tables(spans: list[SeqSpan], block_size: int) -> list[list[int]]:
+    """Each span's blocks in use (those its context reaches), padded with block 0 to the
+    longest's count."""
+    used = [s.block_table[: -(-s.context_len // block_size)] for s in spans]
+    width = max(map(len, used), default=0)
+    return [u + [0] * (width - len(u)) for u in used]
+
+
 class AttentionBackend(ABC):
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv = kv_cache
@@ -133,18 +141,13 @@ class TorchPagedAttention(AttentionBackend):
     def _bucket(
         self, spans: list[SeqSpan], start: int, end: int, device: torch.device
     ) -> DecodeBucket:
-        bs = self.block_size
-        max_blocks = max(-(-s.context_len // bs) for s in spans[start:end])
-        blocks: list[int] = []
-        for s in spans[start:end]:
-            used = s.block_table[: -(-s.context_len // bs)]
-            blocks += used + [0] * (max_blocks - len(used))
+        tables = padded_block_tables(spans[start:end], self.block_size)
         lens = torch.tensor([s.context_len for s in spans[start:end]], dtype=torch.long)
-        mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
+        mask = torch.arange(len(tables[0]) * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
         return DecodeBucket(
             start,
             end,
-            torch.tensor(blocks, dtype=torch.long, device=device),
+            torch.tensor(tables, dtype=torch.long, device=device).flatten(),
             mask[:, None, None, :].to(device),
         )
 

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from controlplane.engine import cpu_ops
-from controlplane.engine.attention import AttentionMetadata, SeqSpan, TorchPagedAttention
+from controlplane.engine.attention import (
+    AttentionMetadata,
+    SeqSpan,
+    TorchPagedAttention,
+    padded_block_tables,
+)
 from controlplane.engine.kv_cache import KVCache
 
 
@@ -40,19 +45,14 @@ class CpuPagedAttention(TorchPagedAttention):
     def _decode_buckets(self, spans: list[SeqSpan], device: torch.device) -> list[DecodeRows]:
         if not spans:
             return []
-        bs = self.block_size
-        width = max(-(-s.context_len // bs) for s in spans)
-        table = []
-        for s in spans:
-            used = s.block_table[: -(-s.context_len // bs)]
-            table.append(used + [0] * (width - len(used)))
-        lens = [s.context_len for s in spans]
         return [
             DecodeRows(
                 0,
                 len(spans),
-                torch.tensor(table, dtype=torch.long, device=device),
-                torch.tensor(lens, dtype=torch.long, device=device),
+                torch.tensor(
+                    padded_block_tables(spans, self.block_size), dtype=torch.long, device=device
+                ),
+                torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device),
             )
         ]
 
