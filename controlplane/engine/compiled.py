@@ -15,7 +15,8 @@ Warm-up compiles them all at start (and runs every row count once), and after it
 error that sends the step down the eager path, so a step that would need another graph (a
 shape or dtype never seen) never compiles in the hot path. Live knobs (`max_num_seqs`, the
 token budget) change the row count only, never the graph; rows beyond `max_rows` run
-eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the model's other shape branch.
+eagerly. `max_rows` stays below Int8Linear.dequant_min_rows and Int4Linear.dequant_min_rows,
+the model's other shape branches.
 
 On a GPU, `cuda_graphs.CudaGraphDecode` captures this step as CUDA graphs for padded batch
 sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles on CUDA.

@@ -1,4 +1,7 @@
-"""Our own CPU kernels (csrc/cpu_ops.cpp), compiled on first use with torch's cpp_extension.
+"""Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
+
+One library, op namespace `controlplane_cpu`: `paged_decode_attention` (cpu_ops.cpp, used by
+cpu_attention.py) and `int4_dequantize` (int4_dequantize.cpp, used by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -21,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_dequantize.cpp"))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str once tried
@@ -55,7 +58,8 @@ def build_spec() -> tuple[str, list[str]]:
     # The source's hash in the name: two versions of controlplane on one host (a rolling
     # upgrade, a test checkout beside a daemon) each keep their own build rather than
     # rebuilding over each other at every start.
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()
     isa_name = "_".join(str(isa).split()) or "scalar"
     return f"controlplane_cpu_ops_{isa_name}_{digest[:12]}", flags
 
@@ -69,7 +73,7 @@ def _build() -> bool:
         _clear_stale_lock(name)
         load(
             name,
-            [str(SOURCE)],
+            [str(source) for source in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -79,13 +83,25 @@ def _build() -> bool:
         _state["error"] = f"{type(exc).__name__}: {exc}".strip()[:2000]
         log.warning("CPU kernels not built (%s); using torch's kernels", _state["error"][:300])
         return False
-    if not hasattr(torch.ops.controlplane_cpu, "paged_decode_attention"):
+    ops = torch.ops.controlplane_cpu
+    if not (hasattr(ops, "paged_decode_attention") and hasattr(ops, "int4_dequantize")):
         _state["error"] = "the library loaded without its ops"
         return False
+    _register_fakes()
     log.info(
         "CPU kernels (%s, %s) ready in %.1f s", name, " ".join(flags), time.perf_counter() - started
     )
     return True
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (paged_decode_attention is traced through the
+    `controlplane::paged_attention` custom op instead)."""
+
+    @torch.library.register_fake("controlplane_cpu::int4_dequantize")
+    def _(packed, scales_and_zeros, group_size, block_n, split):  # noqa: ANN001, ANN202
+        n, half_k = packed.shape
+        return packed.new_empty((2 * half_k, n), dtype=torch.bfloat16)
 
 
 # A build takes ~25 s; a lock this much older was left by a process killed mid-build.
