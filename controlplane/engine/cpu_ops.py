@@ -1,7 +1,7 @@
 """Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
 
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` (cpu_ops.cpp, used by
-cpu_attention.py) and `int4_dequantize` (int4_dequantize.cpp, used by model/quant.py).
+cpu_attention.py) and `int4_linear` (int4_linear.cpp, used by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_dequantize.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_linear.cpp"))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str once tried
@@ -84,7 +84,7 @@ def _build() -> bool:
         log.warning("CPU kernels not built (%s); using torch's kernels", _state["error"][:300])
         return False
     ops = torch.ops.controlplane_cpu
-    if not (hasattr(ops, "paged_decode_attention") and hasattr(ops, "int4_dequantize")):
+    if not (hasattr(ops, "paged_decode_attention") and hasattr(ops, "int4_linear")):
         _state["error"] = "the library loaded without its ops"
         return False
     _register_fakes()
@@ -98,10 +98,9 @@ def _register_fakes() -> None:
     """Shapes for torch.compile's tracing (paged_decode_attention is traced through the
     `controlplane::paged_attention` custom op instead)."""
 
-    @torch.library.register_fake("controlplane_cpu::int4_dequantize")
-    def _(packed, scales_and_zeros, group_size, block_n, split):  # noqa: ANN001, ANN202
-        n, half_k = packed.shape
-        return packed.new_empty((2 * half_k, n), dtype=torch.bfloat16)
+    @torch.library.register_fake("controlplane_cpu::int4_linear")
+    def _(x, packed, scales_and_zeros, group_size, block_n, split):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 # A build takes ~25 s; a lock this much older was left by a process killed mid-build.

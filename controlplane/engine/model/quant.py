@@ -223,13 +223,10 @@ class Int4Linear(nn.Module):
     # 16: at 8 rows the int4 kernel still wins on three of SmolLM2's four shapes, at 16 the
     # copy wins on all four (above).
     dense_min_rows = 16
-    # Without the copy, from this many rows on, the weight is dequantized once per call (our
-    # `int4_dequantize`, csrc/int4_dequantize.cpp) and multiplied by one bf16 GEMM. Measured
-    # (2 cores, Xeon with AMX; us a call, int4 kernel / dequantize + GEMM / resident copy):
-    # 576 -> 576 at 16 rows 100 / 133 / 46, 32 rows 184 / 144 / 62, 512 rows 2707 / 408 / 311;
-    # 576 -> 3072 at 16 rows 515 / 443 / 108, 512 rows 14590 / 2230 / 1930. 33, not 32:
-    # above compiled.MAX_ROWS, so the compiled decode graphs never hold this branch.
-    dequant_min_rows = 33
+    # From this many rows on, our `int4_linear` (csrc/int4_linear.cpp: the same results bit
+    # for bit, each weight panel dequantized once per call instead of once per 4 rows) takes
+    # the step. MEASURED_NOTE
+    many_rows = 33
 
     def __init__(
         self,
@@ -267,8 +264,8 @@ class Int4Linear(nn.Module):
             # The kernel's own weights: its bf16 scales and zeros applied to the int4 values.
             w4 = Int4Weight(q.qvalues, self.scales_and_zeros.float(), group_size)
             self.dense = torch.ops.mkldnn._reorder_linear_weight(w4.dequantize().to(bf16), None)
-        # (block_n, split) of torch's packed layout, for our dequantize-then-GEMM path.
-        self.unpack = _int4_unpack() if cpu_bf16 and self.dense is None else None
+        # (block_n, split) of torch's packed layout, for our many-row kernel; None: torch's.
+        self.layout = _int4_layout() if cpu_bf16 and self.dense is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -277,12 +274,10 @@ class Int4Linear(nn.Module):
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
         if self.dense is not None and x2.shape[0] >= self.dense_min_rows:
             y = packed_matmul(x2, self.dense, None, self.padded_out)
-        elif self.unpack is not None and x2.shape[0] >= self.dequant_min_rows:
-            # One dequantization for the whole call, then one bf16 GEMM (see _int4_unpack).
-            wt = torch.ops.controlplane_cpu.int4_dequantize(
-                self.packed, self.scales_and_zeros, self.group_size, *self.unpack
+        elif self.layout is not None and x2.shape[0] >= self.many_rows:
+            y = torch.ops.controlplane_cpu.int4_linear(
+                x2, self.packed, self.scales_and_zeros, self.group_size, *self.layout
             )
-            y = torch.mm(x2, wt)
         elif self.kernel == "int4pack_mm_cpu":
             y = torch._weight_int4pack_mm_for_cpu(
                 x2, self.packed, self.group_size, self.scales_and_zeros
@@ -313,11 +308,11 @@ class Int4Linear(nn.Module):
 
 
 @functools.cache
-def _int4_unpack() -> tuple[int, bool] | None:
-    """The (block_n, split) arguments of `int4_dequantize` for the packed layout this torch
-    writes on this CPU (see csrc/int4_dequantize.cpp), or None where our kernels are not built
-    or the layout is not the one we read: checked once per process on a weight of one full and
-    one partial block, so a torch that packs differently falls back to its own kernel."""
+def _int4_layout() -> tuple[int, bool] | None:
+    """The (block_n, split) arguments of `int4_linear` for the layout this torch packs int4
+    weights in on this CPU (csrc/int4_linear.cpp), or None where our kernels are not built or
+    do not return torch's kernel's results bit for bit: checked once per process on a weight
+    of one full and one partial block, so another torch or CPU keeps torch's kernel."""
     from controlplane.engine import cpu_ops
 
     if not cpu_ops.available():
@@ -326,18 +321,17 @@ def _int4_unpack() -> tuple[int, bool] | None:
     layout = {"AVX512": (64, True), "AVX2": (32, True)}.get(
         torch.backends.cpu.get_cpu_capability(), (32, False)
     )
-    q = torch.randint(0, 16, (layout[0] + 48, 64), dtype=torch.int32, generator=_seeded())
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
-    unit = torch.tensor([1.0, 8.0]).expand(2, q.shape[0], 2).contiguous()  # w = q
-    unpacked = torch.ops.controlplane_cpu.int4_dequantize(packed, unit, 32, *layout)
-    if not torch.equal(unpacked.t().int(), q):
-        log.warning("torch packs int4 weights in a layout we do not read; prompts use its kernel")
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = layout[0] + 48, 256, 64
+    q = quantize_int4(torch.randn(n, k, generator=gen), group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    scales = q.scales_and_zeros.to(torch.bfloat16)
+    x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
+    ours = torch.ops.controlplane_cpu.int4_linear(x, packed, scales, group, *layout)
+    if not torch.equal(ours, torch._weight_int4pack_mm_for_cpu(x, packed, group, scales)):
+        log.warning("our int4 kernel does not match torch's on this CPU; keeping torch's")
         return None
     return layout
-
-
-def _seeded() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
 
 
 def _int4_kernel(device: torch.device) -> str:
