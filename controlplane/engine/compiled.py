@@ -9,14 +9,14 @@ serving) of up to `max_rows` rows take it; prefill chunks and speculative verifi
 eagerly, as before.
 
 Shapes: the row count is a dynamic dimension, so one graph serves 2..max_rows rows and one
-(torch specializes size 1) serves a single user; int4 linears with a dense copy branch at
-Int4Linear.dense_min_rows (16), which splits the dynamic graph in two (2..15 and 16..max_rows).
+(torch specializes size 1) serves a single user; int4 linears branch at 16 rows (to their dense
+copy, Int4Linear.dense_min_rows, or to our int4 kernel, Int4Linear.many_rows), which splits the
+dynamic graph in two (2..15 and 16..max_rows).
 Warm-up compiles them all at start (and runs every row count once), and after it a recompile is an
 error that sends the step down the eager path, so a step that would need another graph (a
 shape or dtype never seen) never compiles in the hot path. Live knobs (`max_num_seqs`, the
 token budget) change the row count only, never the graph; rows beyond `max_rows` run
-eagerly. `max_rows` stays below Int8Linear.dequant_min_rows and Int4Linear.dequant_min_rows,
-the model's other shape branches.
+eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the model's other shape branch.
 
 On a GPU, `cuda_graphs.CudaGraphDecode` captures this step as CUDA graphs for padded batch
 sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles on CUDA.

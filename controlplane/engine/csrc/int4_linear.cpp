@@ -48,15 +48,16 @@ inline float scalar(const ST& v) {
   return static_cast<float>(v);
 }
 
-// The block's weights as float32, [K, nb] row-major, dequantized as torch's kernel does.
+// Rows k0 .. k1 - 1 of the block's weights as float32, [k1 - k0, nb] row-major, dequantized as
+// torch's kernel does. k0 and k1 are multiples of the group size.
 template <typename ST>
 void dequantize_panel(const uint8_t* src, const ST* sz, int64_t n0, int64_t nb, bool split, int64_t N,
-                      int64_t K, int64_t group, float* panel) {
+                      int64_t k0, int64_t k1, int64_t group, float* panel) {
   alignas(64) float scale[kMaxBlock];
   alignas(64) float zero[kMaxBlock];
   alignas(64) float q[kMaxBlock];
   const int64_t half = nb / 2;
-  for (int64_t g0 = 0; g0 < K; g0 += group) {
+  for (int64_t g0 = k0; g0 < k1; g0 += group) {
     const ST* g = sz + (g0 / group) * N * 2 + n0 * 2;
     for (int64_t n = 0; n < nb; ++n) {
       scale[n] = scalar(g[2 * n]);
@@ -72,7 +73,7 @@ void dequantize_panel(const uint8_t* src, const ST* sz, int64_t n0, int64_t nb, 
         q[split ? j : 2 * j] = static_cast<float>(b[j] & 15);
         q[split ? j + half : 2 * j + 1] = static_cast<float>(b[j] >> 4);
       }
-      float* w = panel + k * nb;
+      float* w = panel + (k - k0) * nb;
 #if defined(CPU_CAPABILITY_AVX512) || !defined(CPU_CAPABILITY_AVX2)
       for (int64_t n = 0; n < nb; ++n) w[n] = std::fma(q[n] - 8.0f, scale[n], zero[n]);
 #else
@@ -82,15 +83,49 @@ void dequantize_panel(const uint8_t* src, const ST* sz, int64_t n0, int64_t nb, 
   }
 }
 
-// ROWS rows of x (float32) times a panel of VECS vectors of columns: one FMA chain per output,
-// k in order, then rounded to bf16.
+#if defined(CPU_CAPABILITY_AVX512)
+// A full split block of 64 rows in intrinsics: the portable loop above compiles to half-width
+// conversions through stack arrays, 2.5x slower.
+template <typename ST>
+void dequantize_panel64(const uint8_t* src, const ST* sz, int64_t n0, int64_t N, int64_t k0, int64_t k1,
+                        int64_t group, float* panel) {
+  alignas(64) float scale[64];
+  alignas(64) float zero[64];
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m512i eight = _mm512_set1_epi32(8);
+  for (int64_t g0 = k0; g0 < k1; g0 += group) {
+    const ST* g = sz + (g0 / group) * N * 2 + n0 * 2;
+    for (int n = 0; n < 64; ++n) scale[n] = scalar(g[2 * n]), zero[n] = scalar(g[2 * n + 1]);
+    __m512 vs[4], vz[4];
+    for (int j = 0; j < 4; ++j) vs[j] = _mm512_load_ps(scale + 16 * j), vz[j] = _mm512_load_ps(zero + 16 * j);
+    for (int64_t k = g0; k < g0 + group; ++k) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * 32));
+      const __m256i lo = _mm256_and_si256(bytes, low);                         // rows 0 .. 31
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);  // rows 32 .. 63
+      const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                               _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+      float* w = panel + (k - k0) * 64;
+      for (int j = 0; j < 4; ++j) {  // (q - 8) * s + z, one FMA, as torch's AVX512 kernel
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(part[j]), eight));
+        _mm512_storeu_ps(w + 16 * j, _mm512_fmadd_ps(q, vs[j], vz[j]));
+      }
+    }
+  }
+}
+#endif
+
+// ROWS rows of x (float32, row stride K) times kn rows of a panel of VECS vectors of columns,
+// continuing each output's FMA chain from `acc` (k0 > 0) or from zero; after the last chunk
+// the sums are rounded to bf16 into `out`, else kept in `acc` for the next chunk. Spilling a
+// running sum to memory and reloading it leaves the chain's result unchanged.
 template <int ROWS, int VECS>
-void micro_kernel(const float* x, int64_t K, const float* panel, c10::BFloat16* out, int64_t ldo) {
+void micro_kernel(const float* x, int64_t K, int64_t kn, const float* panel, float* acc_buf, bool first,
+                  bool last, c10::BFloat16* out, int64_t ldo) {
+  constexpr int64_t nb = VECS * kLanes;
   Vec acc[ROWS][VECS];
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < VECS; ++v) acc[r][v] = Vec(0.0f);
-  constexpr int64_t nb = VECS * kLanes;
-  for (int64_t k = 0; k < K; ++k) {
+    for (int v = 0; v < VECS; ++v) acc[r][v] = first ? Vec(0.0f) : Vec::loadu(acc_buf + r * nb + v * kLanes);
+  for (int64_t k = 0; k < kn; ++k) {
     Vec w[VECS];
     for (int v = 0; v < VECS; ++v) w[v] = Vec::loadu(panel + k * nb + v * kLanes);
     for (int r = 0; r < ROWS; ++r) {
@@ -98,40 +133,60 @@ void micro_kernel(const float* x, int64_t K, const float* panel, c10::BFloat16* 
       for (int v = 0; v < VECS; ++v) acc[r][v] = at::vec::fmadd(a, w[v], acc[r][v]);
     }
   }
-  alignas(64) float tmp[nb];
   for (int r = 0; r < ROWS; ++r) {
-    for (int v = 0; v < VECS; ++v) acc[r][v].store(tmp + v * kLanes);
-    at::vec::convert(tmp, out + r * ldo, nb);
+    float* row = acc_buf + r * nb;
+    for (int v = 0; v < VECS; ++v) acc[r][v].store(row + v * kLanes);
+    if (last) at::vec::convert(row, out + r * ldo, nb);
   }
 }
 
+struct Chunk {  // one K chunk of one panel, applied to every row of x
+  const float* x;
+  int64_t M, K, k0, kn;
+  const float* panel;
+  float* acc;  // [M, nb] running sums
+  c10::BFloat16* out;
+  int64_t ldo;
+};
+
+template <int ROWS, int VECS>
+inline void rows_of(const Chunk& c, int64_t m) {
+  constexpr int64_t nb = VECS * kLanes;
+  micro_kernel<ROWS, VECS>(c.x + m * c.K + c.k0, c.K, c.kn, c.panel, c.acc + m * nb, c.k0 == 0,
+                           c.k0 + c.kn == c.K, c.out + m * c.ldo, c.ldo);
+}
+
 template <int VECS>
-void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, c10::BFloat16* out, int64_t ldo) {
+void panel_rows(const Chunk& c) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) micro_kernel<kRows, VECS>(x + m * K, K, panel, out + m * ldo, ldo);
-  switch (M - m) {  // the last rows, fewer than kRows
+  for (; m + kRows <= c.M; m += kRows) rows_of<kRows, VECS>(c, m);
+  switch (c.M - m) {  // the last rows, fewer than kRows
     case 0: break;
-    case 1: micro_kernel<1, VECS>(x + m * K, K, panel, out + m * ldo, ldo); break;
+    case 1: rows_of<1, VECS>(c, m); break;
 #if defined(CPU_CAPABILITY_AVX512)
-    case 2: micro_kernel<2, VECS>(x + m * K, K, panel, out + m * ldo, ldo); break;
-    case 3: micro_kernel<3, VECS>(x + m * K, K, panel, out + m * ldo, ldo); break;
-    case 4: micro_kernel<4, VECS>(x + m * K, K, panel, out + m * ldo, ldo); break;
-    case 5: micro_kernel<5, VECS>(x + m * K, K, panel, out + m * ldo, ldo); break;
+    case 2: rows_of<2, VECS>(c, m); break;
+    case 3: rows_of<3, VECS>(c, m); break;
+    case 4: rows_of<4, VECS>(c, m); break;
+    case 5: rows_of<5, VECS>(c, m); break;
 #endif
     default: TORCH_CHECK(false, "int4_linear: internal row split");
   }
 }
 
-void panel_times_rows(const float* x, int64_t M, int64_t K, const float* panel, int64_t nb, c10::BFloat16* out,
-                      int64_t ldo) {
+void panel_times_rows(const Chunk& c, int64_t nb) {
   switch (nb / kLanes) {
-    case 1: return panel_rows<1>(x, M, K, panel, out, ldo);
-    case 2: return panel_rows<2>(x, M, K, panel, out, ldo);
-    case 3: return panel_rows<3>(x, M, K, panel, out, ldo);
-    case 4: return panel_rows<4>(x, M, K, panel, out, ldo);
+    case 1: return panel_rows<1>(c);
+    case 2: return panel_rows<2>(c);
+    case 3: return panel_rows<3>(c);
+    case 4: return panel_rows<4>(c);
     default: TORCH_CHECK(false, "int4_linear: a block of ", nb, " rows");
   }
 }
+
+// K rows of a panel dequantized at a time: 128 x 64 floats (32 KB) stay in L1 while every row
+// block reads them. Whole panels (147 KB at K = 576) spilled to L2 and the dequantization's
+// stores stalled: a 576 x 3072 weight at 1 row took 280 us.
+constexpr int64_t kChunkK = 128;
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        int64_t group_size, int64_t block_n, bool split) {
@@ -154,14 +209,25 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* src = packed.const_data_ptr<uint8_t>();
   c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
   const int64_t blocks = (N + block_n - 1) / block_n;
+  const int64_t kc = std::max(kChunkK / group_size, int64_t{1}) * group_size;
   auto run = [&](auto* sz) {
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> panel(K * block_n);  // 147 KB at K = 576: stays in L2 across rows
+      std::vector<float> panel(kc * block_n);
+      std::vector<float> acc(M * block_n);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t n0 = i * block_n;
         const int64_t nb = std::min(block_n, N - n0);
-        dequantize_panel(src + n0 * K / 2, sz, n0, nb, split && nb == block_n, N, K, group_size, panel.data());
-        panel_times_rows(xp, M, K, panel.data(), nb, dst + n0, N);
+        const uint8_t* block = src + n0 * K / 2;
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+          const int64_t k1 = std::min(K, k0 + kc);
+#if defined(CPU_CAPABILITY_AVX512)
+          if (split && nb == 64)
+            dequantize_panel64(block, sz, n0, N, k0, k1, group_size, panel.data());
+          else
+#endif
+            dequantize_panel(block, sz, n0, nb, split && nb == block_n, N, k0, k1, group_size, panel.data());
+          panel_times_rows(Chunk{xp, M, K, k0, k1 - k0, panel.data(), acc.data(), dst + n0, N}, nb);
+        }
       }
     });
   };

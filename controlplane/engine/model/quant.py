@@ -225,8 +225,11 @@ class Int4Linear(nn.Module):
     dense_min_rows = 16
     # From this many rows on, our `int4_linear` (csrc/int4_linear.cpp: the same results bit
     # for bit, each weight panel dequantized once per call instead of once per 4 rows) takes
-    # the step. MEASURED_NOTE
-    many_rows = 33
+    # the step. Measured (2 threads, Xeon; us a call, torch's kernel / ours): 576 -> 3072 at
+    # 8 rows 250 / 249, 16 rows 489 / 337, 33 rows 1096 / 667, 512 rows 15517 / 7340; 576 ->
+    # 576 at 16 rows 94 / 96, 512 rows 3602 / 1527. 16 is also where the dense copy cuts in,
+    # so a compiled decode graph splits at one row count either way (compiled.py).
+    many_rows = 16
 
     def __init__(
         self,
