@@ -6,7 +6,9 @@ activations stay in the model dtype. Each module picks its kernel once, at const
 * CPU: `torch._weight_int8pack_mm` (int8 [N, K] + per-channel scales) and
   `torch._weight_int4pack_mm_for_cpu` on a weight packed by
   `torch._convert_weight_to_int4pack_for_cpu`. Both beat dequantize-then-matmul and the float
-  linears at batch-1 decode here (benchmarks/quant_kernels.py; README "Quantization").
+  linears at batch-1 decode here (benchmarks/quant_kernels.py; README "Quantization"). Int4
+  steps of `Int4Linear.many_rows` rows or more take our `int4_linear` (csrc/int4_linear.cpp)
+  on the same packed weight: torch's results bit for bit, faster there.
 * CUDA: `torch._weight_int8pack_mm` and tinygemm's `torch._weight_int4pack_mm` (bf16
   activations). Written against torch's documented layouts, not yet run on a GPU.
 * Anywhere else, or where a kernel rejects the shape or dtype: dequantize, then `F.linear`.
