@@ -230,7 +230,9 @@ def test_int4_linear_is_torch_int4_kernel_bit_for_bit(n, k, group, scales_dtype,
     else:  # torch's kernel reads bf16 scales only: the float32 ones differ in rounding
         assert rel_err(ours, want) < 1e-2
     # Each row alone gives its row of the batch (batch invariance).
-    assert torch.equal(torch.ops.controlplane_cpu.int4_linear(x[-1:], packed, scales, group, *layout), ours[-1:])
+    assert torch.equal(
+        torch.ops.controlplane_cpu.int4_linear(x[-1:], packed, scales, group, *layout), ours[-1:]
+    )
 
 
 @needs_cpu_ops
@@ -261,7 +263,9 @@ def test_int4_many_row_steps_take_our_kernel_with_torch_kernel_results(bias, mon
     kernel.layout = None  # torch's kernel at every row count
     calls = []
     op = torch.ops.controlplane_cpu.int4_linear
-    monkeypatch.setattr(quant.torch.ops.controlplane_cpu, "int4_linear", lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setattr(
+        quant.torch.ops.controlplane_cpu, "int4_linear", lambda *a: calls.append(1) or op(*a)
+    )
     for rows in (1, mod.many_rows - 1, mod.many_rows, 300):
         x = activations(rows, 96).to(torch.bfloat16)
         y = mod(x)

@@ -24,7 +24,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_linear.cpp"))
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_linear.cpp")
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str once tried
@@ -99,7 +101,14 @@ def _register_fakes() -> None:
     `controlplane::paged_attention` custom op instead)."""
 
     @torch.library.register_fake("controlplane_cpu::int4_linear")
-    def _(x, packed, scales_and_zeros, group_size, block_n, split):  # noqa: ANN001, ANN202
+    def _(
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        group_size: int,
+        block_n: int,
+        split: bool,
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], packed.shape[0]))
 
 
