@@ -6,7 +6,7 @@ cpu_attention.py) and `int4_linear` (int4_linear.cpp, used by model/quant.py).
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
 cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build
-per source and flags (their hash is in the name): the first build takes ~25 s on 2 cores, a
+per source and flags (their hash is in the name): the first build takes 45-55 s on 2 cores, a
 later process loads the cached library in well under a second. Building needs a C++
 compiler and ninja, which `engine.compile` needs too; without them `available()` is False
 and the callers keep torch's kernels.
@@ -112,7 +112,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], packed.shape[0]))
 
 
-# A build takes ~25 s; a lock this much older was left by a process killed mid-build.
+# A build takes under a minute; a lock this much older was left by a process killed mid-build.
 STALE_LOCK_S = 600.0
 
 
