@@ -82,8 +82,6 @@ inline float exp_sum(float* x, float m, int64_t n) {
   return s;
 }
 
-// DIM: the head dim when it is a compile-time constant (64, 128: the loops over it unroll;
-// 1.1-1.3x here), 0 for any other.
 // Ask for the cache rows of tokens [from, to) ahead of their use: a row's tokens jump from
 // block to block, which the hardware prefetcher does not follow.
 template <typename CT, typename SlotOf>
@@ -94,6 +92,8 @@ inline void prefetch_rows(const CT* base, const SlotOf& slot_of, int64_t from, i
   }
 }
 
+// DIM: the head dim when it is a compile-time constant (64, 128: the loops over it unroll;
+// 1.1-1.3x here), 0 for any other.
 template <typename QT, typename CT, int64_t DIM>
 void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                       const float* k_scale, const float* v_scale, const at::Tensor& block_table,

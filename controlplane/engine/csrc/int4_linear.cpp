@@ -1,12 +1,12 @@
 // int4_linear: y = x @ w.T for torch's CPU int4 weight (as `_convert_weight_to_int4pack_for_cpu`
-// packs it), bit for bit what `_weight_int4pack_mm_for_cpu` returns, several times faster on
-// many rows.
+// packs it), bit for bit what `_weight_int4pack_mm_for_cpu` returns, 1.1-1.7x faster from 16
+// rows on (benchmarks/int4_linear.py; slower below, where torch's kernel keeps the rows).
 //
 // Why: torch's kernel dequantizes a 64-column panel of the weight again for every 4 rows of
 // activations, so a 512-token prompt chunk pays for 128 dequantizations of each weight. Here
-// each panel is dequantized once per call, to float32 in a per-thread buffer that stays in L2,
-// and every row block reuses it. No resident copy of the weight (int4_dense_copy keeps one,
-// 4x the int4 bytes), no transient one either.
+// each panel is dequantized once per call, 128 input features at a time, to float32 in a
+// per-thread buffer that stays in L1, and every row block reuses it. No resident copy of the
+// weight (int4_dense_copy keeps one, 4x the int4 bytes), no transient one either.
 //
 // Bit for bit: each output is the same float32 FMA chain over k = 0 .. K-1, from zero, on the
 // same dequantized values, rounded to bf16 once, as in torch's kernel; a row's result never
@@ -43,11 +43,6 @@ constexpr int64_t kMaxBlock = 64;
 // panel's vectors and one broadcast must fit the register file (32 zmm; 16 ymm).
 constexpr int kRows = kLanes == 16 ? 6 : 2;
 
-template <typename ST>
-inline float scalar(const ST& v) {
-  return static_cast<float>(v);
-}
-
 // Rows k0 .. k1 - 1 of the block's weights as float32, [k1 - k0, nb] row-major, dequantized as
 // torch's kernel does. k0 and k1 are multiples of the group size.
 template <typename ST>
@@ -60,11 +55,11 @@ void dequantize_panel(const uint8_t* src, const ST* sz, int64_t n0, int64_t nb, 
   for (int64_t g0 = k0; g0 < k1; g0 += group) {
     const ST* g = sz + (g0 / group) * N * 2 + n0 * 2;
     for (int64_t n = 0; n < nb; ++n) {
-      scale[n] = scalar(g[2 * n]);
+      scale[n] = static_cast<float>(g[2 * n]);
 #if defined(CPU_CAPABILITY_AVX512) || !defined(CPU_CAPABILITY_AVX2)
-      zero[n] = scalar(g[2 * n + 1]);
+      zero[n] = static_cast<float>(g[2 * n + 1]);
 #else
-      zero[n] = std::fma(scale[n], -8.0f, scalar(g[2 * n + 1]));  // AVX2: the -8 in the zero
+      zero[n] = std::fma(scale[n], -8.0f, static_cast<float>(g[2 * n + 1]));  // AVX2: the -8 in the zero
 #endif
     }
     for (int64_t k = g0; k < g0 + group; ++k) {
@@ -95,7 +90,10 @@ void dequantize_panel64(const uint8_t* src, const ST* sz, int64_t n0, int64_t N,
   const __m512i eight = _mm512_set1_epi32(8);
   for (int64_t g0 = k0; g0 < k1; g0 += group) {
     const ST* g = sz + (g0 / group) * N * 2 + n0 * 2;
-    for (int n = 0; n < 64; ++n) scale[n] = scalar(g[2 * n]), zero[n] = scalar(g[2 * n + 1]);
+    for (int n = 0; n < 64; ++n) {
+      scale[n] = static_cast<float>(g[2 * n]);
+      zero[n] = static_cast<float>(g[2 * n + 1]);
+    }
     __m512 vs[4], vz[4];
     for (int j = 0; j < 4; ++j) vs[j] = _mm512_load_ps(scale + 16 * j), vz[j] = _mm512_load_ps(zero + 16 * j);
     for (int64_t k = g0; k < g0 + group; ++k) {
