@@ -14,6 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # allocator's arena count changes the daemon's RSS (benchmarks/rss_storms.py sets it itself).
 SCRUBBED_PREFIXES = ("CONTROLPLANE_",)
 SCRUBBED_NAMES = ("MALLOC_ARENA_MAX",)
+# Kept: the test suite's own choice for every daemon it starts (tests/conftest.py: no
+# background compile of the decode step).
+KEPT_NAMES = ("CONTROLPLANE_ENGINE__COMPILE",)
 
 
 def free_port() -> int:
@@ -60,6 +63,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_NAMES
+        if k in KEPT_NAMES or (not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_NAMES)
     }
     return {**env, **(extra or {}), "PYTHONUNBUFFERED": "1"}

@@ -15,11 +15,20 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
+from controlplane.engine import compiled
+
 # Triton kernels run on a CPU only under its interpreter, chosen when triton is first
 # imported, and torch.compile imports triton whenever it is installed: so the whole session
 # says it up front (where no GPU runs the kernels natively).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# `engine.compile = auto` compiles the decode step in the background on a CPU: the suite's
+# hundreds of short-lived engines and daemons would each spend 10-50 s of its two cores on it.
+# Off here (in-process engines, and daemons started as processes, through their environment);
+# tests/test_compiled.py runs the background path, CI's quickstart and drills the default.
+compiled.CPU_AUTO = "off"
+os.environ.setdefault("CONTROLPLANE_ENGINE__COMPILE", "off")
 
 PG_ADMIN_URL = os.environ.get(
     "CONTROLPLANE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -10,14 +10,24 @@ warm-up short (inductor compiles C++ on the CPU): the module is marked slow.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
 
+import httpx
 import pytest
 import torch
 
+from controlplane.config import load_config
 from controlplane.engine import Engine, SamplingParams
-from controlplane.engine.compiled import compile_enabled
+from controlplane.engine import compiled as compiled_module
+from controlplane.engine.attention import SeqSpan
+from controlplane.engine.compiled import compile_mode
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
+from harness import InProcessDaemon
 from tests.conftest import (
     MIXED_ENGINE,
     mixed_workload,
@@ -25,6 +35,7 @@ from tests.conftest import (
     run_to_end,
     traced_logits,
 )
+from tests.test_admin_api import MODEL, TOKEN, admin_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -110,10 +121,104 @@ def test_every_engine_keeps_its_own_graphs(hf_model_dirs):
 def test_compile_setting():
     with pytest.raises(InvalidSettingError, match="compile"):
         Engine(model="unused", compile="yes")
-    assert compile_enabled("on", torch.device("cpu"))
-    assert not compile_enabled("auto", torch.device("cpu"))
-    assert compile_enabled("auto", torch.device("cuda"))
-    assert not compile_enabled("off", torch.device("cuda"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_mode("on", cpu) == "start" and compile_mode("on", cuda) == "start"
+    assert compile_mode("auto", cuda) == "start"
+    assert compile_mode("off", cpu) == "off" and compile_mode("off", cuda) == "off"
+    assert compiled_module.CPU_AUTO == "off"  # the suite's choice (conftest)
+    assert compile_mode("auto", cpu) == "off"
+
+
+def _wait_for_warm_up(engine: Engine, timeout_s: float = 600) -> str:
+    deadline = time.monotonic() + timeout_s
+    while engine.compile_state == "warming" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return engine.compile_state
+
+
+def test_background_warm_up_serves_eagerly_then_takes_over(hf_model_dirs, monkeypatch):
+    """`auto` on a CPU: the engine serves at once, eagerly, while the decode step compiles in
+    a thread of its own (its own attention backend and KV block, the step state per thread);
+    the compiled step takes over when every graph is warm. Tokens are eager's throughout."""
+    monkeypatch.setattr(compiled_module, "CPU_AUTO", "background")
+    assert compile_mode("auto", torch.device("cpu")) == "background"
+    kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", **MIXED_ENGINE)
+    eager = Engine(compile="off", **kw)
+    interval = sys.getswitchinterval()
+    eng = Engine(compile="auto", **kw)
+    assert eng.compile_state == "warming"
+    assert eng.block_pool.num_used == 1  # held for the warm-up's dummy K/V
+    prompts, params = mixed_workload(eager.model_config.vocab_size, 3, 12)
+    want = run_to_end(eager, prompts, params)
+    served_while_warming = 0
+    while eng.compile_state == "warming":  # requests run alongside the compiler
+        assert run_to_end(eng, prompts, params) == want
+        served_while_warming += 1
+    assert served_while_warming > 0
+    assert _wait_for_warm_up(eng) == "ready"
+    assert eng.runner.compiled.num_graphs == 2 and eng.runner.compiled.warmup_s > 0
+    for thread in threading.enumerate():  # it restores the GIL's switch interval as it ends
+        if thread.name == "compile-warm-up":
+            thread.join(10)
+    assert sys.getswitchinterval() == interval
+    assert run_to_end(eng, prompts, params) == want
+    assert eng.runner.compiled.steps > 0  # decode steps ran compiled
+    assert not eng._warm_up_block and eng.block_pool.num_used == 0  # released by a step
+
+
+def test_a_recompile_on_the_step_thread_runs_eagerly(hf_model_dirs):
+    """Warmed up on this thread, stepped on another (a daemon's step thread): a step whose
+    inputs need another graph (int32 token ids) runs eagerly there, never compiles. Dynamo's
+    config is per thread: the step thread must forbid recompiles on itself."""
+    eng = Engine(model=str(hf_model_dirs["llama"]), dtype="float32", compile="on", max_num_seqs=4)
+    compiled, backend = eng.runner.compiled, eng.runner.backend
+    assert compiled.num_graphs == 2
+    block = eng.block_pool.allocate(1)
+    out: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        meta = backend.prepare([SeqSpan(1, 1, block)], eng.device)
+        ids, pos = torch.tensor([5], dtype=torch.int32), torch.tensor([0])
+        with torch.inference_mode():
+            out["logits"] = compiled(ids, pos, torch.tensor([0]), backend, meta)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert out["logits"].shape == (1, eng.model_config.vocab_size)
+    assert compiled.num_graphs == 2 and compiled._eager_rows == {1}
+
+
+def test_a_failed_background_warm_up_leaves_the_engine_eager(hf_model_dirs, tmp_path):
+    """No C++ compiler on the PATH (and no inductor cache to fall back on), in a process of
+    its own: the warm-up fails in its thread, says so, and the engine serves eagerly."""
+    script = f"""
+import logging, time
+from controlplane.engine import Engine, SamplingParams, compiled
+logging.basicConfig(level=logging.INFO)
+compiled.CPU_AUTO = "background"
+eng = Engine(model={str(hf_model_dirs["qwen2"])!r}, dtype="float32", max_num_seqs=4,
+             attention_backend="torch", compile="auto")
+while eng.compile_state == "warming":
+    time.sleep(0.1)
+params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+rid = eng.add_request([5, 6, 7], params)
+while eng.has_unfinished_requests():
+    eng.step()
+print("STATE", eng.compile_state, eng.runner.compiled.steps, eng.block_pool.num_used)
+"""
+    env = {
+        **os.environ,
+        "PATH": str(tmp_path),  # nothing in it: no g++, no c++
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "STATE failed 0 0" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "compiling the decode step failed; every step stays eager" in run.stderr
 
 
 def _decode_logits(engine, prompts, params) -> dict[tuple[int, int], torch.Tensor]:
@@ -140,3 +245,31 @@ def test_compiled_decode_on_smollm2(dtype):
         differing = [key for key in want if not torch.equal(got[key], want[key])]
         assert not differing, f"{len(differing)} of {len(want)} rows differ from eager"
         assert compiled.runner.compiled.steps - before >= 20  # the decode steps ran compiled
+
+
+def test_a_daemon_serves_while_its_step_compiles(tiny_model_dir, tmp_path, monkeypatch):
+    """The daemon's default on a CPU: it answers from the start while the decode step
+    compiles, `/admin/stats` says `warming` then `ready`, and once ready its step thread (not
+    the thread that warmed up) runs the compiled step, with the same greedy text."""
+    monkeypatch.setattr(compiled_module, "CPU_AUTO", "background")
+    path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_num_seqs": 4})
+    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
+    try:
+        admin = httpx.Client(
+            base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+        )
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 12, "temperature": 0}
+        assert admin.get("/admin/stats").json()["compiled_step"] == "warming"
+        first = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        deadline = time.monotonic() + 600
+        while (state := admin.get("/admin/stats").json()["compiled_step"]) == "warming":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert state == "ready"
+        compiled = d.daemon.aengine.engine.runner.compiled
+        again = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert compiled.steps >= 10 and not compiled._eager_rows  # the step thread ran it
+    finally:
+        d.stop()

@@ -108,6 +108,7 @@ def test_clean_env_drops_inherited_settings_and_keeps_the_given_ones(monkeypatch
     assert "CONTROLPLANE_DATA_DIR" not in env and "MALLOC_ARENA_MAX" not in env
     assert env["CONTROLPLANE_SERVER__PORT"] == "0" and env["HARNESS_TEST_KEEP"] == "1"
     assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["CONTROLPLANE_ENGINE__COMPILE"] == "off"  # the suite's choice (conftest) stays
 
 
 def test_free_port_is_bindable():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 import controlplane
+import harness
 from controlplane.config import ENV_NON_KEYS, build_config, env_names, load_config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.runtime.logs import JSONFormatter
@@ -33,9 +33,9 @@ SHOWN = "postgresql+psycopg://u:***@127.0.0.1:1/x"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without CONTROLPLANE_* variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+    """This process's environment without CONTROLPLANE_* variables (but the suite's own:
+    harness.clean_env), plus `extra`."""
+    return harness.clean_env(extra)
 
 
 def run_cli(

@@ -8,6 +8,7 @@ PyTorch implementation that runs anywhere.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -198,26 +199,29 @@ class TorchPagedAttention(AttentionBackend):
 # runner around the forward. Everything between two attention calls (norms, projections,
 # rotary, the MLP) is what the compiler fuses.
 
-_step: tuple[AttentionBackend, AttentionMetadata] | None = None
+# Per thread: the compiled step warms up in a thread of its own while the step thread serves
+# eagerly (compiled.py), each forward with its own backend and metadata.
+_local = threading.local()
 
 
 @contextmanager
 def attention_step(backend: AttentionBackend, meta: AttentionMetadata) -> Iterator[None]:
-    """Make `backend` and `meta` the ones `paged_attention` uses, for one forward."""
-    global _step
-    _step = (backend, meta)
+    """Make `backend` and `meta` the ones `paged_attention` uses, for one forward on this
+    thread."""
+    _local.step = (backend, meta)
     try:
         yield
     finally:
-        _step = None
+        _local.step = None
 
 
 @torch.library.custom_op("controlplane::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """One layer's attention for the current step (writes the new K/V into the paged cache)."""
-    if _step is None:
+    step = getattr(_local, "step", None)
+    if step is None:
         raise RuntimeError("paged_attention called outside attention_step()")
-    backend, meta = _step
+    backend, meta = step
     return backend.forward(layer, q, k, v, meta)
 
 

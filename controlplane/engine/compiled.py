@@ -12,9 +12,13 @@ Shapes: the row count is a dynamic dimension, so one graph serves 2..max_rows ro
 (torch specializes size 1) serves a single user; int4 linears branch at 16 rows (to their dense
 copy, Int4Linear.dense_min_rows, or to our int4 kernel, Int4Linear.many_rows), which splits the
 dynamic graph in two (2..15 and 16..max_rows).
-Warm-up compiles them all at start (and runs every row count once), and after it a recompile is an
+Warm-up compiles them all (and runs every row count once), and after it a recompile is an
 error that sends the step down the eager path, so a step that would need another graph (a
-shape or dtype never seen) never compiles in the hot path. Live knobs (`max_num_seqs`, the
+shape or dtype never seen) never compiles in the hot path. It runs at start (`compile = on`,
+and `auto` on CUDA) or, with `auto` on a CPU, in a thread of its own while the step thread
+serves eagerly: the compiled step takes over once every graph is warm (`ready`). That thread
+runs its forwards with its own attention backend (the step state is per thread:
+attention.attention_step) and writes its dummy K/V into a block the engine holds for it. Live knobs (`max_num_seqs`, the
 token budget) change the row count only, never the graph; rows beyond `max_rows` run
 eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the model's other shape branch.
 
@@ -25,6 +29,8 @@ sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
 from types import FunctionType, MethodType
 
@@ -46,12 +52,17 @@ log = logging.getLogger(__name__)
 MAX_ROWS = MAX_DECODE_ROWS
 
 
+# The GIL's switch interval while the decode step compiles in the background (below).
+WARM_UP_SWITCH_INTERVAL_S = 1e-4
+
+
 class CompiledDecode:
     def __init__(self, model: CausalLM, max_rows: int = MAX_ROWS) -> None:
         self.model = model
         self.max_rows = max_rows
         self.warmup_s = 0.0
         self.steps = 0  # steps that ran compiled
+        self.state = "cold"  # cold | warming | ready | failed (warm-up raised: eager for good)
         self._eager_rows: set[int] = set()  # row counts the warmed-up graphs did not cover
         # emulate_precision_casts: inductor rounds fused intermediates to bf16 where eager
         # does, so outputs are the eager path's token for token. Without it SmolLM2's greedy
@@ -79,7 +90,7 @@ class CompiledDecode:
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether a step with this metadata and row count runs compiled."""
-        return not meta.prefills and 0 < rows <= self.max_rows
+        return self.state == "ready" and not meta.prefills and 0 < rows <= self.max_rows
 
     def __call__(
         self,
@@ -92,6 +103,8 @@ class CompiledDecode:
         rows = input_ids.shape[0]
         with attention_step(backend, meta):
             if rows not in self._eager_rows:
+                if self.state == "ready":  # not while warming up, on the warm-up's thread
+                    _forbid_recompiles_on_this_thread()
                 try:
                     logits = self._fn(input_ids, positions, logits_indices)
                     self.steps += 1
@@ -102,18 +115,49 @@ class CompiledDecode:
                     log.warning("decode steps of %d rows run eagerly: %s", rows, exc)
             return self.model(input_ids, positions, backend, meta, logits_indices)
 
+    def warm_up_in_background(
+        self, backend: AttentionBackend, device: torch.device, block: int
+    ) -> threading.Thread:
+        """Warm up in a daemon thread; the compiled step applies once it is done. `backend`:
+        one the step thread does not use. `block`: a KV block held for the dummy rows' K/V.
+        A failure (no C++ compiler for inductor, say) is logged and leaves the step eager."""
+
+        def run() -> None:
+            # Dynamo and inductor hold the GIL for long stretches, and every torch op of the
+            # eager step releases it, then waits a switch interval (5 ms) to get it back:
+            # SmolLM2 decoded at ~900 ms a token while compiling. At 0.1 ms, 40-67 ms (14 ms
+            # without a compile; 0.02 ms was no better); the warm-up took 31 s with inductor's
+            # cache warm, 162 s cold, serving all along. Restored once warm.
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL_S)
+            try:
+                self.warm_up(backend, device, block)
+            except Exception:
+                self.state = "failed"
+                log.exception("compiling the decode step failed; every step stays eager")
+            finally:
+                sys.setswitchinterval(interval)
+
+        self.state = "warming"
+        thread = threading.Thread(target=run, name="compile-warm-up", daemon=True)
+        thread.start()
+        return thread
+
     @torch.inference_mode()
-    def warm_up(self, backend: AttentionBackend, device: torch.device) -> None:
+    def warm_up(self, backend: AttentionBackend, device: torch.device, block: int = 0) -> None:
         """Compile the graphs for 1 row and for 2..max_rows rows, then forbid compiling more.
 
-        Runs before any request: the dummy rows write their K/V into slot 0 of block 0, which
-        holds nothing yet (and, as the decode buckets' padding block, is never read unmasked).
+        The dummy rows write their K/V into slot 0 of `block`: at start, before any request,
+        block 0, which holds nothing yet (and, as the decode buckets' padding block, is never
+        read unmasked); in the background, a block the engine holds for this.
         """
+        self.state = "warming"
         t0 = time.perf_counter()
         # After warm-up a recompile is an error (caught in __call__: those steps run eagerly),
-        # never a compile in the hot path. The flag is process-wide, hence its patch here for
-        # an engine warming up after another. (The compiler's "eager_on_recompile" stance does
-        # the same but cost every compiled call here: 78 -> 57 tok/s at batch 1.)
+        # never a compile in the hot path: set per calling thread (_forbid_recompiles...),
+        # hence its patch here for an engine warming up on a thread that forbade them for
+        # another. (The compiler's "eager_on_recompile" stance does the same but cost every
+        # compiled call here: 78 -> 57 tok/s at batch 1.)
         # specialize_float: the model's float attributes (61 RMSNorm eps on SmolLM2) are
         # constants of the graph, not tensors built from Python floats before every call.
         with torch._dynamo.config.patch(error_on_recompile=False, specialize_float=True):
@@ -121,14 +165,14 @@ class CompiledDecode:
             # that whatever bounds the graphs got (a shape branch in the model, guards a
             # cached graph brought from an earlier version of the code) are all covered here.
             for rows in (1, 2, self.max_rows, *range(3, self.max_rows)):
-                spans = [SeqSpan(1, 1, [0]) for _ in range(rows)]
+                spans = [SeqSpan(1, 1, [block]) for _ in range(rows)]
                 # Three distinct tensors: dynamo guards on aliasing between inputs too.
                 ids, positions = (torch.zeros(rows, dtype=torch.long, device=device) for _ in "ip")
                 meta = backend.prepare(spans, device)
                 self(ids, positions, torch.arange(rows, device=device), backend, meta)
-        torch._dynamo.config.error_on_recompile = True
         self.steps = 0
         self.warmup_s = time.perf_counter() - t0
+        self.state = "ready"
         log.info(
             "compiled the decode step (%d graphs: 1 row, and 2..%d rows as dynamic shapes) "
             "in %.1fs; other steps run eagerly",
@@ -136,6 +180,19 @@ class CompiledDecode:
             self.max_rows,
             self.warmup_s,
         )
+
+
+# Dynamo's config is per thread (torch 2.13: a value set on one thread is not seen on
+# another), and the step runs on the engine's step thread, not the one that warmed up: so
+# each thread that calls the compiled step forbids recompiles on itself first. (Set only at
+# warm-up, the step thread of a daemon compiled whatever new shape reached it.)
+_no_recompile = threading.local()
+
+
+def _forbid_recompiles_on_this_thread() -> None:
+    if not getattr(_no_recompile, "set", False):
+        torch._dynamo.config.error_on_recompile = True
+        _no_recompile.set = True
 
 
 def _own_code(method: MethodType) -> MethodType:
@@ -161,6 +218,15 @@ def _input_guards_only(entries: list) -> list[bool]:
     return [not entry.name.startswith("self.") for entry in entries]
 
 
-def compile_enabled(mode: str, device: torch.device) -> bool:
-    """What `engine.compile` means on `device`: auto compiles on CUDA only (see settings)."""
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
+# What `auto` does on a CPU: "background" (the daemon's default) or "off". tests/conftest.py
+# sets "off" for the suite, whose hundreds of short-lived engines would each compile for
+# 10-50 s on two cores; tests/test_compiled.py runs the background path itself.
+CPU_AUTO = "background"
+
+
+def compile_mode(mode: str, device: torch.device) -> str:
+    """What `engine.compile` means on `device`: "start" (warm up before serving: `on`, and
+    `auto` on CUDA), "background" (`auto` on a CPU: serve eagerly until warm) or "off"."""
+    if mode == "auto":
+        return "start" if device.type == "cuda" else CPU_AUTO
+    return "start" if mode == "on" else "off"

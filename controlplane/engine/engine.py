@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from controlplane.engine.build import build, make_backend
-from controlplane.engine.compiled import CompiledDecode, compile_enabled
+from controlplane.engine.compiled import CompiledDecode, compile_mode
 from controlplane.engine.cuda_graphs import (
     CudaGraphDecode,
     Replayer,
@@ -85,10 +85,21 @@ class Engine:
         backend = make_backend(s.attention_backend, self.kv_cache, self.device)
         log.info("attention: %s", type(backend).__name__)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
-        if compile_enabled(s.compile, self.device):
+        mode = compile_mode(s.compile, self.device)
+        # The block the background warm-up writes its dummy K/V into, released by the step
+        # thread (the pool's only user) once the warm-up is over.
+        self._warm_up_block: list[int] = []
+        if mode != "off":
             self.runner.compiled = CompiledDecode(self.model)
+        if mode == "start":
             self.runner.compiled.warm_up(self.runner.backend, self.device)
-        compiled = self.runner.compiled
+        elif mode == "background":
+            self._warm_up_block = self.block_pool.allocate(1)
+            own_backend = make_backend(s.attention_backend, self.kv_cache, self.device)
+            self.runner.compiled.warm_up_in_background(
+                own_backend, self.device, self._warm_up_block[0]
+            )
+        compiled = self.runner.compiled if mode == "start" else None
         if graph_replayers is not None or graphs_enabled(
             s.cuda_graphs, self.device, backend, compiled is not None
         ):
@@ -124,6 +135,13 @@ class Engine:
         self._drafted: list[Sequence] = []  # sequences the draft model proposed for this step
         # Before the first step: all zeros (step 0 is this snapshot, not a step).
         self._stats = StepStats(0, time.time(), 0, 0, 0, 0, num_blocks, 0, 0, 0, 0.0, 0, 0)
+
+    @property
+    def compile_state(self) -> str:
+        """The compiled decode step: off | warming (background: steps run eagerly) | ready |
+        failed (the warm-up raised; eager for good)."""
+        compiled = self.runner.compiled
+        return "off" if compiled is None else compiled.state
 
     # -- settings -------------------------------------------------------------------------
     @property
@@ -286,6 +304,9 @@ class Engine:
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self._warm_up_block and self.compile_state in ("ready", "failed"):
+            self.block_pool.release(self._warm_up_block)
+            self._warm_up_block = []
         self._apply_pending()
         self._propose()
         now = time.time()

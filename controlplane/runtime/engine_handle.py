@@ -211,6 +211,10 @@ class EngineHandle:
     def flops_per_token(self) -> float:
         return self._engine.engine.model_config.flops_per_token()
 
+    def compile_state(self) -> str:
+        """The compiled decode step: off | warming | ready | failed (Engine.compile_state)."""
+        return self.aengine.engine.compile_state if self.aengine else "off"
+
     def memory(self) -> dict[str, Any] | None:
         return dataclasses.asdict(self.aengine.engine.memory) if self.aengine else None
 

@@ -258,6 +258,7 @@ class Runtime:
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_queue_len=self.cfg.server.max_queue_len,
             memory=self.engine.memory(),
+            compiled_step=self.engine.compile_state(),
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
         self._incident_signals(body, now, recent)
