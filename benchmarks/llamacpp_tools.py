@@ -125,14 +125,15 @@ class Engine:
         from controlplane.engine import LLM, SamplingParams
 
         t0 = time.perf_counter()
-        self.llm = LLM(model, device="cpu", max_num_seqs=max_seqs, **overrides)
+        # long_running: the daemon's engine, whose defaults are the ones compared.
+        self.llm = LLM(model, device="cpu", max_num_seqs=max_seqs, long_running=True, **overrides)
         self._params = SamplingParams
         eng = self.llm.engine
         log(
             f"engine loaded in {time.perf_counter() - t0:.1f}s ({eng.dtype}, {eng.memory.describe()})"
         )
-        # `compile = auto` on a CPU compiles the decode step in the background: measure the
-        # engine as a daemon serves once warm, not while the compiler shares the cores.
+        # `compile = auto` in a daemon on a CPU compiles the decode step in the background:
+        # measure the engine as a daemon serves once warm, not while the compiler works.
         t0 = time.perf_counter()
         while eng.compile_state == "warming":
             time.sleep(0.2)

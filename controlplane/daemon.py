@@ -279,7 +279,7 @@ class Daemon:
         if not settings.model:  # SmolLM2 if installed, else the generated demo model
             settings = dataclasses.replace(settings, model=default_model(self.cfg))
         self.runtime.model_name = self.runtime.model_name or served_model_name(settings.model)
-        return AsyncEngine(Engine(settings))
+        return AsyncEngine(Engine(settings, long_running=True))
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()

@@ -23,8 +23,8 @@ from controlplane.engine import compiled
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# `engine.compile = auto` compiles the decode step in the background on a CPU: the suite's
-# hundreds of short-lived engines and daemons would each spend 10-50 s of its two cores on it.
+# `engine.compile = auto` compiles the decode step in the background in a daemon on a CPU: the
+# suite's dozens of short-lived daemons would each spend 10-160 s of its two cores on it.
 # Off here (in-process engines, and daemons started as processes, through their environment);
 # tests/test_compiled.py runs the background path, CI's quickstart and drills the default.
 compiled.CPU_AUTO = "off"

@@ -127,6 +127,8 @@ def test_compile_setting():
     assert compile_mode("off", cpu) == "off" and compile_mode("off", cuda) == "off"
     assert compiled_module.CPU_AUTO == "off"  # the suite's choice (conftest)
     assert compile_mode("auto", cpu) == "off"
+    assert compile_mode("auto", cpu, long_running=True) == "off"
+    assert compile_mode("auto", cuda, long_running=True) == "start"
 
 
 def _wait_for_warm_up(engine: Engine, timeout_s: float = 600) -> str:
@@ -141,11 +143,12 @@ def test_background_warm_up_serves_eagerly_then_takes_over(hf_model_dirs, monkey
     a thread of its own (its own attention backend and KV block, the step state per thread);
     the compiled step takes over when every graph is warm. Tokens are eager's throughout."""
     monkeypatch.setattr(compiled_module, "CPU_AUTO", "background")
-    assert compile_mode("auto", torch.device("cpu")) == "background"
+    assert compile_mode("auto", torch.device("cpu"), long_running=True) == "background"
+    assert compile_mode("auto", torch.device("cpu")) == "off"  # a one-off engine: LLM's
     kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", **MIXED_ENGINE)
     eager = Engine(compile="off", **kw)
     interval = sys.getswitchinterval()
-    eng = Engine(compile="auto", **kw)
+    eng = Engine(compile="auto", long_running=True, **kw)
     assert eng.compile_state == "warming"
     assert eng.block_pool.num_used == 1  # held for the warm-up's dummy K/V
     prompts, params = mixed_workload(eager.model_config.vocab_size, 3, 12)
@@ -198,7 +201,7 @@ from controlplane.engine import Engine, SamplingParams, compiled
 logging.basicConfig(level=logging.INFO)
 compiled.CPU_AUTO = "background"
 eng = Engine(model={str(hf_model_dirs["qwen2"])!r}, dtype="float32", max_num_seqs=4,
-             attention_backend="torch", compile="auto")
+             attention_backend="torch", compile="auto", long_running=True)
 while eng.compile_state == "warming":
     time.sleep(0.1)
 params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -218,15 +218,19 @@ def _input_guards_only(entries: list) -> list[bool]:
     return [not entry.name.startswith("self.") for entry in entries]
 
 
-# What `auto` does on a CPU: "background" (the daemon's default) or "off". tests/conftest.py
-# sets "off" for the suite, whose hundreds of short-lived engines would each compile for
-# 10-50 s on two cores; tests/test_compiled.py runs the background path itself.
+# What `auto` does on a CPU in a long-running engine: "background" or "off". tests/conftest.py
+# sets "off" for the suite, whose dozens of short-lived daemons would each compile for 10-160 s
+# on two cores; tests/test_compiled.py runs the background path itself.
 CPU_AUTO = "background"
 
 
-def compile_mode(mode: str, device: torch.device) -> str:
+def compile_mode(mode: str, device: torch.device, long_running: bool = False) -> str:
     """What `engine.compile` means on `device`: "start" (warm up before serving: `on`, and
-    `auto` on CUDA), "background" (`auto` on a CPU: serve eagerly until warm) or "off"."""
+    `auto` on CUDA), "background" (`auto` on a CPU in a long-running engine, the daemon's:
+    serve eagerly until warm) or "off" (also `auto` on a CPU in a one-off engine, `LLM` or a
+    benchmark's: the 20-160 s compile would slow its work 3-5x and seldom pay back)."""
     if mode == "auto":
-        return "start" if device.type == "cuda" else CPU_AUTO
+        if device.type == "cuda":
+            return "start"
+        return CPU_AUTO if long_running else "off"
     return "start" if mode == "on" else "off"

@@ -57,10 +57,13 @@ class Engine:
         settings: EngineSettings | None = None,
         *,
         graph_replayers: Callable[[], Replayer] | None = None,
+        long_running: bool = False,
         **overrides: Any,
     ) -> None:
         """`graph_replayers` (tests): capture decode steps with these replayers whatever
-        `cuda_graphs` says, e.g. `CallAgain` on a CPU (see cuda_graphs.py)."""
+        `cuda_graphs` says, e.g. `CallAgain` on a CPU (see cuda_graphs.py). `long_running`:
+        the engine serves for long (the daemon), so `compile = auto` compiles its decode
+        step in the background on a CPU (compiled.compile_mode)."""
         unknown = set(overrides) - set(EngineSettings.field_names())
         if unknown:
             key = sorted(unknown)[0]
@@ -85,7 +88,7 @@ class Engine:
         backend = make_backend(s.attention_backend, self.kv_cache, self.device)
         log.info("attention: %s", type(backend).__name__)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
-        mode = compile_mode(s.compile, self.device)
+        mode = compile_mode(s.compile, self.device, long_running)
         # The block the background warm-up writes its dummy K/V into, released by the step
         # thread (the pool's only user) once the warm-up is over.
         self._warm_up_block: list[int] = []
