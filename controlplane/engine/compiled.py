@@ -15,12 +15,13 @@ dynamic graph in two (2..15 and 16..max_rows).
 Warm-up compiles them all (and runs every row count once), and after it a recompile is an
 error that sends the step down the eager path, so a step that would need another graph (a
 shape or dtype never seen) never compiles in the hot path. It runs at start (`compile = on`,
-and `auto` on CUDA) or, with `auto` on a CPU, in a thread of its own while the step thread
-serves eagerly: the compiled step takes over once every graph is warm (`ready`). That thread
-runs its forwards with its own attention backend (the step state is per thread:
-attention.attention_step) and writes its dummy K/V into a block the engine holds for it. Live knobs (`max_num_seqs`, the
-token budget) change the row count only, never the graph; rows beyond `max_rows` run
-eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the model's other shape branch.
+and `auto` on CUDA) or, with `auto` on a CPU in the daemon, in a thread of its own while the
+step thread serves eagerly: the compiled step takes over once every graph is warm (`ready`).
+That thread runs its forwards with its own attention backend (the step state is per thread:
+attention.attention_step) and writes its dummy K/V into a block the engine holds for it.
+Live knobs (`max_num_seqs`, the token budget) change the row count only, never the graph;
+rows beyond `max_rows` run eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the
+model's other shape branch.
 
 On a GPU, `cuda_graphs.CudaGraphDecode` captures this step as CUDA graphs for padded batch
 sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles on CUDA.
