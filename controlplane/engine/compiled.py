@@ -118,8 +118,9 @@ class CompiledDecode:
 
     def warm_up_in_background(
         self, backend: AttentionBackend, device: torch.device, block: int
-    ) -> threading.Thread:
-        """Warm up in a daemon thread; the compiled step applies once it is done. `backend`:
+    ) -> None:
+        """Warm up in a daemon thread ("compile-warm-up"); the compiled step applies once it
+        is done. `backend`:
         one the step thread does not use. `block`: a KV block held for the dummy rows' K/V.
         A failure (no C++ compiler for inductor, say) is logged and leaves the step eager."""
 
@@ -140,13 +141,12 @@ class CompiledDecode:
                 sys.setswitchinterval(interval)
 
         self.state = "warming"
-        thread = threading.Thread(target=run, name="compile-warm-up", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=run, name="compile-warm-up", daemon=True).start()
 
     @torch.inference_mode()
     def warm_up(self, backend: AttentionBackend, device: torch.device, block: int = 0) -> None:
-        """Compile the graphs for 1 row and for 2..max_rows rows, then forbid compiling more.
+        """Compile the graphs for 1 row and for 2..max_rows rows; once `ready`, each thread
+        that runs the step forbids compiling more on itself (_forbid_recompiles...).
 
         The dummy rows write their K/V into slot 0 of `block`: at start, before any request,
         block 0, which holds nothing yet (and, as the decode buckets' padding block, is never
