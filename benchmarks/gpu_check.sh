@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in one call on a machine with an NVIDIA GPU: the Triton attention tests
 # compiled for the GPU (the same cases the CPU suite runs under the interpreter), the
-# gpu-marked tests (CUDA graphs over the compiled step), then benchmarks/gpu_decode.py.
+# gpu-marked tests (CUDA graphs over the compiled step, the quantized kernels), then
+# benchmarks/gpu_decode.py.
 # Logs and JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (for packages the
 # machine lacks, e.g. sqlalchemy for tests/conftest.py) are installed to /tmp/site first.
 set -uo pipefail
@@ -18,6 +19,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m "not drill" \
     tests/test_triton_attention.py 2>&1 | tee "$OUT/pytest_triton.log" | tail -15
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m gpu \
-    tests/test_cuda_graphs.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+    tests/test_cuda_graphs.py tests/test_quant_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 timeout "${BENCH_TIMEOUT:-330}" python3 -m benchmarks.gpu_decode --json "$OUT/gpu_decode.json" \
     "$@" 2>&1 | tee "$OUT/gpu_decode.log" | tail -20

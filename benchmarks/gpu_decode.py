@@ -11,7 +11,9 @@ baseline every ratio is against):
 * `triton`: the Triton paged-attention kernels, eager;
 * `triton+graphs`: Triton, `compile = on`, `cuda_graphs = auto` (decode steps replayed from
   graphs captured at start);
-* `triton+graphs+int8kv`: the same over an int8 KV cache.
+* `triton+graphs+int8kv`: the same over an int8 KV cache;
+* `triton+graphs+int8w`, `triton+graphs+int4w`: the same with weight-only int8 / int4 linears
+  (and an int8 lm_head): torch's `_weight_int8pack_mm` and tinygemm's `_weight_int4pack_mm`.
 
 Per variant: start-up (construction, compile and capture included), batch-1 decode tokens/s
 (one request, a 32-token prompt, `--new-tokens` greedy tokens, EOS ignored, (n - 1) / decode
@@ -45,6 +47,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "triton+graphs+int8kv": dict(
         attention_backend="triton", compile="on", cuda_graphs="auto", kv_cache_dtype="int8"
     ),
+    # Weight-only quantized linears (lm_head int8 too): torch's int8 kernel and tinygemm.
+    **{
+        f"triton+graphs+{kind}w": dict(
+            attention_backend="triton",
+            compile="on",
+            cuda_graphs="auto",
+            quantization=kind,
+            quantize_lm_head=True,
+        )
+        for kind in ("int8", "int4")
+    },
 }
 
 

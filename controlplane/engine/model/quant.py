@@ -103,7 +103,8 @@ def kernel_dtype(device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
     and AVX512) only for bfloat16 activations, converting them to float32 in registers, so
     they need no native bf16: measured here, W8 with float32 activations ran 10-16x slower
     than with bf16 ones, in both the AVX512 and the AVX2 builds of the kernels. Elsewhere
-    (other CPUs, the fallback) the model dtype is kept; tinygemm on CUDA takes bf16 only.
+    (other CPUs, the fallback) the model dtype is kept. On CUDA torch's int8 kernel takes
+    float16 and bfloat16; tinygemm (int4) takes bfloat16 only (Int4Linear asks for it).
     """
     if device.type == "cuda":
         return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -248,6 +249,9 @@ class Int4Linear(nn.Module):
         device = weight.device
         self.kernel = kernel or _int4_kernel(device)
         self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
+        if self.kernel == "int4pack_mm_cuda":
+            # tinygemm takes bf16 only: a float16 model's activations failed in it (H100).
+            self.act_dtype = torch.bfloat16
         rows = {"int4pack_mm_cpu": _CPU_INT4_ROWS, "int4pack_mm_cuda": _CUDA_INT4_ROWS}
         cols = _CUDA_INNER_K_TILES * 16 if self.kernel == "int4pack_mm_cuda" else group_size
         # Zero rows / columns pad the weight to the shapes the kernels accept; padded columns
