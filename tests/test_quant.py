@@ -36,6 +36,8 @@ from harness import InProcessDaemon, write_config
 from tests.conftest import require_smollm2, traced_logits
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+# Int8 linears on a CPU take our kernel where it built (csrc/int8_linear.cpp), else torch's.
+INT8_KERNEL = "int8_cpu" if cpu_ops.available() else "int8pack_mm"
 TOKEN = "quant-token-0123456789abcdef"
 
 
@@ -114,7 +116,7 @@ def test_quantized_linears_match_the_float_linear(dtype, rows):
     # W8A16: weight rounding (~0.5%) plus 16-bit activations; W4A16 group 32: ~6-8%.
     assert rel_err(y8, ref) < 0.02
     assert rel_err(y4, ref) < 0.12
-    assert int8.kernel == "int8pack_mm" and int4.kernel == "int4pack_mm_cpu"
+    assert int8.kernel == INT8_KERNEL and int4.kernel == "int4pack_mm_cpu"
 
 
 def test_int4_kernel_is_exact_on_weights_already_on_its_grid():
@@ -139,7 +141,8 @@ def test_packed_kernels_match_the_dequantize_fallback(k, n):
     fast8 = quant.Int8Linear(q8, lin.bias, torch.float32)
     slow8 = quant.Int8Linear(q8, lin.bias, torch.float32, kernel="dequant")
     assert slow8.kernel == "dequant"
-    assert fast8.kernel == ("int8pack_mm" if k % 16 == 0 else "dequant")
+    # Ours takes any K; torch's bf16 kernel needs K % 16 == 0.
+    assert fast8.kernel == INT8_KERNEL if cpu_ops.available() or k % 16 == 0 else "dequant"
     assert rel_err(fast8(x), slow8(x)) < 1e-2
     fast4 = quant.Int4Linear(lin.weight, lin.bias, 32, torch.float32)
     slow4 = quant.Int4Linear(lin.weight, lin.bias, 32, torch.float32, kernel="dequant")
@@ -171,10 +174,12 @@ def test_bf16_activations_at_an_unaligned_address_are_safe():
 def test_weight_bytes_counts_what_quantization_saves():
     lin = linear(256, 512)
     float_bytes = quant.weight_bytes(lin)
-    int8 = quant.weight_bytes(quant.quantize_linear(lin, "int8", 32))
+    mod8 = quant.quantize_linear(lin, "int8", 32)
+    int8 = quant.weight_bytes(mod8)
     int4 = quant.weight_bytes(quant.quantize_linear(lin, "int4", 32))
     assert float_bytes == 256 * 512 * 4
-    assert int8 == 256 * 512 + 512 * 2  # int8 weights + one bf16 scale per output channel
+    # int8 weights + one scale per output channel (float32 for our kernel, else bf16)
+    assert int8 == 256 * 512 + 512 * (4 if mod8.kernel == "int8_cpu" else 2)
     assert int4 == 256 * 512 // 2 + (256 // 32) * 512 * 2 * 2  # nibbles + bf16 scale & zero
 
 
@@ -208,6 +213,59 @@ def test_int4_dense_copy_serves_many_row_steps_with_the_same_weights(bias):
 needs_cpu_ops = pytest.mark.skipif(
     not cpu_ops.available(), reason="our CPU kernels did not build here"
 )
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(208, 96), (37, 576), (64, 17), (5, 40)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 40])
+def test_int8_linear_is_a_float32_dot_product_and_batch_invariant(n, k, rows, dtype):
+    # K tails (17, 40, 96: not whole vectors), weight-row tails (37, 5: not whole groups of
+    # 4), row counts on and off the 6-row tiles; scales or none.
+    q = quant.quantize_int8(linear(k, n).weight)
+    x = activations(rows, k).to(dtype)
+    op = torch.ops.controlplane_cpu.int8_linear
+    y = op(x, q.qweight, q.scales)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    want = (x.double() @ q.qweight.double().T) * q.scales.double()
+    assert float((y - want).abs().max() / want.abs().max()) < 1e-5  # float32 sums
+    unscaled = op(x, q.qweight, None)
+    assert torch.allclose(unscaled * q.scales, y, rtol=1e-6, atol=0)
+    # Each row alone gives its row of the batch, bit for bit.
+    alone = torch.cat([op(x[i : i + 1], q.qweight, q.scales) for i in range(rows)])
+    assert torch.equal(alone, y)
+
+
+@needs_cpu_ops
+def test_int8_linear_errors_name_the_argument():
+    q = quant.quantize_int8(linear(64, 32).weight)
+    op = torch.ops.controlplane_cpu.int8_linear
+    x = activations(3, 64)
+    with pytest.raises(RuntimeError, match=r"x: \[rows, 64\]"):
+        op(x[:, :48], q.qweight, q.scales)
+    with pytest.raises(RuntimeError, match="weight: contiguous int8"):
+        op(x, q.qweight.int(), q.scales)
+    with pytest.raises(RuntimeError, match=r"scales: \[32\]"):
+        op(x, q.qweight, q.scales[:16])
+    with pytest.raises(RuntimeError, match="x: float32, bfloat16 or float16"):
+        op(x.double(), q.qweight, q.scales)
+
+
+@needs_cpu_ops
+def test_int8_linears_and_the_lm_head_take_our_kernel():
+    lin = linear(576, 300, bias=True)
+    mod = quant.quantize_linear(lin, "int8", 32)
+    torch_kernel = quant.Int8Linear(
+        quant.quantize_int8(lin.weight), lin.bias, torch.float32, kernel="int8pack_mm"
+    )
+    assert mod.kernel == "int8_cpu" and mod.scales.dtype == torch.float32
+    x = activations(4, 576)
+    assert rel_err(mod(x), torch_kernel(x)) < 1e-2 and rel_err(mod(x), lin(x)) < 0.02
+    head = quant.Int8Linear(
+        quant.quantize_int8(lin.weight), None, torch.bfloat16, float_scales=True
+    )
+    assert head.kernel == "int8_cpu" and head._unit is None
+    assert head(x.bfloat16()).dtype == torch.bfloat16
 
 
 @needs_cpu_ops

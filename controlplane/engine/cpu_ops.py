@@ -1,7 +1,8 @@
 """Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
 
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` (cpu_ops.cpp, used by
-cpu_attention.py) and `int4_linear` (int4_linear.cpp, used by model/quant.py).
+cpu_attention.py), `int4_linear` and `int8_linear` (int4_linear.cpp, int8_linear.cpp, used by
+model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -25,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_linear.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp")
 )
 
 _lock = threading.Lock()
@@ -86,7 +88,7 @@ def _build() -> bool:
         log.warning("CPU kernels not built (%s); using torch's kernels", _state["error"][:300])
         return False
     ops = torch.ops.controlplane_cpu
-    if not (hasattr(ops, "paged_decode_attention") and hasattr(ops, "int4_linear")):
+    if not all(hasattr(ops, op) for op in ("paged_decode_attention", "int4_linear", "int8_linear")):
         _state["error"] = "the library loaded without its ops"
         return False
     _register_fakes()
@@ -110,6 +112,10 @@ def _register_fakes() -> None:
         split: bool,
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], packed.shape[0]))
+
+    @torch.library.register_fake("controlplane_cpu::int8_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 # A build takes under a minute; a lock this much older was left by a process killed mid-build.

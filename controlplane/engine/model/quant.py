@@ -9,8 +9,11 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   linears at batch-1 decode here (benchmarks/quant_kernels.py; README "Quantization"). Int4
   steps of `Int4Linear.many_rows` rows or more take our `int4_linear` (csrc/int4_linear.cpp)
   on the same packed weight: torch's results bit for bit, faster there.
+  Int8 steps take our `int8_linear` (csrc/int8_linear.cpp) where it built: the weight read
+  once per call for all rows, float32 sums.
 * CUDA: `torch._weight_int8pack_mm` and tinygemm's `torch._weight_int4pack_mm` (bf16
-  activations). Written against torch's documented layouts, not yet run on a GPU.
+  activations): correct on an H100 (tests/test_quant_gpu.py), slower than bf16 there
+  (docs/models.md).
 * Anywhere else, or where a kernel rejects the shape or dtype: dequantize, then `F.linear`.
 
 INT4 uses tinygemm's convention on both devices: w = (q - 8) * scale + zero, q in [0, 15], one
@@ -143,23 +146,43 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.qweight.shape
         device = weight.qweight.device
         self.kernel = kernel or _int8_kernel(device, self.in_features)
-        self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
+        # Ours takes the model's activations as they are (float32 sums either way).
+        keep = self.kernel in ("dequant", "int8_cpu")
+        self.act_dtype = dtype if keep else kernel_dtype(device, dtype)
         self.register_buffer("qweight", weight.qweight)
         # float_scales (the lm_head): the kernel runs with unit scales and the float32 ones
         # multiply its output. Rounded to bf16 (8 mantissa bits) a row's scale is off by up to
         # 0.4%, the same for every logit of that token: on SmolLM2 perplexity rose 0.59% with
         # bf16 scales, 0.44% with float32 ones (tests/data/perplexity.txt).
-        scales_dtype = torch.float32 if float_scales else self.act_dtype
+        ours = self.kernel == "int8_cpu"
+        scales_dtype = torch.float32 if float_scales or ours else self.act_dtype
         self.register_buffer("scales", weight.scales.to(scales_dtype))
-        unit = torch.ones_like(self.scales, dtype=self.act_dtype) if float_scales else None
+        unit = (
+            torch.ones_like(self.scales, dtype=self.act_dtype)
+            if float_scales and not ours
+            else None
+        )
         self.register_buffer("_unit", unit, persistent=False)
         self.bias = None if bias is None else bias.detach().to(dtype)
+        if ours and float_scales:
+            # A wide lm_head makes the dequantized GEMM costly (its 28M weights converted and
+            # a [rows, 49152] output scaled): ours wins up to ~200 rows. Measured (SmolLM2's,
+            # 2 threads, Xeon; ms, ours / dequantized): 32 rows 10.4 / 24.9, 128 rows 33.0 /
+            # 40.7, 256 rows 77.6 / 62.7. So every prompt chunk of up to 128 rows (the default
+            # chunk) gets its logits from one kernel, however it was split.
+            self.dequant_min_rows = 256
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.numel() // self.in_features
         if self.kernel == "dequant" or rows >= self.dequant_min_rows:
-            y = F.linear(x.reshape(rows, self.in_features), self.dequantize(x.dtype))
+            # The int8 values are exact in any float dtype; the scales multiply the output in
+            # float32, never rounded to a 16-bit dtype (see float_scales above).
+            y = F.linear(x.reshape(rows, self.in_features), self.qweight.to(x.dtype))
+            y = (y.float() * self.scales.float()).to(x.dtype)
+        elif self.kernel == "int8_cpu":
+            x2 = x.reshape(rows, self.in_features)
+            y = torch.ops.controlplane_cpu.int8_linear(x2, self.qweight, self.scales).to(x.dtype)
         elif self._unit is not None:
             x2 = _kernel_input(x, self.in_features, self.act_dtype)
             y = torch._weight_int8pack_mm(x2, self.qweight, self._unit).float() * self.scales
@@ -201,6 +224,8 @@ class Int8Embedding(nn.Module):
 
 
 def _int8_kernel(device: torch.device, k: int) -> str:
+    if device.type == "cpu" and _int8_ours():
+        return "int8_cpu"
     if not hasattr(torch, "_weight_int8pack_mm") or device.type not in ("cpu", "cuda"):
         return "dequant"
     # The CPU kernel's bf16 path reads rows with aligned 16-element loads: with K % 16 != 0
@@ -341,6 +366,14 @@ def _int4_layout() -> tuple[int, bool] | None:
         log.warning("our int4 kernel does not match torch's on this CPU; keeping torch's")
         return None
     return layout
+
+
+@functools.cache
+def _int8_ours() -> bool:
+    """Whether our int8 kernel (csrc/int8_linear.cpp) built on this machine."""
+    from controlplane.engine import cpu_ops
+
+    return cpu_ops.available()
 
 
 def _int4_kernel(device: torch.device) -> str:

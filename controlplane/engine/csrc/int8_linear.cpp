@@ -1,0 +1,128 @@
+// int8_linear: y = (x @ w.T) * scales for an int8 weight [N, K] (one scale per output row),
+// float32 out. Written for the lm_head of a decode step (SmolLM2: 49152 x 576, 28 MB of int8,
+// 1 to 32 rows): each weight row is read from memory once per call whatever the row count,
+// converted to float32 in registers and multiplied into every row of x. torch's
+// `_weight_int8pack_mm` read it at 14 GB/s for one row and again for every few rows (its
+// cost per call grew with the rows), and rounds its sum to bf16 before our float32 scale.
+//
+// Each output is one float32 dot product: per-lane FMA chains over k in vectors, the lanes
+// reduced in a fixed tree, the K tail added after, then times the row's scale. The order never
+// depends on M, so a row's result does not depend on what shares its call (batch invariance:
+// a sequence's logits are the same alone or in a batch).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// Weight rows converted together, x rows per pass over them: accumulators (kRows x kW) plus
+// the kW converted weight vectors and one x vector fit the register file (32 zmm; 16 ymm).
+constexpr int kW = 4;
+constexpr int kRows = kLanes == 16 ? 6 : 2;
+
+// kLanes int8 weights as float32 (exact: |q| <= 127).
+inline Vec load_int8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// ROWS rows of x (float32, row stride K) against W weight rows starting at w (row stride K).
+template <int ROWS, int W>
+void tile(const float* x, int64_t K, const int8_t* w, const float* scales, float* out, int64_t ldo) {
+  const int64_t kv = K - K % kLanes;
+  Vec acc[ROWS][W];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = Vec(0.0f);
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    Vec wv[W];
+    for (int j = 0; j < W; ++j) wv[j] = load_int8(w + j * K + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const Vec a = Vec::loadu(x + r * K + k);
+      for (int j = 0; j < W; ++j) acc[r][j] = at::vec::fmadd(a, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int j = 0; j < W; ++j) {
+      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][j]);
+      for (int64_t k = kv; k < K; ++k) sum += x[r * K + k] * static_cast<float>(w[j * K + k]);
+      out[r * ldo + j] = scales ? sum * scales[j] : sum;
+    }
+  }
+}
+
+template <int W>
+void rows_against(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, float* out,
+                  int64_t ldo) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile<kRows, W>(x + m * K, K, w, scales, out + m * ldo, ldo);
+  const float* xm = x + m * K;
+  float* om = out + m * ldo;
+  switch (M - m) {
+    case 0: break;
+    case 1: tile<1, W>(xm, K, w, scales, om, ldo); break;
+#if defined(CPU_CAPABILITY_AVX512)
+    case 2: tile<2, W>(xm, K, w, scales, om, ldo); break;
+    case 3: tile<3, W>(xm, K, w, scales, om, ldo); break;
+    case 4: tile<4, W>(xm, K, w, scales, om, ldo); break;
+    case 5: tile<5, W>(xm, K, w, scales, om, ldo); break;
+#endif
+    default: TORCH_CHECK(false, "int8_linear: internal row split");
+  }
+}
+
+// Weight rows per parallel task: 64 x 576 bytes (36 KB) stay in L2 while every row block of x
+// passes over them.
+constexpr int64_t kTaskRows = 64;
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "weight: contiguous int8 [N, K]");
+  const int64_t N = weight.size(0);
+  const int64_t K = weight.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [rows, ", K, "] (the weight's in_features), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x: float32, bfloat16 or float16, got ", x.scalar_type());
+  const float* sp = nullptr;
+  at::Tensor s;
+  if (scales.has_value()) {
+    s = scales->to(at::kFloat).contiguous();
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == N, "scales: [", N, "] (one per output row), got ", scales->sizes());
+    sp = s.const_data_ptr<float>();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.const_data_ptr<float>();
+  const int8_t* wp = weight.const_data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n1 = std::min(N, (t + 1) * kTaskRows);
+      int64_t n = t * kTaskRows;
+      for (; n + kW <= n1; n += kW) rows_against<kW>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
+      for (; n < n1; ++n) rows_against<1>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) { m.def("int8_linear(Tensor x, Tensor weight, Tensor? scales) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("int8_linear", &int8_linear); }
