@@ -331,6 +331,22 @@ def test_int4_many_row_steps_take_our_kernel_with_torch_kernel_results(bias, mon
     assert len(calls) == 2  # the two many-row steps
 
 
+def test_many_rows_is_the_fewest_rows_where_our_int4_kernel_wins():
+    pick = quant.pick_many_rows
+    assert pick({16: (2.0, 1.0), 32: (4.0, 2.0)}) == 16
+    assert pick({16: (1.0, 1.1), 32: (4.0, 2.0)}) == 32  # an AMD EPYC's case
+    assert pick({16: (1.0, 1.1), 32: (2.0, 2.2)}) == 64  # prompt chunks only
+    assert pick({16: (1.0, 1.0), 32: (2.0, 2.0)}) == 64  # a tie keeps torch's
+
+
+@needs_cpu_ops
+def test_int4_linears_carry_the_many_rows_measured_on_this_machine():
+    chosen = quant.int4_many_rows()
+    assert chosen in quant.MANY_ROWS_CHOICES
+    mod = quant.quantize_linear(linear(96, 64), "int4", 32)
+    assert mod.layout is not None and mod.many_rows == chosen
+
+
 def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):
     kw = dict(model=str(tiny_model_dir), quantization="int4", kv_cache_memory_bytes=8 << 20)
     on, off = Engine(int4_dense_copy=True, **kw), Engine(**kw)  # off by default

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,10 +254,11 @@ class Int4Linear(nn.Module):
     dense_min_rows = 16
     # From this many rows on, our `int4_linear` (csrc/int4_linear.cpp: the same results bit
     # for bit, each weight panel dequantized once per call instead of once per 4 rows) takes
-    # the step. Measured (2 threads, Xeon; us a call, torch's kernel / ours): 576 -> 3072 at
-    # 8 rows 250 / 249, 16 rows 489 / 337, 33 rows 1096 / 667, 512 rows 15517 / 7340; 576 ->
-    # 576 at 16 rows 94 / 96, 512 rows 3602 / 1527. 16 is also where the dense copy cuts in,
-    # so a compiled decode graph splits at one row count either way (compiled.py).
+    # the step. Where it pays depends on the CPU, so each process measures it once
+    # (int4_many_rows; this is the default where it cannot): on a Xeon (2 threads; us a
+    # call, torch's kernel / ours) 576 -> 3072 at 16 rows 489 / 337, 33 rows 1096 / 667, 512
+    # rows 15517 / 7340; on an AMD EPYC ours was 0.82-0.97x torch's at 16 rows, 0.88-1.01x at
+    # 32, 1.02-1.18x from 128 (benchmarks/int4_linear.py).
     many_rows = 16
 
     def __init__(
@@ -300,6 +302,8 @@ class Int4Linear(nn.Module):
             self.dense = torch.ops.mkldnn._reorder_linear_weight(w4.dequantize().to(bf16), None)
         # (block_n, split) of torch's packed layout, for our many-row kernel; None: torch's.
         self.layout = _int4_layout() if cpu_bf16 and self.dense is None else None
+        if self.layout is not None:
+            self.many_rows = int4_many_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -366,6 +370,61 @@ def _int4_layout() -> tuple[int, bool] | None:
         log.warning("our int4 kernel does not match torch's on this CPU; keeping torch's")
         return None
     return layout
+
+
+# Where our int4 kernel may take over: at 16 or 32 rows (decode batches; a compiled decode
+# graph splits there), else from 64 (prompt chunks only).
+MANY_ROWS_CHOICES = (16, 32, 64)
+
+
+def pick_many_rows(timings: dict[int, tuple[float, float]]) -> int:
+    """The fewest rows, of MANY_ROWS_CHOICES, from which ours is faster: `timings` maps a row
+    count to (torch's time, ours) at it; the last choice when ours never wins."""
+    for rows in MANY_ROWS_CHOICES[:-1]:
+        torch_s, ours_s = timings[rows]
+        if ours_s < torch_s:
+            return rows
+    return MANY_ROWS_CHOICES[-1]
+
+
+@functools.cache
+def int4_many_rows() -> int:
+    """Int4Linear.many_rows on this machine: both kernels timed once per process (~5 ms) on a
+    SmolLM2-sized weight (576 -> 1536, group 32), best of 5 calls at 16 and 32 rows."""
+    layout = _int4_layout()
+    if layout is None:
+        return Int4Linear.many_rows
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = 1536, 576, 32
+    q = quantize_int4(torch.randn(n, k, generator=gen), group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    scales = q.scales_and_zeros.to(torch.bfloat16)
+
+    def best(fn, x) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn(x)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    timings = {}
+    for rows in MANY_ROWS_CHOICES[:-1]:
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        timings[rows] = (
+            best(lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, group, scales), x),
+            best(
+                lambda x: torch.ops.controlplane_cpu.int4_linear(x, packed, scales, group, *layout),
+                x,
+            ),
+        )
+    chosen = pick_many_rows(timings)
+    log.info(
+        "int4: our kernel from %d rows (torch's / ours, us: %s)",
+        chosen,
+        ", ".join(f"{r} rows {a * 1e6:.0f} / {b * 1e6:.0f}" for r, (a, b) in timings.items()),
+    )
+    return chosen
 
 
 @functools.cache
