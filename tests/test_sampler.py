@@ -24,3 +24,25 @@ def test_greedy_tokens_are_the_first_of_equal_maxima():
     tokens, _ = Sampler(0, torch.device("cpu"))(logits, [_seq(i, greedy) for i in range(16)])
     assert tokens == logits.argmax(dim=-1).tolist()
     assert tokens[3] == 7
+
+
+def test_sampled_tokens_follow_the_filtered_distribution_and_seeds():
+    vocab, rows = 50, 4000
+    probs = torch.zeros(vocab)
+    probs[[3, 10, 11, 49]] = torch.tensor([0.5, 0.2, 0.2, 0.1])  # the rest filtered out
+    logits = probs.clamp(min=1e-30).log().expand(rows, vocab).contiguous()
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler(0, torch.device("cpu"))
+    tokens, _ = sampler(logits, [_seq(i, params) for i in range(rows)])
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).float() / rows
+    assert set(tokens) == {3, 10, 11, 49}  # never an entry of probability zero
+    assert torch.allclose(counts[[3, 10, 11, 49]], probs[[3, 10, 11, 49]], atol=0.03)
+    # A seeded request draws from its own generator: the same token whatever shares its batch.
+    seeded = SamplingParams(temperature=1.0, seed=5)
+
+    def alone_then_batched(n: int) -> int:
+        seqs = [_seq(i, params) for i in range(n)] + [_seq(n, seeded)]
+        seqs[-1].generator = torch.Generator().manual_seed(5)
+        return sampler(logits[: n + 1], seqs)[0][-1]
+
+    assert len({alone_then_batched(n) for n in (0, 1, 3, 8, 17, 30)}) == 1

@@ -67,6 +67,28 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of `probs`, drawn by inverting the row's CDF at one uniform
+        number: a request with a seed draws it from its own generator, so its tokens do not
+        depend on what else shares the batch. (argmax(p / Exp(1)) needed an exponential
+        number per vocabulary entry: 13.6 ms a step for 16 rows of SmolLM2's 49,152 on a CPU,
+        a third of the step; this takes 0.4 ms.) The CDF is summed in float64, and the first
+        entry above u * total is taken: an entry of probability zero is never drawn."""
+        cdf = probs.double().cumsum(dim=-1)
+        u = torch.empty(len(generators), 1, dtype=torch.float64, device=probs.device)
+        unseeded = [j for j, gen in enumerate(generators) if gen is None]
+        if unseeded:
+            u[unseeded] = torch.rand(
+                len(unseeded), 1, dtype=torch.float64, device=probs.device, generator=self.generator
+            )
+        for j, gen in enumerate(generators):
+            if gen is not None:
+                u[j] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=gen)
+        total = cdf[:, -1:].contiguous()
+        picked = torch.searchsorted(cdf, u * total, right=True)
+        # u * total can round up to total (once in ~2**53): then the last entry with mass.
+        return torch.minimum(picked, torch.searchsorted(cdf, total)).squeeze(1)
+
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -88,19 +110,7 @@ class Sampler:
         if rand_rows:
             rows = torch.tensor(rand_rows, device=logits.device)
             probs = _filter(logits[rows], [seqs[i] for i in rand_rows])
-            # argmax(p / Exp(1)) samples from p; each seeded request draws from its own
-            # generator, so its tokens do not depend on what else shares the batch.
-            noise = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(rand_rows) if seqs[i].generator is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(
-                    len(unseeded), probs.shape[1], device=probs.device
-                ).exponential_(generator=self.generator)
-            for j, i in enumerate(rand_rows):
-                gen = seqs[i].generator
-                if gen is not None:
-                    noise[j].exponential_(generator=gen)
-            tokens[rows] = (probs / noise).max(dim=-1).indices
+            tokens[rows] = self._draw(probs, [seqs[i].generator for i in rand_rows])
 
         token_list = tokens.tolist()
         lps: list[TokenLogprobs | None] = [None] * len(seqs)
