@@ -151,10 +151,11 @@ class Int8Linear(nn.Module):
         keep = self.kernel in ("dequant", "int8_cpu")
         self.act_dtype = dtype if keep else kernel_dtype(device, dtype)
         self.register_buffer("qweight", weight.qweight)
-        # float_scales (the lm_head): the kernel runs with unit scales and the float32 ones
-        # multiply its output. Rounded to bf16 (8 mantissa bits) a row's scale is off by up to
-        # 0.4%, the same for every logit of that token: on SmolLM2 perplexity rose 0.59% with
-        # bf16 scales, 0.44% with float32 ones (tests/data/perplexity.txt).
+        # float_scales (the lm_head): torch's kernel runs with unit scales and the float32 ones
+        # multiply its output (ours takes float32 scales always). Rounded to bf16 (8 mantissa
+        # bits) a row's scale is off by up to 0.4%, the same for every logit of that token: on
+        # SmolLM2 perplexity rose 0.59% with bf16 scales, 0.44-0.49% with float32 ones through
+        # torch's kernel, 0.47% through ours (tests/data/perplexity.txt).
         ours = self.kernel == "int8_cpu"
         scales_dtype = torch.float32 if float_scales or ours else self.act_dtype
         self.register_buffer("scales", weight.scales.to(scales_dtype))
@@ -225,7 +226,9 @@ class Int8Embedding(nn.Module):
 
 
 def _int8_kernel(device: torch.device, k: int) -> str:
-    if device.type == "cpu" and _int8_ours():
+    from controlplane.engine import cpu_ops
+
+    if device.type == "cpu" and cpu_ops.available():  # ours (csrc/int8_linear.cpp)
         return "int8_cpu"
     if not hasattr(torch, "_weight_int8pack_mm") or device.type not in ("cpu", "cuda"):
         return "dequant"
@@ -425,14 +428,6 @@ def int4_many_rows() -> int:
         ", ".join(f"{r} rows {a * 1e6:.0f} / {b * 1e6:.0f}" for r, (a, b) in timings.items()),
     )
     return chosen
-
-
-@functools.cache
-def _int8_ours() -> bool:
-    """Whether our int8 kernel (csrc/int8_linear.cpp) built on this machine."""
-    from controlplane.engine import cpu_ops
-
-    return cpu_ops.available()
 
 
 def _int4_kernel(device: torch.device) -> str:
