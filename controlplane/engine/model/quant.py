@@ -147,8 +147,9 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.qweight.shape
         device = weight.qweight.device
         self.kernel = kernel or _int8_kernel(device, self.in_features)
+        ours = self.kernel == "int8_cpu"
         # Ours takes the model's activations as they are (float32 sums either way).
-        keep = self.kernel in ("dequant", "int8_cpu")
+        keep = ours or self.kernel == "dequant"
         self.act_dtype = dtype if keep else kernel_dtype(device, dtype)
         self.register_buffer("qweight", weight.qweight)
         # float_scales (the lm_head): torch's kernel runs with unit scales and the float32 ones
@@ -156,7 +157,6 @@ class Int8Linear(nn.Module):
         # bits) a row's scale is off by up to 0.4%, the same for every logit of that token: on
         # SmolLM2 perplexity rose 0.59% with bf16 scales, 0.44-0.49% with float32 ones through
         # torch's kernel, 0.47% through ours (tests/data/perplexity.txt).
-        ours = self.kernel == "int8_cpu"
         scales_dtype = torch.float32 if float_scales or ours else self.act_dtype
         self.register_buffer("scales", weight.scales.to(scales_dtype))
         unit = (
@@ -195,9 +195,6 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.qweight.to(dtype).mul_(self.scales.to(dtype)[:, None])
 
     def extra_repr(self) -> str:
         return (
