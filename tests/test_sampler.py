@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from controlplane.engine import SamplingParams
-from controlplane.engine.sampler import Sampler
+from controlplane.engine.sampler import Sampler, draw
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import RequestMetrics
 
@@ -46,3 +46,17 @@ def test_sampled_tokens_follow_the_filtered_distribution_and_seeds():
         return sampler(logits[: n + 1], seqs)[0][-1]
 
     assert len({alone_then_batched(n) for n in (0, 1, 3, 8, 17, 30)}) == 1
+
+
+def test_one_row_draw_follows_unnormalized_probabilities():
+    """Speculative decoding draws its correction token from an unnormalized residual."""
+    residual = torch.zeros(49152)
+    residual[[0, 7, 49151]] = torch.tensor([0.06, 0.03, 0.01])  # sums to 0.1, not 1
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.tensor([draw(residual, gen) for _ in range(3000)])
+    counts = torch.bincount(tokens, minlength=49152).float() / len(tokens)
+    assert set(tokens.tolist()) == {0, 7, 49151}
+    assert torch.allclose(counts[[0, 7, 49151]], torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+    # The same generator state, the same token.
+    a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert [draw(residual, a) for _ in range(20)] == [draw(residual, b) for _ in range(20)]

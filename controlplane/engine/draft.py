@@ -16,7 +16,7 @@ from controlplane.engine.attention import SeqSpan, TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
-from controlplane.engine.sampler import filter_probs
+from controlplane.engine.sampler import draw, filter_probs
 from controlplane.engine.sequence import Sequence
 
 
@@ -107,5 +107,5 @@ class DraftModel:
                 continue
             q = filter_probs(logits[i : i + 1], [seq.params])[0]
             gen = seq.generator or generator
-            seq.draft_token_ids.append(int(torch.multinomial(q, 1, generator=gen)))
+            seq.draft_token_ids.append(draw(q, gen))
             probs[seq].append(q)

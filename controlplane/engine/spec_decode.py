@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from controlplane.engine.sampler import apply_penalties, filter_probs
+from controlplane.engine.sampler import apply_penalties, draw, filter_probs
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import TokenLogprobs
 
@@ -128,7 +128,7 @@ def verify(
     for i in range(len(drafts) + 1):
         probs, best = _row_distribution(rows[i], seq, out)
         if i == len(drafts):  # every draft accepted: the bonus token
-            token = best if probs is None else int(torch.multinomial(probs, 1, generator=gen))
+            token = best if probs is None else draw(probs, gen)
             out.append(token)
             break
         d = drafts[i]
@@ -150,7 +150,7 @@ def verify(
             residual = (probs - q).clamp_min_(0.0)
         if float(residual.sum()) <= 0.0:  # p == q: nothing left to correct; p itself
             residual = probs
-        out.append(int(torch.multinomial(residual, 1, generator=gen)))
+        out.append(draw(residual, gen))
         break
     lps: list[TokenLogprobs | None] = [None] * len(out)
     if raw_lp is not None:
