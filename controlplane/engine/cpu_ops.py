@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp")
+    for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp", "w4a8_linear.cpp")
 )
 
 _lock = threading.Lock()
@@ -88,7 +88,10 @@ def _build() -> bool:
         log.warning("CPU kernels not built (%s); using torch's kernels", _state["error"][:300])
         return False
     ops = torch.ops.controlplane_cpu
-    if not all(hasattr(ops, op) for op in ("paged_decode_attention", "int4_linear", "int8_linear")):
+    if not all(
+        hasattr(ops, op)
+        for op in ("paged_decode_attention", "int4_linear", "int8_linear", "w4a8_linear")
+    ):
         _state["error"] = "the library loaded without its ops"
         return False
     _register_fakes()
@@ -112,6 +115,10 @@ def _register_fakes() -> None:
         split: bool,
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], packed.shape[0]))
+
+    @torch.library.register_fake("controlplane_cpu::w4a8_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("controlplane_cpu::int8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

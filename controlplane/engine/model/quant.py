@@ -275,6 +275,8 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         device = weight.device
         self.kernel = kernel or _int4_kernel(device)
+        if self.kernel == "w4a8_cpu" and group_size % W4A8_GROUP:
+            self.kernel = "int4pack_mm_cpu"
         self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
         if self.kernel == "int4pack_mm_cuda":
             # tinygemm takes bf16 only: a float16 model's activations failed in it (H100).
@@ -290,27 +292,43 @@ class Int4Linear(nn.Module):
             (0, self.padded_in - self.in_features, 0, self.padded_out - self.out_features),
         )
         q = quantize_int4(w, group_size)
-        self.register_buffer("scales_and_zeros", q.scales_and_zeros.to(self.act_dtype))
+        if self.kernel == "w4a8_cpu":
+            # A (scale, min) pair per 32 input features, float16 (GGUF Q4_1's own numbers).
+            repeat = group_size // W4A8_GROUP
+            scales = q.scales_and_zeros[..., 0].t().repeat_interleave(repeat, dim=1)
+            zeros = q.scales_and_zeros[..., 1].t().repeat_interleave(repeat, dim=1)
+            self.register_buffer("scales", scales.half().contiguous())
+            # q * scale + min == (q - 8) * scale + zero
+            self.register_buffer("mins", (zeros - 8 * scales).half().contiguous())
+        else:
+            self.register_buffer("scales_and_zeros", q.scales_and_zeros.to(self.act_dtype))
         self.register_buffer("packed", _pack_int4(q.qvalues, self.kernel))
         self.bias = None if bias is None else bias.detach().to(dtype)
         self.dense: torch.Tensor | None = None  # oneDNN's opaque layout (see the class doc)
         bf16 = torch.bfloat16
-        cpu_bf16 = self.kernel == "int4pack_mm_cpu" and self.act_dtype == bf16
+        cpu_bf16 = self.kernel in ("int4pack_mm_cpu", "w4a8_cpu") and self.act_dtype == bf16
         if dense and cpu_bf16 and cpu_packing_supported(bf16):
-            # The kernel's own weights: its bf16 scales and zeros applied to the int4 values.
-            w4 = Int4Weight(q.qvalues, self.scales_and_zeros.float(), group_size)
-            self.dense = torch.ops.mkldnn._reorder_linear_weight(w4.dequantize().to(bf16), None)
+            # The kernel's own weights: its scales and zeros applied to the int4 values.
+            self.dense = torch.ops.mkldnn._reorder_linear_weight(
+                self._dequantize(q.qvalues).to(bf16), None
+            )
         # (block_n, split) of torch's packed layout, for our many-row kernel; None: torch's.
-        self.layout = _int4_layout() if cpu_bf16 and self.dense is None else None
+        torch_cpu = self.kernel == "int4pack_mm_cpu" and self.act_dtype == bf16
+        self.layout = _int4_layout() if torch_cpu and self.dense is None else None
         if self.layout is not None:
             self.many_rows = int4_many_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = _kernel_input(x, self.in_features, self.act_dtype)
+        rows = x.numel() // self.in_features
+        w4a8 = self.kernel == "w4a8_cpu" and (self.dense is None or rows < self.dense_min_rows)
+        # W4A8 takes the model's dtype (it quantizes the activations itself).
+        x2 = _kernel_input(x, self.in_features, x.dtype if w4a8 else self.act_dtype)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-        if self.dense is not None and x2.shape[0] >= self.dense_min_rows:
+        if w4a8:
+            y = torch.ops.controlplane_cpu.w4a8_linear(x2, self.packed, self.scales, self.mins)
+        elif self.dense is not None and rows >= self.dense_min_rows:
             y = packed_matmul(x2, self.dense, None, self.padded_out)
         elif self.layout is not None and x2.shape[0] >= self.many_rows:
             y = torch.ops.controlplane_cpu.int4_linear(
@@ -332,11 +350,21 @@ class Int4Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The padded float32 weight; only the fallback kernel's nibble layout is unpacked."""
-        if self.kernel != "dequant":
+        """The padded float32 weight; torch's kernels' layouts are opaque."""
+        if self.kernel == "w4a8_cpu":
+            groups = self.packed.view(self.padded_out, -1, 1, W4A8_GROUP // 2)
+            q = torch.cat((groups & 15, groups >> 4), dim=2).view(self.padded_out, -1)
+        elif self.kernel == "dequant":
+            q = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).view(self.padded_out, -1)
+        else:
             raise RuntimeError(f"kernel {self.kernel} keeps an opaque layout")
-        q = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).view(self.padded_out, -1)
-        return Int4Weight(q.int(), self.scales_and_zeros.float(), self.group_size).dequantize()
+        return self._dequantize(q.int())
+
+    def _dequantize(self, q: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "w4a8_cpu":
+            scales = self.scales.float().repeat_interleave(W4A8_GROUP, dim=1)
+            return q.float() * scales + self.mins.float().repeat_interleave(W4A8_GROUP, dim=1)
+        return Int4Weight(q, self.scales_and_zeros.float(), self.group_size).dequantize()
 
     def extra_repr(self) -> str:
         return (
@@ -427,6 +455,20 @@ def int4_many_rows() -> int:
     return chosen
 
 
+# Input features per int8 activation scale in csrc/w4a8_linear.cpp (GGUF's Q8_1 block).
+W4A8_GROUP = 32
+
+
+def w4a8_available() -> bool:
+    """Whether our W4A8 kernel serves int4 linears on this CPU: where our kernels are built
+    for AVX2 or AVX512 (its integer dot products are AVX2's; elsewhere it would run a
+    scalar loop, slower than torch's kernel)."""
+    from controlplane.engine import cpu_ops
+
+    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return simd and cpu_ops.available()
+
+
 def _int4_kernel(device: torch.device) -> str:
     if device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         return "int4pack_mm_cpu"
@@ -442,20 +484,26 @@ def _pack_int4(qvalues: torch.Tensor, kernel: str) -> torch.Tensor:
         # tinygemm's CUDA packer takes two values a byte, the even-indexed one high.
         pairs = (qvalues[:, ::2] << 4 | qvalues[:, 1::2]).to(torch.uint8)
         return torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES)
+    if kernel == "w4a8_cpu":  # per 32 values: k = j low nibble, k = 16 + j high (GGUF's Q4_1)
+        halves = qvalues.to(torch.uint8).view(qvalues.shape[0], -1, 2, W4A8_GROUP // 2)
+        return (halves[:, :, 0] | halves[:, :, 1] << 4).flatten(1).contiguous()
     # The fallback keeps two values a byte too (low nibble first): memory is the point.
     return (qvalues[:, ::2] | qvalues[:, 1::2] << 4).to(torch.uint8)
 
 
 def quantize_linear(
-    linear: nn.Linear, kind: str, group_size: int, dense: bool = False
+    linear: nn.Linear, kind: str, group_size: int, dense: bool = False, w4a8: bool = False
 ) -> nn.Module:
     """The quantized replacement of `linear` (weights on its device, activations in its dtype;
-    `dense`: an int4 linear's bf16 copy for many-row steps, see Int4Linear)."""
+    `dense`: an int4 linear's bf16 copy for many-row steps, see Int4Linear; `w4a8`: int8
+    activations where our kernel runs, see w4a8_available)."""
     dtype = linear.weight.dtype
     if kind == "int8":
         return Int8Linear(quantize_int8(linear.weight), linear.bias, dtype)
     if kind == "int4":
-        return Int4Linear(linear.weight, linear.bias, group_size, dtype, dense=dense)
+        cpu_w4a8 = w4a8 and linear.weight.device.type == "cpu" and w4a8_available()
+        kernel = "w4a8_cpu" if cpu_w4a8 else ""
+        return Int4Linear(linear.weight, linear.bias, group_size, dtype, kernel, dense=dense)
     raise ValueError(f"unknown quantization {kind!r}; known: {', '.join(QUANTIZATIONS)}")
 
 
@@ -468,6 +516,7 @@ class QuantConfig:
     lm_head: bool = False  # lm_head in int8
     embedding: bool = False  # the token embedding table in int8 (shared with a tied lm_head)
     dense: bool = False  # int4 linears keep a bf16 copy for many-row steps (Int4Linear)
+    w4a8: bool = False  # int4 linears take int8 activations on x86 CPUs (engine.int4_kernel)
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
@@ -484,7 +533,12 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     count = 0
     if quant.kind != "none":
         count = quantize_linears(
-            model, quant.kind, quant.group_size, skip=("lm_head",), dense=quant.dense
+            model,
+            quant.kind,
+            quant.group_size,
+            skip=("lm_head",),
+            dense=quant.dense,
+            w4a8=quant.w4a8,
         )
     lm_head = getattr(model, "lm_head", None)
     embed = model.model.embed_tokens
@@ -514,7 +568,12 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
 
 
 def quantize_linears(
-    model: nn.Module, kind: str, group_size: int, skip: tuple[str, ...] = (), dense: bool = False
+    model: nn.Module,
+    kind: str,
+    group_size: int,
+    skip: tuple[str, ...] = (),
+    dense: bool = False,
+    w4a8: bool = False,
 ) -> int:
     """Swap every nn.Linear (except names in `skip`) for its quantized version; returns how many.
 
@@ -525,7 +584,7 @@ def quantize_linears(
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, nn.Linear) and full not in skip:
-                setattr(parent, name, quantize_linear(child, kind, group_size, dense))
+                setattr(parent, name, quantize_linear(child, kind, group_size, dense, w4a8))
                 count += 1
     return count
 

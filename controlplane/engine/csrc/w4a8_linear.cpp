@@ -1,0 +1,206 @@
+// w4a8_linear: y = x @ w.T for a 4-bit weight with a (scale, min) pair per 32 input features,
+// the activations quantized to int8 per 32 values on the way in, the dot products summed in
+// integers: GGUF's Q4_1 x Q8_1, the scheme llama.cpp decodes one token with.
+//
+// Why: torch's int4 CPU kernel converts every weight and every activation to float32 and
+// multiplies in float FMAs; for one row it is bound by that arithmetic, not by memory. Here a
+// group of 32 weights against 32 int8 activations is two integer instructions (maddubs, madd)
+// and one float FMA, so a decode step reads the weights at close to the memory's speed.
+//
+// The weight, [N, K / 2] bytes: for group g of row n, bytes 16g .. 16g + 15 hold the values of
+// k = 32g + j in their low nibble and k = 32g + 16 + j in their high nibble (as GGUF's Q4_1
+// blocks do). Its value is q * scale + min, scale and min float16 [N, K / 32] each (a GGUF
+// Q4_1 file's own numbers, exactly). The activations of a row: per 32 values x ~ d * xq, d =
+// max|x| / 127, xq = round(x / d) (half to even), int8. Then
+//   y[m, n] = sum_g scale[n, g] d[m, g] (sum_j q xq) + min[n, g] (d[m, g] sum_j xq).
+// A row's result never depends on how many rows share the call: integer sums are exact and
+// the float ones run in a fixed order (batch invariance).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+// Rows of x per pass over a weight row: each unpacked group is used this many times.
+constexpr int kRows = 4;
+// Weight rows per pass: 4 x 2 accumulators, 2 unpacked groups and the constants fit 16 ymm.
+constexpr int kW = 2;
+// Weight rows per parallel task.
+constexpr int64_t kTaskRows = 16;
+
+// One row of x as int8 per group, its groups' d and d * sum(xq).
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* d, float* dsum) {
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    float amax = 0.0f;
+    for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float dg = amax / 127.0f;
+    const float id = dg > 0.0f ? 1.0f / dg : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < kGroup; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xg[j] * id));
+      xq[g * kGroup + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[g] = dg;
+    dsum[g] = dg * static_cast<float>(sum);
+  }
+}
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// W weight rows' scales and mins as float32, [W][G] each.
+template <int W>
+void load_scales(const at::Half* scale, const at::Half* mins, int64_t G, float* sc, float* mn) {
+  for (int w = 0; w < W; ++w) {
+    int64_t g = 0;
+#if defined(__F16C__)
+    for (; g + 8 <= G; g += 8) {
+      _mm256_storeu_ps(sc + w * G + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + w * G + g))));
+      _mm256_storeu_ps(mn + w * G + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + w * G + g))));
+    }
+#endif
+    for (; g < G; ++g) {
+      sc[w * G + g] = static_cast<float>(scale[w * G + g]);
+      mn[w * G + g] = static_cast<float>(mins[w * G + g]);
+    }
+  }
+}
+
+// R rows of x (their int8 groups xq, d, dsum; row strides K and G) against W weight rows w
+// (row stride K / 2) whose scales and mins are sc, mn ([W][G] float32). out: [R][W], stride ldo.
+template <int R, int W>
+void tile(const uint8_t* w, const float* sc, const float* mn, const int8_t* xq, const float* d, const float* dsum,
+          int64_t K, float* out, int64_t ldo) {
+  const int64_t G = K / kGroup;
+#if defined(__AVX2__)
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i q[W];
+    for (int j = 0; j < W; ++j) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (K / 2) + g * (kGroup / 2)));
+      q[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * kGroup));
+      const __m256 dr = _mm256_broadcast_ss(d + r * G + g);
+      for (int j = 0; j < W; ++j) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q[j], a), ones));
+        acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dr), _mm256_broadcast_ss(sc + j * G + g), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < W; ++j) {
+      __m256 m = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= G; g += 8)
+        m = _mm256_fmadd_ps(_mm256_loadu_ps(mn + j * G + g), _mm256_loadu_ps(dsum + r * G + g), m);
+      float tail = 0.0f;
+      for (; g < G; ++g) tail += mn[j * G + g] * dsum[r * G + g];
+      out[r * ldo + j] = hsum(acc[r][j]) + hsum(m) + tail;
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < W; ++j) {
+      float total = 0.0f;
+      float m = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        int dot = 0;
+        for (int i = 0; i < kGroup / 2; ++i) {
+          const uint8_t b = w[j * (K / 2) + g * (kGroup / 2) + i];
+          dot += (b & 15) * xq[r * K + g * kGroup + i] + (b >> 4) * xq[r * K + g * kGroup + 16 + i];
+        }
+        total += static_cast<float>(dot) * d[r * G + g] * sc[j * G + g];
+        m += mn[j * G + g] * dsum[r * G + g];
+      }
+      out[r * ldo + j] = total + m;
+    }
+  }
+#endif
+}
+
+// All M rows of x against W weight rows.
+template <int W>
+void rows_against(const uint8_t* w, const at::Half* scale, const at::Half* mins, const int8_t* xq, const float* d,
+                  const float* dsum, int64_t M, int64_t K, float* out, int64_t ldo, float* sc, float* mn) {
+  const int64_t G = K / kGroup;
+  load_scales<W>(scale, mins, G, sc, mn);
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows)
+    tile<kRows, W>(w, sc, mn, xq + m * K, d + m * G, dsum + m * G, K, out + m * ldo, ldo);
+  for (; m < M; ++m) tile<1, W>(w, sc, mn, xq + m * K, d + m * G, dsum + m * G, K, out + m * ldo, ldo);
+}
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const at::Tensor& mins) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "weight: contiguous uint8 [N, K / 2]");
+  const int64_t N = weight.size(0);
+  const int64_t K = weight.size(1) * 2;
+  TORCH_CHECK(K % kGroup == 0, "in_features ", K, " is not a multiple of ", kGroup);
+  const int64_t G = K / kGroup;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == G,
+                "scales and mins: contiguous float16 [", N, ", ", G, "], got ", t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [rows, ", K, "] (the weight's in_features), got ", x.sizes());
+  const int64_t M = x.size(0);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat));
+  at::Tensor xs = at::empty({M, G}, x.options().dtype(at::kFloat));
+  const float* xp = xf.const_data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* dp = xd.data_ptr<float>();
+  float* sp = xs.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * G, sp + m * G);
+
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = weight.const_data_ptr<uint8_t>();
+  const at::Half* scp = scales.const_data_ptr<at::Half>();
+  const at::Half* mnp = mins.const_data_ptr<at::Half>();
+  at::parallel_for(0, (N + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc(kW * G), mn(kW * G);
+    const int64_t n1 = std::min(N, end * kTaskRows);
+    int64_t n = begin * kTaskRows;
+    for (; n + kW <= n1; n += kW)
+      rows_against<kW>(wp + n * (K / 2), scp + n * G, mnp + n * G, qp, dp, sp, M, K, op + n, N, sc.data(), mn.data());
+    for (; n < n1; ++n)
+      rows_against<1>(wp + n * (K / 2), scp + n * G, mnp + n * G, qp, dp, sp, M, K, op + n, N, sc.data(), mn.data());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
+  m.def("w4a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor mins) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("w4a8_linear", &w4a8_linear); }
