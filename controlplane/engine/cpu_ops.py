@@ -1,8 +1,8 @@
 """Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
 
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` (cpu_ops.cpp, used by
-cpu_attention.py), `int4_linear` and `int8_linear` (int4_linear.cpp, int8_linear.cpp, used by
-model/quant.py).
+cpu_attention.py), `int4_linear`, `int8_linear` and `w4a8_linear` (int4_linear.cpp, int8_linear.cpp,
+w4a8_linear.cpp, used by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and

@@ -10,7 +10,8 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   steps of `Int4Linear.many_rows` rows or more take our `int4_linear` (csrc/int4_linear.cpp)
   on the same packed weight: torch's results bit for bit, faster there.
   Int8 steps take our `int8_linear` (csrc/int8_linear.cpp) where it built: the weight read
-  once per call for all rows, float32 sums.
+  once per call for all rows, float32 sums. With `engine.int4_kernel = w4a8`, int4 linears
+  take our `w4a8_linear` (csrc/w4a8_linear.cpp) instead: int8 activations, integer sums.
 * CUDA: `torch._weight_int8pack_mm` and tinygemm's `torch._weight_int4pack_mm` (bf16
   activations): correct on an H100 (tests/test_quant_gpu.py), slower than bf16 there
   (docs/models.md).
