@@ -97,7 +97,6 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
     the linears quantized) and the embedding stays float.
     """
     dense = s.int4_dense_copy and s.cpu_weight_packing
-    w4a8 = s.int4_kernel == "w4a8"
     if quantization == "auto":
         return QuantConfig(
             cfg.stored_quantization,
@@ -106,14 +105,14 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
             or (s.quantize_lm_head and cfg.stored_quantization != "none"),
             embedding=cfg.stored_quantized_embedding,
             dense=dense,
-            w4a8=w4a8,
+            int8_activations=s.quantize_activations,
         )
     return QuantConfig(
         quantization,
         s.quantization_group_size,
         s.quantize_lm_head and quantization != "none",
         dense=dense,
-        w4a8=w4a8,
+        int8_activations=s.quantize_activations,
     )
 
 

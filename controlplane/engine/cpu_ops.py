@@ -1,8 +1,8 @@
 """Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
 
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` (cpu_ops.cpp, used by
-cpu_attention.py), `int4_linear`, `int8_linear` and `w4a8_linear` (int4_linear.cpp, int8_linear.cpp,
-w4a8_linear.cpp, used by model/quant.py).
+cpu_attention.py), `int4_linear`, `int8_linear`, `w4a8_linear` and `w8a8_linear` (int4_linear.cpp,
+int8_linear.cpp, int8_activations.cpp, used by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp", "w4a8_linear.cpp")
+    for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp", "int8_activations.cpp")
 )
 
 _lock = threading.Lock()
@@ -90,7 +90,13 @@ def _build() -> bool:
     ops = torch.ops.controlplane_cpu
     if not all(
         hasattr(ops, op)
-        for op in ("paged_decode_attention", "int4_linear", "int8_linear", "w4a8_linear")
+        for op in (
+            "paged_decode_attention",
+            "int4_linear",
+            "int8_linear",
+            "w4a8_linear",
+            "w8a8_linear",
+        )
     ):
         _state["error"] = "the library loaded without its ops"
         return False
@@ -118,6 +124,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("controlplane_cpu::w4a8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("controlplane_cpu::w8a8_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("controlplane_cpu::int8_linear")

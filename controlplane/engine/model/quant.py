@@ -10,8 +10,9 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   steps of `Int4Linear.many_rows` rows or more take our `int4_linear` (csrc/int4_linear.cpp)
   on the same packed weight: torch's results bit for bit, faster there.
   Int8 steps take our `int8_linear` (csrc/int8_linear.cpp) where it built: the weight read
-  once per call for all rows, float32 sums. With `engine.int4_kernel = w4a8`, int4 linears
-  take our `w4a8_linear` (csrc/w4a8_linear.cpp) instead: int8 activations, integer sums.
+  once per call for all rows, float32 sums. With `engine.quantize_activations`, int4 linears
+  and the int8 lm_head take our `w4a8_linear` / `w8a8_linear` instead
+  (csrc/int8_activations.cpp): int8 activations, integer sums.
 * CUDA: `torch._weight_int8pack_mm` and tinygemm's `torch._weight_int4pack_mm` (bf16
   activations): correct on an H100 (tests/test_quant_gpu.py), slower than bf16 there
   (docs/models.md).
@@ -148,7 +149,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.qweight.shape
         device = weight.qweight.device
         self.kernel = kernel or _int8_kernel(device, self.in_features)
-        ours = self.kernel == "int8_cpu"
+        ours = self.kernel in ("int8_cpu", "w8a8_cpu")
         # Ours takes the model's activations as they are (float32 sums either way).
         keep = ours or self.kernel == "dequant"
         self.act_dtype = dtype if keep else kernel_dtype(device, dtype)
@@ -186,6 +187,9 @@ class Int8Linear(nn.Module):
         elif self.kernel == "int8_cpu":
             x2 = x.reshape(rows, self.in_features)
             y = torch.ops.controlplane_cpu.int8_linear(x2, self.qweight, self.scales).to(x.dtype)
+        elif self.kernel == "w8a8_cpu":
+            x2 = x.reshape(rows, self.in_features)
+            y = torch.ops.controlplane_cpu.w8a8_linear(x2, self.qweight, self.scales).to(x.dtype)
         elif self._unit is not None:
             x2 = _kernel_input(x, self.in_features, self.act_dtype)
             y = torch._weight_int8pack_mm(x2, self.qweight, self._unit).float() * self.scales
@@ -238,7 +242,8 @@ def _int8_kernel(device: torch.device, k: int) -> str:
 
 
 class Int4Linear(nn.Module):
-    """W4A16: 4-bit weights, a (scale, zero) pair per group of input features.
+    """W4A16: 4-bit weights, a (scale, zero) pair per group of input features (W4A8 with the
+    `w4a8_cpu` kernel: engine.quantize_activations, csrc/int8_activations.cpp).
 
     With `dense`, on a CPU that packs bf16 for oneDNN, the module also keeps its dequantized
     weights (the int4 values times their scales, in bf16) packed for oneDNN, for steps of
@@ -276,7 +281,7 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         device = weight.device
         self.kernel = kernel or _int4_kernel(device)
-        if self.kernel == "w4a8_cpu" and group_size % W4A8_GROUP:
+        if self.kernel == "w4a8_cpu" and group_size % A8_GROUP:
             self.kernel = "int4pack_mm_cpu"
         self.act_dtype = kernel_dtype(device, dtype) if self.kernel != "dequant" else dtype
         if self.kernel == "int4pack_mm_cuda":
@@ -295,7 +300,7 @@ class Int4Linear(nn.Module):
         q = quantize_int4(w, group_size)
         if self.kernel == "w4a8_cpu":
             # A (scale, min) pair per 32 input features, float16 (GGUF Q4_1's own numbers).
-            repeat = group_size // W4A8_GROUP
+            repeat = group_size // A8_GROUP
             scales = q.scales_and_zeros[..., 0].t().repeat_interleave(repeat, dim=1)
             zeros = q.scales_and_zeros[..., 1].t().repeat_interleave(repeat, dim=1)
             self.register_buffer("scales", scales.half().contiguous())
@@ -353,7 +358,7 @@ class Int4Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The padded float32 weight; torch's kernels' layouts are opaque."""
         if self.kernel == "w4a8_cpu":
-            groups = self.packed.view(self.padded_out, -1, 1, W4A8_GROUP // 2)
+            groups = self.packed.view(self.padded_out, -1, 1, A8_GROUP // 2)
             q = torch.cat((groups & 15, groups >> 4), dim=2).view(self.padded_out, -1)
         elif self.kernel == "dequant":
             q = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).view(self.padded_out, -1)
@@ -363,8 +368,8 @@ class Int4Linear(nn.Module):
 
     def _dequantize(self, q: torch.Tensor) -> torch.Tensor:
         if self.kernel == "w4a8_cpu":
-            scales = self.scales.float().repeat_interleave(W4A8_GROUP, dim=1)
-            return q.float() * scales + self.mins.float().repeat_interleave(W4A8_GROUP, dim=1)
+            scales = self.scales.float().repeat_interleave(A8_GROUP, dim=1)
+            return q.float() * scales + self.mins.float().repeat_interleave(A8_GROUP, dim=1)
         return Int4Weight(q, self.scales_and_zeros.float(), self.group_size).dequantize()
 
     def extra_repr(self) -> str:
@@ -456,18 +461,24 @@ def int4_many_rows() -> int:
     return chosen
 
 
-# Input features per int8 activation scale in csrc/w4a8_linear.cpp (GGUF's Q8_1 block).
-W4A8_GROUP = 32
+# Input features per int8 activation scale in csrc/int8_activations.cpp (GGUF's Q8_1 block).
+A8_GROUP = 32
 
 
-def w4a8_available() -> bool:
-    """Whether our W4A8 kernel serves int4 linears on this CPU: where our kernels are built
-    for AVX2 or AVX512 (its integer dot products are AVX2's; elsewhere it would run a
-    scalar loop, slower than torch's kernel)."""
+def int8_activations_available() -> bool:
+    """Whether our int8-activation kernels (engine.quantize_activations) serve on this CPU:
+    where our kernels are built for AVX2 or AVX512 (their integer dot products are AVX2's;
+    elsewhere they would run a scalar loop, slower than torch's kernels)."""
     from controlplane.engine import cpu_ops
 
     simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     return simd and cpu_ops.available()
+
+
+def _a8(weight: torch.Tensor, wanted: bool) -> bool:
+    """Whether a linear of `weight` takes int8 activations (their groups: 32 input features)."""
+    cpu = weight.device.type == "cpu" and weight.shape[1] % A8_GROUP == 0
+    return wanted and cpu and int8_activations_available()
 
 
 def _int4_kernel(device: torch.device) -> str:
@@ -486,24 +497,30 @@ def _pack_int4(qvalues: torch.Tensor, kernel: str) -> torch.Tensor:
         pairs = (qvalues[:, ::2] << 4 | qvalues[:, 1::2]).to(torch.uint8)
         return torch._convert_weight_to_int4pack(pairs, _CUDA_INNER_K_TILES)
     if kernel == "w4a8_cpu":  # per 32 values: k = j low nibble, k = 16 + j high (GGUF's Q4_1)
-        halves = qvalues.to(torch.uint8).view(qvalues.shape[0], -1, 2, W4A8_GROUP // 2)
+        halves = qvalues.to(torch.uint8).view(qvalues.shape[0], -1, 2, A8_GROUP // 2)
         return (halves[:, :, 0] | halves[:, :, 1] << 4).flatten(1).contiguous()
     # The fallback keeps two values a byte too (low nibble first): memory is the point.
     return (qvalues[:, ::2] | qvalues[:, 1::2] << 4).to(torch.uint8)
 
 
 def quantize_linear(
-    linear: nn.Linear, kind: str, group_size: int, dense: bool = False, w4a8: bool = False
+    linear: nn.Linear,
+    kind: str,
+    group_size: int,
+    dense: bool = False,
+    int8_activations: bool = False,
 ) -> nn.Module:
     """The quantized replacement of `linear` (weights on its device, activations in its dtype;
-    `dense`: an int4 linear's bf16 copy for many-row steps, see Int4Linear; `w4a8`: int8
-    activations where our kernel runs, see w4a8_available)."""
+    `dense`: an int4 linear's bf16 copy for many-row steps, see Int4Linear;
+    `int8_activations`: where our kernels for them run, see int8_activations_available)."""
     dtype = linear.weight.dtype
+    a8 = _a8(linear.weight, int8_activations)
     if kind == "int8":
-        return Int8Linear(quantize_int8(linear.weight), linear.bias, dtype)
+        return Int8Linear(
+            quantize_int8(linear.weight), linear.bias, dtype, "w8a8_cpu" if a8 else ""
+        )
     if kind == "int4":
-        cpu_w4a8 = w4a8 and linear.weight.device.type == "cpu" and w4a8_available()
-        kernel = "w4a8_cpu" if cpu_w4a8 else ""
+        kernel = "w4a8_cpu" if a8 else ""
         return Int4Linear(linear.weight, linear.bias, group_size, dtype, kernel, dense=dense)
     raise ValueError(f"unknown quantization {kind!r}; known: {', '.join(QUANTIZATIONS)}")
 
@@ -517,7 +534,8 @@ class QuantConfig:
     lm_head: bool = False  # lm_head in int8
     embedding: bool = False  # the token embedding table in int8 (shared with a tied lm_head)
     dense: bool = False  # int4 linears keep a bf16 copy for many-row steps (Int4Linear)
-    w4a8: bool = False  # int4 linears take int8 activations on x86 CPUs (engine.int4_kernel)
+    # Quantized linears round their activations to int8 (engine.quantize_activations).
+    int8_activations: bool = False
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
@@ -539,14 +557,16 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
             quant.group_size,
             skip=("lm_head",),
             dense=quant.dense,
-            w4a8=quant.w4a8,
+            int8_activations=quant.int8_activations,
         )
     lm_head = getattr(model, "lm_head", None)
     embed = model.model.embed_tokens
     tied = isinstance(lm_head, nn.Linear) and lm_head.weight is getattr(embed, "weight", None)
     dtype = embed.weight.dtype
     if quant.lm_head and isinstance(lm_head, nn.Linear):
-        head = Int8Linear(quantize_int8(lm_head.weight), lm_head.bias, dtype, float_scales=True)
+        kernel = "w8a8_cpu" if _a8(lm_head.weight, quant.int8_activations) else ""
+        q = quantize_int8(lm_head.weight)
+        head = Int8Linear(q, lm_head.bias, dtype, kernel, float_scales=True)
         model.lm_head = head
         count += 1
         if tied and quant.embedding:
@@ -574,7 +594,7 @@ def quantize_linears(
     group_size: int,
     skip: tuple[str, ...] = (),
     dense: bool = False,
-    w4a8: bool = False,
+    int8_activations: bool = False,
 ) -> int:
     """Swap every nn.Linear (except names in `skip`) for its quantized version; returns how many.
 
@@ -585,7 +605,9 @@ def quantize_linears(
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, nn.Linear) and full not in skip:
-                setattr(parent, name, quantize_linear(child, kind, group_size, dense, w4a8))
+                setattr(
+                    parent, name, quantize_linear(child, kind, group_size, dense, int8_activations)
+                )
                 count += 1
     return count
 

@@ -1,20 +1,23 @@
-// w4a8_linear: y = x @ w.T for a 4-bit weight with a (scale, min) pair per 32 input features,
-// the activations quantized to int8 per 32 values on the way in, the dot products summed in
-// integers: GGUF's Q4_1 x Q8_1, the scheme llama.cpp decodes one token with.
+// Linears whose activations are rounded to int8 per 32 values on the way in and whose dot
+// products are summed in integers (engine.quantize_activations): GGUF's Q8_1 activations,
+// the scheme llama.cpp decodes one token with.
 //
-// Why: torch's int4 CPU kernel converts every weight and every activation to float32 and
-// multiplies in float FMAs; for one row it is bound by that arithmetic, not by memory. Here a
-// group of 32 weights against 32 int8 activations is two integer instructions (maddubs, madd)
-// and one float FMA, so a decode step reads the weights at close to the memory's speed.
+// Why: torch's int4 CPU kernel and our int8 one widen every weight and every activation to
+// float32 and multiply in float FMAs; for one row on a 2-core AVX2 EPYC they were bound by that
+// arithmetic, not by memory (5-7 GB/s of its 14). Here a group of 32 weights against 32 int8
+// activations is two integer instructions (maddubs, madd) and one float FMA.
 //
-// The weight, [N, K / 2] bytes: for group g of row n, bytes 16g .. 16g + 15 hold the values of
-// k = 32g + j in their low nibble and k = 32g + 16 + j in their high nibble (as GGUF's Q4_1
-// blocks do). Its value is q * scale + min, scale and min float16 [N, K / 32] each (a GGUF
-// Q4_1 file's own numbers, exactly). The activations of a row: per 32 values x ~ d * xq, d =
-// max|x| / 127, xq = round(x / d) (half to even), int8. Then
+// Activations, per row and group of 32: x ~ d * xq, d = max|x| / 127, xq = round(x / d) (half
+// to even), int8. A row's result never depends on how many rows share the call: integer sums
+// are exact and the float ones run in a fixed order (batch invariance).
+//
+// w4a8_linear: a 4-bit weight, [N, K / 2] bytes: for group g of row n, bytes 16g .. 16g + 15
+// hold the values of k = 32g + j in their low nibble and k = 32g + 16 + j in their high nibble
+// (as GGUF's Q4_1 blocks do). Its value is q * scale + min, scale and min float16 [N, K / 32]
+// each (a GGUF Q4_1 file's own numbers, exactly). Then
 //   y[m, n] = sum_g scale[n, g] d[m, g] (sum_j q xq) + min[n, g] (d[m, g] sum_j xq).
-// A row's result never depends on how many rows share the call: integer sums are exact and
-// the float ones run in a fixed order (batch invariance).
+// w8a8_linear: an int8 weight [N, K] with one float32 scale per row (our lm_head):
+//   y[m, n] = scale[n] sum_g d[m, g] (sum_j w xq).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -155,6 +158,107 @@ void rows_against(const uint8_t* w, const at::Half* scale, const at::Half* mins,
   for (; m < M; ++m) tile<1, W>(w, sc, mn, xq + m * K, d + m * G, dsum + m * G, K, out + m * ldo, ldo);
 }
 
+// R rows of x (row strides K and G) against W int8 weight rows w (row stride K), scaled by
+// scales[0 .. W). out: [R][W], stride ldo.
+template <int R, int W>
+void tile8(const int8_t* w, const float* scales, const int8_t* xq, const float* d, int64_t K, float* out,
+           int64_t ldo) {
+  const int64_t G = K / kGroup;
+#if defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i wv[W], wabs[W];
+    for (int j = 0; j < W; ++j) {
+      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + g * kGroup));
+      wabs[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |w| as unsigned bytes (|-128| = 128)
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * kGroup));
+      const __m256 dr = _mm256_broadcast_ss(d + r * G + g);
+      for (int j = 0; j < W; ++j) {
+        // |w| * (x with w's sign) == w * x; a pair's sum stays within int16 (2 * 128 * 127).
+        const __m256i prod = _mm256_maddubs_epi16(wabs[j], _mm256_sign_epi8(a, wv[j]));
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones)), dr, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) out[r * ldo + j] = hsum(acc[r][j]) * scales[j];
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < W; ++j) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        int dot = 0;
+        for (int i = 0; i < kGroup; ++i) dot += w[j * K + g * kGroup + i] * xq[r * K + g * kGroup + i];
+        total += static_cast<float>(dot) * d[r * G + g];
+      }
+      out[r * ldo + j] = total * scales[j];
+    }
+  }
+#endif
+}
+
+struct Quantized {
+  at::Tensor xq, d, dsum;
+};
+
+// x [M, K] (any float dtype) as int8 groups of 32 (see the top of the file).
+Quantized quantize_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [rows, ", K, "] (the weight's in_features), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x: float32, bfloat16 or float16, got ", x.scalar_type());
+  const int64_t M = x.size(0);
+  const int64_t G = K / kGroup;
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  Quantized q{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, G}, x.options().dtype(at::kFloat)),
+              at::empty({M, G}, x.options().dtype(at::kFloat))};
+  const float* xp = xf.const_data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xp + m * K, K, q.xq.data_ptr<int8_t>() + m * K, q.d.data_ptr<float>() + m * G,
+                 q.dsum.data_ptr<float>() + m * G);
+  return q;
+}
+
+template <int W>
+void rows_against8(const int8_t* w, const float* scales, const int8_t* xq, const float* d, int64_t M, int64_t K,
+                   float* out, int64_t ldo) {
+  const int64_t G = K / kGroup;
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile8<kRows, W>(w, scales, xq + m * K, d + m * G, K, out + m * ldo, ldo);
+  for (; m < M; ++m) tile8<1, W>(w, scales, xq + m * K, d + m * G, K, out + m * ldo, ldo);
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "weight: contiguous int8 [N, K]");
+  const int64_t N = weight.size(0);
+  const int64_t K = weight.size(1);
+  TORCH_CHECK(K % kGroup == 0, "in_features ", K, " is not a multiple of ", kGroup);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
+                  scales.size(0) == N,
+              "scales: contiguous float32 [", N, "], got ", scales.scalar_type(), " ", scales.sizes());
+  const Quantized q = quantize_rows(x, K);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const int8_t* wp = weight.const_data_ptr<int8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const int8_t* qp = q.xq.const_data_ptr<int8_t>();
+  const float* dp = q.d.const_data_ptr<float>();
+  // 64 weight rows a task (36 KB of SmolLM2's lm_head) stay in L2 while every row block passes.
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n1 = std::min(N, end * 64);
+    int64_t n = begin * 64;
+    for (; n + kW <= n1; n += kW) rows_against8<kW>(wp + n * K, sp + n, qp, dp, M, K, op + n, N);
+    for (; n < n1; ++n) rows_against8<1>(wp + n * K, sp + n, qp, dp, M, K, op + n, N);
+  });
+  return out;
+}
+
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& mins) {
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
@@ -168,17 +272,11 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                     t->size(1) == G,
                 "scales and mins: contiguous float16 [", N, ", ", G, "], got ", t->scalar_type(), " ", t->sizes());
   }
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [rows, ", K, "] (the weight's in_features), got ", x.sizes());
+  const Quantized xq = quantize_rows(x, K);
   const int64_t M = x.size(0);
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, G}, x.options().dtype(at::kFloat));
-  at::Tensor xs = at::empty({M, G}, x.options().dtype(at::kFloat));
-  const float* xp = xf.const_data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* dp = xd.data_ptr<float>();
-  float* sp = xs.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * G, sp + m * G);
+  const int8_t* qp = xq.xq.const_data_ptr<int8_t>();
+  const float* dp = xq.d.const_data_ptr<float>();
+  const float* sp = xq.dsum.const_data_ptr<float>();
 
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
@@ -201,6 +299,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
   m.def("w4a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor mins) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("w4a8_linear", &w4a8_linear); }
+TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) {
+  m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
+}
