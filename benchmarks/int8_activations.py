@@ -16,27 +16,15 @@ activations, measured in the same run. Figures to read, never timed assertions.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from benchmarks.int4_linear import _time
 from controlplane.engine.model import quant
 
 INT4_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 LM_HEAD = (576, 49152)
 ROWS = [1, 4, 16, 32]
-
-
-def _time(fn, weights: list[tuple], reps: int) -> float:
-    for w in weights:  # warm-up
-        fn(*w)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for w in weights:
-            fn(*w)
-        best = min(best, (time.perf_counter() - t0) / len(weights))
-    return best * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,17 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         for rows in ROWS:
             x = torch.randn(rows, k)
             if lm_head:
-                t_base = _time(lambda w, s, x=x: ops.int8_linear(x, w, s), base, args.reps)
-                t_a8 = _time(lambda w, s, x=x: ops.w8a8_linear(x, w, s), a8, args.reps)
+                t_base = _time(ops.int8_linear, base, x, args.reps)
+                t_a8 = _time(ops.w8a8_linear, a8, x, args.reps)
                 name = f"lm_head {k}->{n}"
             else:
-                xb = x.bfloat16()
 
-                def torch_int4(p: torch.Tensor, sz: torch.Tensor, xb=xb) -> torch.Tensor:
+                def torch_int4(xb: torch.Tensor, p: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
                     return torch._weight_int4pack_mm_for_cpu(xb, p, 32, sz)
 
-                t_base = _time(torch_int4, base, args.reps)
-                t_a8 = _time(lambda p, s, m, x=x: ops.w4a8_linear(x, p, s, m), a8, args.reps)
+                t_base = _time(torch_int4, base, x.bfloat16(), args.reps)
+                t_a8 = _time(ops.w4a8_linear, a8, x, args.reps)
                 name = f"int4 {k}->{n}"
             print(f"{name:<22}{rows:>5}{t_base:>12.0f}{t_a8:>14.0f}{t_base / t_a8:>7.2f}x")
     return 0
