@@ -362,6 +362,10 @@ def test_w4a8_is_the_int4_weight_times_int8_activations(group):
     # A row's result does not depend on what shares its call.
     assert all(torch.equal(mod(x[i : i + 1])[0], y[i]) for i in (0, 5, 36))
     assert torch.equal(mod(x[3:11]), y[3:11])
+    # A non-finite activation is not rounded away: its row is NaN, the others unchanged.
+    x[2, 100], x[4, 7] = float("nan"), float("inf")
+    bad = mod(x[:6])
+    assert bad[[2, 4]].isnan().all() and torch.equal(bad[[0, 1, 3, 5]], y[[0, 1, 3, 5]])
 
 
 @needs_a8

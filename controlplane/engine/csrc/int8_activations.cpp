@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -47,9 +48,15 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* d, float* dsum) 
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const float* xg = x + g * kGroup;
     float amax = 0.0f;
-    for (int j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
-    const float dg = amax / 127.0f;
-    const float id = dg > 0.0f ? 1.0f / dg : 0.0f;
+    bool finite = true;
+    for (int j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(xg[j]));
+      finite = finite && std::isfinite(xg[j]);
+    }
+    // A NaN or infinite activation makes its row's outputs NaN, as a float matmul would: a
+    // broken model shows as NaN, not as plausible logits rounded from it.
+    const float dg = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float id = finite && dg > 0.0f ? 1.0f / dg : 0.0f;
     int sum = 0;
     for (int j = 0; j < kGroup; ++j) {
       const int v = static_cast<int>(std::nearbyint(xg[j] * id));
