@@ -123,7 +123,9 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], packed.shape[0]))
 
     @torch.library.register_fake("controlplane_cpu::w4a8_linear")
-    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    def _(
+        x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("controlplane_cpu::w8a8_linear")

@@ -131,7 +131,8 @@ def _kernel_input(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """W8A16: int8 weights, one scale per output channel, 16-bit activations in the kernel."""
+    """W8A16: int8 weights, one scale per output channel, 16-bit activations in the kernel
+    (W8A8 with the `w8a8_cpu` kernel: engine.quantize_activations)."""
 
     # From this many rows (prefill chunks) on, dequantizing the weight once and running the
     # float GEMM beats the packed kernel, whose speed stays per row (README "Quantization").
@@ -481,6 +482,10 @@ def _a8(weight: torch.Tensor, wanted: bool) -> bool:
     return wanted and cpu and int8_activations_available()
 
 
+def _int8_activated(module: nn.Module) -> bool:
+    return getattr(module, "kernel", "") in ("w4a8_cpu", "w8a8_cpu")
+
+
 def _int4_kernel(device: torch.device) -> str:
     if device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         return "int4pack_mm_cpu"
@@ -575,13 +580,14 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         q = quantize_int8(model.model.embed_tokens.weight)
         model.model.embed_tokens = Int8Embedding(q.qweight, q.scales, dtype)
     log.info(
-        "quantized %d linear layers to %s%s (lm_head %s, embedding %s): weights %.1f MiB -> "
+        "quantized %d linear layers to %s%s (lm_head %s, embedding %s%s): weights %.1f MiB -> "
         "%.1f MiB",
         count,
         quant.kind,
         f" (group size {quant.group_size})" if quant.kind == "int4" else "",
         "int8" if quant.lm_head else "kept float",
         "int8" if quant.embedding else "kept float",
+        ", activations int8" if any(_int8_activated(m) for m in model.modules()) else "",
         before / 2**20,
         weight_bytes(model) / 2**20,
     )
