@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from controlplane.engine import SamplingParams
-from controlplane.engine.sampler import Sampler, draw
+from controlplane.engine.sampler import Sampler, draw, invert_cdf
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import RequestMetrics
 
@@ -60,3 +60,14 @@ def test_one_row_draw_follows_unnormalized_probabilities():
     # The same generator state, the same token.
     a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     assert [draw(residual, a) for _ in range(20)] == [draw(residual, b) for _ in range(20)]
+
+
+def test_a_row_without_finite_mass_still_draws_a_token_in_the_vocabulary():
+    probs = torch.rand(4, 100)
+    probs[1] = float("nan")
+    probs[2] = 0.0
+    probs[3, 7] = float("inf")
+    u = torch.full((4, 1), 0.5, dtype=torch.float64)
+    tokens = invert_cdf(probs, u)
+    assert ((tokens >= 0) & (tokens < 100)).all()
+    assert tokens[3] == 7 and tokens[0] == invert_cdf(probs[:1], u[:1])[0]

@@ -72,7 +72,15 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to total (once in ~2**53): then the last entry with mass.
-    return torch.minimum(picked, torch.searchsorted(cdf, total)).squeeze(1)
+    picked = torch.minimum(picked, torch.searchsorted(cdf, total)).squeeze(1)
+    # A row with no finite mass (NaN or infinite logits, all filtered out) would search past
+    # the vocabulary, and the next step's embedding lookup would fail the whole batch (found
+    # by the fuzzed-bodies test): such a row takes its most likely finite entry instead.
+    bad = ~(torch.isfinite(total) & (total > 0)).squeeze(1)
+    if bool(bad.any()):
+        fallback = torch.nan_to_num(probs.float(), nan=-1.0, posinf=1.0).argmax(dim=-1)
+        picked = torch.where(bad, fallback, picked)
+    return picked
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
