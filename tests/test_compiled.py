@@ -224,6 +224,41 @@ print("STATE", eng.compile_state, eng.runner.compiled.steps, eng.block_pool.num_
     assert "compiling the decode step failed; every step stays eager" in run.stderr
 
 
+def test_shutdown_stops_a_background_warm_up(hf_model_dirs, tmp_path):
+    """A daemon stopped while its decode step still compiles (CI's quickstart, stopped 27 s
+    after ready): shutdown stops the warm-up at its next graph and waits for it, and the
+    process exits cleanly. (A daemon thread left inside the compiler at interpreter exit
+    aborted it: "terminate called without an active exception", exit code 134.)"""
+    script = f"""
+import asyncio, logging, threading
+from controlplane.engine import AsyncEngine, compiled
+logging.basicConfig(level=logging.INFO)
+compiled.CPU_AUTO = "background"
+
+async def main():
+    aeng = AsyncEngine.from_settings(model={str(hf_model_dirs["llama"])!r}, dtype="float32",
+                                     max_num_seqs=4, compile="auto", long_running=True)
+    aeng.start()
+    assert aeng.engine.compile_state == "warming"
+    await aeng.shutdown()
+    alive = [t.name for t in threading.enumerate() if t.name == "compile-warm-up"]
+    print("AFTER", aeng.engine.compile_state, alive)
+
+asyncio.run(main())
+"""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",  # cold: still compiling at shutdown
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "AFTER cold []" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "compiling the decode step stopped; every step stays eager" in run.stderr
+
+
 def _decode_logits(engine, prompts, params) -> dict[tuple[int, int], torch.Tensor]:
     """Logits of every generated position, by (prompt index, position)."""
     rows = traced_logits(engine, prompts, params)

@@ -67,6 +67,8 @@ class CompiledDecode:
         self.steps = 0  # steps that ran compiled
         self.state = "cold"  # cold | warming | ready | failed (warm-up raised: eager for good)
         self._eager_rows: set[int] = set()  # row counts the warmed-up graphs did not cover
+        self._warm_up_thread: threading.Thread | None = None
+        self._stop_warm_up = threading.Event()
         # emulate_precision_casts: inductor rounds fused intermediates to bf16 where eager
         # does, so outputs are the eager path's token for token. Without it SmolLM2's greedy
         # output differed from the third token on, for 77 instead of 71 tok/s at batch 1.
@@ -143,7 +145,21 @@ class CompiledDecode:
                 sys.setswitchinterval(interval)
 
         self.state = "warming"
-        threading.Thread(target=run, name="compile-warm-up", daemon=True).start()
+        self._warm_up_thread = threading.Thread(target=run, name="compile-warm-up", daemon=True)
+        self._warm_up_thread.start()
+
+    def stop_warm_up(self) -> None:
+        """Stop a background warm-up at its next row count and wait for it (at most the graph
+        it is compiling: seconds, a minute cold). The engine's shutdown calls this: a daemon
+        thread still inside the compiler when the interpreter exits is torn down in C++ frames
+        that cannot unwind ("terminate called without an active exception", exit code 134:
+        CI's quickstart daemon, stopped 27 s after it was ready)."""
+        thread = self._warm_up_thread
+        if thread is None or not thread.is_alive():
+            return
+        self._stop_warm_up.set()
+        log.info("stopping the decode step's compile (waiting for the graph it is on)")
+        thread.join()
 
     @torch.inference_mode()
     def warm_up(self, backend: AttentionBackend, device: torch.device, block: int = 0) -> None:
@@ -168,6 +184,10 @@ class CompiledDecode:
             # that whatever bounds the graphs got (a shape branch in the model, guards a
             # cached graph brought from an earlier version of the code) are all covered here.
             for rows in (1, 2, self.max_rows, *range(3, self.max_rows)):
+                if self._stop_warm_up.is_set():
+                    self.state = "cold"
+                    log.info("compiling the decode step stopped; every step stays eager")
+                    return
                 spans = [SeqSpan(1, 1, [block]) for _ in range(rows)]
                 # Three distinct tensors: dynamo guards on aliasing between inputs too.
                 ids, positions = (torch.zeros(rows, dtype=torch.long, device=device) for _ in "ip")
