@@ -346,14 +346,15 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_a8
-@pytest.mark.parametrize("group", [32, 128])
-def test_w4a8_is_the_int4_weight_times_int8_activations(group):
-    lin = linear(256, 200, bias=True)
+# 288 features: an odd number of groups (9), so AVX512's two-groups-a-vector loop leaves one.
+@pytest.mark.parametrize(("group", "k"), [(32, 256), (128, 256), (32, 288)])
+def test_w4a8_is_the_int4_weight_times_int8_activations(group, k):
+    lin = linear(k, 200, bias=True)
     mod = quant.quantize_linear(lin, "int4", group, int8_activations=True)
-    assert mod.kernel == "w4a8_cpu" and mod.scales.shape == (200, 256 // 32)
+    assert mod.kernel == "w4a8_cpu" and mod.scales.shape == (200, k // 32)
     w = mod.dequantize()  # q * scale + min, float16 scale and min per 32 features
     assert rel_err(w, lin.weight) < 0.12  # the int4 rounding, no more
-    x = activations(37, 256)
+    x = activations(37, k)
     ref = _int8_activations(x) @ w.T + lin.bias
     y = mod(x)
     # Integer sums are exact: what differs is float32 summation order only.
@@ -395,6 +396,11 @@ def test_w8a8_is_the_int8_weight_times_int8_activations():
     assert rel_err(y, ref) < 1e-6
     assert 0.001 < rel_err(y, x @ w.T + lin.bias) < 0.02
     assert all(torch.equal(mod(x[i : i + 1])[0], y[i]) for i in (0, 9, 20))
+    # An odd number of groups (19): the last one takes the one-group loop.
+    odd = quant.quantize_linear(linear(608, 50), "int8", 32, int8_activations=True)
+    xo = activations(5, 608)
+    w_odd = odd.qweight.float() * odd.scales[:, None]
+    assert rel_err(odd(xo), _int8_activations(xo) @ w_odd.T) < 1e-6
     # A weight of -128 (another file's int8) is multiplied as such, not saturated.
     mod.qweight[0, :32] = -128
     w[0, :32] = -128 * mod.scales[0]

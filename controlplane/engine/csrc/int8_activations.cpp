@@ -120,7 +120,43 @@ void tile(const uint8_t* w, const float* sc, const float* mn, const int8_t* xq, 
   __m256 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
+  int64_t g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+  // Two groups a 512-bit vector: 64 products in one vpdpbusd, then one multiply and one FMA,
+  // each lane scaled by its group's d * scale. (Lanes 0-7 group g, 8-15 group g + 1.)
+  {
+    __m512 acc2[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) acc2[r][j] = _mm512_setzero_ps();
+    const __m256i low4x2 = _mm256_set1_epi8(0x0F);
+    for (; g + 2 <= G; g += 2) {
+      __m512i q[W];
+      __m512 s[W];
+      for (int j = 0; j < W; ++j) {
+        // 32 bytes: group g's 16 then group g + 1's; each byte two features (low: k, high: k + 16).
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * (K / 2) + g * (kGroup / 2)));
+        const __m256i lo = _mm256_and_si256(b, low4x2);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4x2);
+        // [lo g, lo g+1, hi g, hi g+1] -> [lo g, hi g, lo g+1, hi g+1]: features in order.
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        q[j] = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+        s[j] = _mm512_insertf32x8(_mm512_set1_ps(sc[j * G + g]), _mm256_set1_ps(sc[j * G + g + 1]), 1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i a = _mm512_loadu_si512(xq + r * K + g * kGroup);
+        const __m512 dr = _mm512_insertf32x8(_mm512_set1_ps(d[r * G + g]), _mm256_set1_ps(d[r * G + g + 1]), 1);
+        for (int j = 0; j < W; ++j) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], a));
+          acc2[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dr), s[j], acc2[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j)
+        acc[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc2[r][j]), _mm512_extractf32x8_ps(acc2[r][j], 1));
+  }
+#endif
+  for (; g < G; ++g) {
     __m256i q[W];
     for (int j = 0; j < W; ++j) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (K / 2) + g * (kGroup / 2)));
@@ -188,7 +224,37 @@ void tile8(const int8_t* w, const float* scales, const int8_t* xq, const float* 
   __m256 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
+  int64_t g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+  // Two groups a 512-bit vector, as in tile(): |w| against x negated where w is negative.
+  {
+    __m512 acc2[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) acc2[r][j] = _mm512_setzero_ps();
+    for (; g + 2 <= G; g += 2) {
+      __m512i wabs[W];
+      __mmask64 neg[W];
+      for (int j = 0; j < W; ++j) {
+        const __m512i wv = _mm512_loadu_si512(w + j * K + g * kGroup);
+        wabs[j] = _mm512_abs_epi8(wv);  // |-128| = 128 as an unsigned byte
+        neg[j] = _mm512_movepi8_mask(wv);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i a = _mm512_loadu_si512(xq + r * K + g * kGroup);
+        const __m512 dr = _mm512_insertf32x8(_mm512_set1_ps(d[r * G + g]), _mm256_set1_ps(d[r * G + g + 1]), 1);
+        for (int j = 0; j < W; ++j) {
+          const __m512i sa = _mm512_mask_sub_epi8(a, neg[j], _mm512_setzero_si512(), a);
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs[j], sa));
+          acc2[r][j] = _mm512_fmadd_ps(dot, dr, acc2[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j)
+        acc[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc2[r][j]), _mm512_extractf32x8_ps(acc2[r][j], 1));
+  }
+#endif
+  for (; g < G; ++g) {
     __m256i wv[W], wabs[W];
     for (int j = 0; j < W; ++j) {
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + g * kGroup));
