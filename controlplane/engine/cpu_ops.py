@@ -29,6 +29,7 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp", "int8_activations.cpp")
 )
+HEADERS = (Path(__file__).parent / "csrc" / "prefetch.h",)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str once tried
@@ -66,7 +67,7 @@ def build_spec() -> tuple[str, list[str]]:
     # The source's hash in the name: two versions of controlplane on one host (a rolling
     # upgrade, a test checkout beside a daemon) each keep their own build rather than
     # rebuilding over each other at every start.
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()
     isa_name = "_".join(str(isa).split()) or "scalar"
     return f"controlplane_cpu_ops_{isa_name}_{digest[:12]}", flags

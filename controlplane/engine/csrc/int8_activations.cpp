@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "prefetch.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -43,6 +45,8 @@ constexpr int kRows = 4;
 constexpr int kW = 2;
 // Weight rows per parallel task.
 constexpr int64_t kTaskRows = 16;
+// How far ahead (weight rows) the next rows' bytes are prefetched.
+constexpr int64_t kPrefetchRows = 8;
 
 // One row of x as int8 per group, its groups' d and d * sum(xq).
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* d, float* dsum) {
@@ -338,7 +342,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
     const int64_t n1 = std::min(N, end * 64);
     int64_t n = begin * 64;
-    for (; n + kW <= n1; n += kW) rows_against8<kW>(wp + n * K, sp + n, qp, dp, M, K, op + n, N);
+    for (; n + kW <= n1; n += kW) {
+      controlplane::prefetch(wp + (n + kPrefetchRows) * K, kW * K, wp + N * K);
+      rows_against8<kW>(wp + n * K, sp + n, qp, dp, M, K, op + n, N);
+    }
     for (; n < n1; ++n) rows_against8<1>(wp + n * K, sp + n, qp, dp, M, K, op + n, N);
   });
   return out;
@@ -372,8 +379,12 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     std::vector<float> sc(kW * G), mn(kW * G);
     const int64_t n1 = std::min(N, end * kTaskRows);
     int64_t n = begin * kTaskRows;
-    for (; n + kW <= n1; n += kW)
+    for (; n + kW <= n1; n += kW) {
+      controlplane::prefetch(wp + (n + kPrefetchRows) * (K / 2), kW * (K / 2), wp + N * (K / 2));
+      controlplane::prefetch(scp + (n + kPrefetchRows) * G, kW * G, scp + N * G);
+      controlplane::prefetch(mnp + (n + kPrefetchRows) * G, kW * G, mnp + N * G);
       rows_against<kW>(wp + n * (K / 2), scp + n * G, mnp + n * G, qp, dp, sp, M, K, op + n, N, sc.data(), mn.data());
+    }
     for (; n < n1; ++n)
       rows_against<1>(wp + n * (K / 2), scp + n * G, mnp + n * G, qp, dp, sp, M, K, op + n, N, sc.data(), mn.data());
   });

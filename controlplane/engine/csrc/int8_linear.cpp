@@ -16,6 +16,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "prefetch.h"
+
 #include <algorithm>
 
 namespace {
@@ -87,6 +89,8 @@ void rows_against(const float* x, int64_t M, int64_t K, const int8_t* w, const f
 // Weight rows per parallel task: 64 x 576 bytes (36 KB) stay in L2 while every row block of x
 // passes over them.
 constexpr int64_t kTaskRows = 64;
+// How far ahead (weight rows) the next rows' bytes are prefetched.
+constexpr int64_t kPrefetchRows = 8;
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
@@ -113,7 +117,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n1 = std::min(N, (t + 1) * kTaskRows);
       int64_t n = t * kTaskRows;
-      for (; n + kW <= n1; n += kW) rows_against<kW>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
+      for (; n + kW <= n1; n += kW) {
+        controlplane::prefetch(wp + (n + kPrefetchRows) * K, kW * K, wp + N * K);
+        rows_against<kW>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
+      }
       for (; n < n1; ++n) rows_against<1>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
     }
   });
