@@ -32,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument(
-        "--cycle-mb", type=int, default=1024, help="weight copies cycled through, in MB"
-    )
+    p.add_argument("--cycle-mb", type=int, default=1024, help="weight copies cycled through, in MB")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not quant.int8_activations_available():
