@@ -192,6 +192,22 @@ def test_a_recompile_on_the_step_thread_runs_eagerly(hf_model_dirs):
     assert compiled.num_graphs == 2 and compiled._eager_rows == {1}
 
 
+def _run_cold(script: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
+    """`script` in a Python process of its own, inductor's caches off (every graph compiles
+    from scratch); it must exit with 0."""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        **env,
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def test_a_failed_background_warm_up_leaves_the_engine_eager(hf_model_dirs, tmp_path):
     """No C++ compiler on the PATH (and no inductor cache to fall back on), in a process of
     its own: the warm-up fails in its thread, says so, and the engine serves eagerly."""
@@ -210,16 +226,7 @@ while eng.has_unfinished_requests():
     eng.step()
 print("STATE", eng.compile_state, eng.runner.compiled.steps, eng.block_pool.num_used)
 """
-    env = {
-        **os.environ,
-        "PATH": str(tmp_path),  # nothing in it: no g++, no c++
-        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _run_cold(script, tmp_path, PATH=str(tmp_path))  # nothing in it: no g++, no c++
     assert "STATE failed 0 0" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "compiling the decode step failed; every step stays eager" in run.stderr
 
@@ -246,15 +253,7 @@ async def main():
 
 asyncio.run(main())
 """
-    env = {
-        **os.environ,
-        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",  # cold: still compiling at shutdown
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _run_cold(script, tmp_path)  # cold: still compiling at shutdown
     assert "AFTER cold []" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "compiling the decode step stopped; every step stays eager" in run.stderr
 
