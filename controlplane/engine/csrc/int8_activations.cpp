@@ -95,6 +95,25 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// AVX512 with VNNI: the kernels below take two groups a 512-bit vector (lanes 0-7 group g,
+// 8-15 group g + 1), one vpdpbusd for 64 products.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define CONTROLPLANE_TWO_GROUPS 1
+
+// p[0] in lanes 0-7, p[1] in lanes 8-15: a per-group number for two groups.
+inline __m512 per_group_pair(const float* p) {
+  return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
+}
+
+// Each two-group accumulator folded into its 8-lane one (group g's lanes plus g + 1's).
+template <int R, int W>
+inline void fold_pairs(const __m512 (&acc2)[R][W], __m256 (&acc)[R][W]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j)
+      acc[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc2[r][j]), _mm512_extractf32x8_ps(acc2[r][j], 1));
+}
+#endif
+
 // W weight rows' scales and mins as float32, [W][G] each.
 template <int W>
 void load_scales(const at::Half* scale, const at::Half* mins, int64_t G, float* sc, float* mn) {
@@ -125,9 +144,9 @@ void tile(const uint8_t* w, const float* sc, const float* mn, const int8_t* xq, 
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
   int64_t g = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-  // Two groups a 512-bit vector: 64 products in one vpdpbusd, then one multiply and one FMA,
-  // each lane scaled by its group's d * scale. (Lanes 0-7 group g, 8-15 group g + 1.)
+#if defined(CONTROLPLANE_TWO_GROUPS)
+  // Two groups a vector: one vpdpbusd, then one multiply and one FMA, each lane scaled by
+  // its group's d * scale.
   {
     __m512 acc2[R][W];
     for (int r = 0; r < R; ++r)
@@ -144,20 +163,18 @@ void tile(const uint8_t* w, const float* sc, const float* mn, const int8_t* xq, 
         // [lo g, lo g+1, hi g, hi g+1] -> [lo g, hi g, lo g+1, hi g+1]: features in order.
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         q[j] = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-        s[j] = _mm512_insertf32x8(_mm512_set1_ps(sc[j * G + g]), _mm256_set1_ps(sc[j * G + g + 1]), 1);
+        s[j] = per_group_pair(sc + j * G + g);
       }
       for (int r = 0; r < R; ++r) {
         const __m512i a = _mm512_loadu_si512(xq + r * K + g * kGroup);
-        const __m512 dr = _mm512_insertf32x8(_mm512_set1_ps(d[r * G + g]), _mm256_set1_ps(d[r * G + g + 1]), 1);
+        const __m512 dr = per_group_pair(d + r * G + g);
         for (int j = 0; j < W; ++j) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[j], a));
           acc2[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dr), s[j], acc2[r][j]);
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < W; ++j)
-        acc[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc2[r][j]), _mm512_extractf32x8_ps(acc2[r][j], 1));
+    fold_pairs(acc2, acc);
   }
 #endif
   for (; g < G; ++g) {
@@ -229,8 +246,8 @@ void tile8(const int8_t* w, const float* scales, const int8_t* xq, const float* 
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm256_setzero_ps();
   int64_t g = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-  // Two groups a 512-bit vector, as in tile(): |w| against x negated where w is negative.
+#if defined(CONTROLPLANE_TWO_GROUPS)
+  // Two groups a vector, as in tile(): |w| against x negated where w is negative.
   {
     __m512 acc2[R][W];
     for (int r = 0; r < R; ++r)
@@ -245,7 +262,7 @@ void tile8(const int8_t* w, const float* scales, const int8_t* xq, const float* 
       }
       for (int r = 0; r < R; ++r) {
         const __m512i a = _mm512_loadu_si512(xq + r * K + g * kGroup);
-        const __m512 dr = _mm512_insertf32x8(_mm512_set1_ps(d[r * G + g]), _mm256_set1_ps(d[r * G + g + 1]), 1);
+        const __m512 dr = per_group_pair(d + r * G + g);
         for (int j = 0; j < W; ++j) {
           const __m512i sa = _mm512_mask_sub_epi8(a, neg[j], _mm512_setzero_si512(), a);
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs[j], sa));
@@ -253,9 +270,7 @@ void tile8(const int8_t* w, const float* scales, const int8_t* xq, const float* 
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < W; ++j)
-        acc[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc2[r][j]), _mm512_extractf32x8_ps(acc2[r][j], 1));
+    fold_pairs(acc2, acc);
   }
 #endif
   for (; g < G; ++g) {
