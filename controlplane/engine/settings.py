@@ -141,7 +141,8 @@ class EngineSettings:
         "On an x86 CPU (AVX2 or AVX512), the quantized linears (int4 ones and the int8 "
         "lm_head) round their activations to int8 per 32 values and multiply in integers, as "
         "llama.cpp does (csrc/int8_activations.cpp): SmolLM2 batch-1 decode 1.23x, 16 sequences "
-        "1.29x, prompts 0.91x on an AVX2 EPYC, at some quality (perplexity +0.15%; greedy "
+        "1.29x, prompts 0.91x on an AVX2 EPYC (no gain on a Xeon with native bf16: batch-1 0.99x, "
+        "prompts 0.63x), at some quality (perplexity +0.15%; greedy "
         "replies agree with float32's for 31% of their tokens instead of 54%), hence off by "
         "default.",
         False,
