@@ -59,6 +59,29 @@ def test_compiled_decode_gives_the_eager_tokens(kind, preemption, hf_model_dirs)
     assert compiled.stats().prefix_cache_hits_total > 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_compiled_decode_calls_the_backends_graph_op(kv_dtype, hf_model_dirs):
+    # The CPU kernel's own op (step_attention: no Python per layer) for a 16-bit cache, the
+    # Python custom op for an 8-bit one; either way the eager tokens.
+    kw = dict(
+        model=str(hf_model_dirs["llama"]),
+        dtype="bfloat16",
+        kv_cache_dtype=kv_dtype,
+        attention_backend="cpu",
+        **MIXED_ENGINE,
+    )
+    eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)
+    expected = (
+        torch.ops.controlplane.paged_attention
+        if kv_dtype == "int8"
+        else torch.ops.controlplane_cpu.step_attention
+    )
+    assert all(layer.self_attn.graph_op is expected for layer in compiled.model.model.layers)
+    prompts, params = mixed_workload(eager.model_config.vocab_size, 3, 12)
+    assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
+    assert compiled.runner.compiled.steps > 0
+
+
 def test_compiled_decode_with_speculation_and_structured_output(hf_model_dirs):
     kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", max_num_seqs=8)
     eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)

@@ -96,6 +96,40 @@ def test_the_fused_write_stores_what_kv_cache_write_stores(kv_dtype):
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_step_attention_is_the_backends_forward_for_the_step_it_was_given(kv_dtype):
+    # The op a compiled step calls (graph_op): the step's metadata set in C++ by begin_step,
+    # one layer's attention by index, the new rows' K/V written as forward writes them.
+    spans = _spans([40, 17, 1], 16)
+    ours, ref = _filled_cache(kv_dtype, 2, 32, 16), _filled_cache(kv_dtype, 2, 32, 16)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, n, 32, generator=g).bfloat16() for n in (4, 2, 2))
+    a, b = CpuPagedAttention(ours), CpuPagedAttention(ref)
+    op = a.graph_op()
+    assert op is torch.ops.controlplane_cpu.step_attention
+    meta = a.prepare(spans, CPU)
+    a.begin_step(meta)
+    try:
+        out = op(q, k, v, 1)
+        with pytest.raises(RuntimeError, match="layer 2 of 2"):
+            op(q, k, v, 2)
+    finally:
+        a.end_step()
+    expected = b.forward(1, q, k, v, b.prepare(spans, CPU))
+    assert torch.equal(out, expected)
+    assert torch.equal(ours.k[1], ref.k[1]) and torch.equal(ours.v[1], ref.v[1])
+    assert torch.equal(ours.k[0], ref.k[0])  # layer 0 untouched
+    with pytest.raises(RuntimeError, match="outside a decode step"):
+        op(q, k, v, 1)  # end_step let go of the step
+
+
+def test_an_8_bit_cache_keeps_the_python_graph_op():
+    # step_attention has the kernel write K/V as it is; 8-bit caches are quantized by
+    # KVCache.write, which the Python custom op's forward calls.
+    kv = _filled_cache(torch.int8, 2, 32, 4)
+    assert CpuPagedAttention(kv).graph_op() is torch.ops.controlplane.paged_attention
+
+
 def test_errors_name_the_argument():
     kv = _filled_cache(torch.float32, 2, 32, 4)
     op = torch.ops.controlplane_cpu.paged_decode_attention

@@ -82,6 +82,20 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] for the new rows; returns [T, H, D]."""
 
+    def graph_op(self) -> Any:
+        """The op a compiled decode step calls for one layer's attention, (q, k, v, layer) ->
+        out: `paged_attention` below, unless the backend has an op of its own that finds the
+        step without Python (begin_step hands it the metadata)."""
+        return torch.ops.controlplane.paged_attention
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Before a compiled forward: hand `meta` to the graph op, if it is the backend's own."""
+        return None
+
+    def end_step(self) -> None:
+        """After it: let go of what begin_step handed over."""
+        return None
+
 
 class TorchPagedAttention(AttentionBackend):
     """Gathers whole blocks (index_select of contiguous block_size x Hkv x D chunks, 5x faster
@@ -209,10 +223,12 @@ def attention_step(backend: AttentionBackend, meta: AttentionMetadata) -> Iterat
     """Make `backend` and `meta` the ones `paged_attention` uses, for one forward on this
     thread."""
     _local.step = (backend, meta)
+    backend.begin_step(meta)
     try:
         yield
     finally:
         _local.step = None
+        backend.end_step()
 
 
 @torch.library.custom_op("controlplane::paged_attention", mutates_args=())

@@ -45,7 +45,7 @@ from controlplane.engine.attention import (
     SeqSpan,
     attention_step,
 )
-from controlplane.engine.model.llama import CausalLM
+from controlplane.engine.model.llama import CausalLM, set_graph_attention
 from controlplane.engine.settings import MAX_DECODE_ROWS
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,13 @@ WARM_UP_SWITCH_INTERVAL_S = 1e-4
 
 
 class CompiledDecode:
-    def __init__(self, model: CausalLM, max_rows: int = MAX_ROWS) -> None:
+    def __init__(
+        self, model: CausalLM, attention_op: object = None, max_rows: int = MAX_ROWS
+    ) -> None:
+        """`attention_op`: the engine's backend's graph_op (default: the Python custom op)."""
         self.model = model
+        if attention_op is not None:
+            set_graph_attention(model, attention_op)
         self.max_rows = max_rows
         self.warmup_s = 0.0
         self.steps = 0  # steps that ran compiled

@@ -12,6 +12,7 @@ layer: SDPA 15.6, the block gathers 9.5, the K/V write 3.9, the rest Python (doc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,6 +56,31 @@ class CpuPagedAttention(TorchPagedAttention):
                 torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device),
             )
         ]
+
+    def graph_op(self) -> Any:
+        # The kernel's own op, with the step in C++ (cpu_ops.cpp, step_attention), where the
+        # kernel writes the new K/V itself: 16- and 32-bit caches. 8-bit ones are written by
+        # KVCache.write, through the Python op.
+        if self.kv.spec.quantized:
+            return super().graph_op()
+        return torch.ops.controlplane_cpu.step_attention
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        # Compiled steps are decode-only (CompiledDecode.applies): one DecodeRows.
+        if not self.kv.spec.quantized and meta.decodes and not meta.prefills:
+            b = meta.decodes[0]
+            torch.ops.controlplane_cpu.set_decode_step(
+                self.kv.k,
+                self.kv.v,
+                b.block_table,
+                b.context_lens,
+                meta.slot_mapping,
+                self.block_size,
+                self.sm_scale,
+            )
+
+    def end_step(self) -> None:
+        torch.ops.controlplane_cpu.clear_decode_step()
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -1,6 +1,7 @@
 """Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
 
-One library, op namespace `controlplane_cpu`: `paged_decode_attention` (cpu_ops.cpp, used by
+One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for compiled
+steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
 cpu_attention.py), `int4_linear`, `int8_linear`, `w4a8_linear` and `w8a8_linear` (int4_linear.cpp,
 int8_linear.cpp, int8_activations.cpp, used by model/quant.py).
 
@@ -97,6 +98,9 @@ def _build() -> bool:
         hasattr(ops, op)
         for op in (
             "paged_decode_attention",
+            "step_attention",
+            "set_decode_step",
+            "clear_decode_step",
             "int4_linear",
             "int8_linear",
             "w4a8_linear",
@@ -113,8 +117,12 @@ def _build() -> bool:
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile's tracing (paged_decode_attention is traced through the
-    `controlplane::paged_attention` custom op instead)."""
+    """Shapes for torch.compile's tracing (a compiled step calls paged_decode_attention
+    through step_attention, or `controlplane::paged_attention` for 8-bit caches)."""
+
+    @torch.library.register_fake("controlplane_cpu::step_attention")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        return torch.empty_like(q)
 
     @torch.library.register_fake("controlplane_cpu::int4_linear")
     def _(

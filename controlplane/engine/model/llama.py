@@ -100,6 +100,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
         self.qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections
+        # What a compiled step calls for attention: the backend's graph_op (set_graph_attention)
+        self.graph_op = torch.ops.controlplane.paged_attention
 
     def forward(
         self,
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if backend is None:  # compiled: the opaque op of the current attention_step
-            out = torch.ops.controlplane.paged_attention(q, k, v, self.layer_idx)
+            out = self.graph_op(q, k, v, self.layer_idx)
         else:
             out = backend.forward(self.layer_idx, q, k, v, meta)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -171,6 +173,13 @@ def fuse_projections(model: nn.Module) -> int:
             del module.gate_proj, module.up_proj
             count += 1
     return count
+
+
+def set_graph_attention(model: nn.Module, op: object) -> None:
+    """Make `op` (an AttentionBackend.graph_op) what every layer of a compiled step calls."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.graph_op = op
 
 
 class DecoderLayer(nn.Module):
