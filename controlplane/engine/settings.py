@@ -180,7 +180,11 @@ class EngineSettings:
     )
     # Live: applied at the next step boundary.
     max_num_seqs: int = _live("Most sequences in one batch.", 32)
-    max_num_batched_tokens: int = _live("Token budget of one step (prefill + decode).", 1024)
+    # 2048: at 16 streaming clients (SmolLM2 on 2 Xeon cores, benchmarks/server_compare.py, two
+    # runs each) 1024 gave 1.41-1.46x llama-server's throughput with ITL p99 404-442 ms, 2048
+    # gave 1.51-1.53x with 138-140 ms: a burst of 16 prompts is prefilled in 2 steps, not 4, so
+    # fewer streams see a stalled step. TTFT p50 rose from 2.6 to 3.5 s (llama-server: 5.7 s).
+    max_num_batched_tokens: int = _live("Token budget of one step (prefill + decode).", 2048)
     # 128: at 16 streaming clients (SmolLM2, 2 cores) a step carrying a 512-token chunk made the
     # ITL p99 489-503 ms; 128-token chunks made it 240-242 ms for ~3% of throughput
     # (benchmarks/server_compare.py, docs/benchmarks.md).
