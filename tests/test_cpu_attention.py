@@ -54,7 +54,7 @@ def _decode(backend_cls, kv, spans, q, layer=1):
 @pytest.mark.parametrize(
     "kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 )
-@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 32), (8, 2, 24)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 128), (4, 4, 32), (8, 2, 24)])
 def test_kernel_matches_the_torch_backend(q_dtype, kv_dtype, heads, kv_heads, dim):
     # Lengths on and off block boundaries, one token, and longer ones cut into two and three
     # partitions of 256 tokens (the torch backend buckets them apart).

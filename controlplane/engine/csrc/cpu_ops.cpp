@@ -4,10 +4,11 @@
 // paged_decode_attention: attention of single-token queries over the paged KV cache, read in
 // place through each row's block table: no gather into a contiguous copy, no padding mask,
 // no per-bucket SDPA call. The query heads of a KV group share every K/V row loaded (GQA
-// without expansion). Scores, softmax and the weighted sum run in
-// float32 whatever the storage; 8-bit caches (int8, fp8 e4m3) apply their per-(slot, head)
-// scales to the score (K) and to the probability (V), so the dequantized cache is never
-// materialized. A row's context is cut into partitions of kPartition tokens, one work item
+// without expansion). Scores, softmax and the weighted sum run in float32 whatever the
+// storage; bf16 queries on a bf16 cache take their scores from bf16 dot products (vdpbf16ps,
+// where the CPU has AVX512-BF16: exact products, float32 sums). 8-bit caches (int8, fp8
+// e4m3) apply their per-(slot, head) scales to the score (K) and to the probability (V), so
+// the dequantized cache is never materialized. A row's context is cut into partitions of kPartition tokens, one work item
 // each (flash-decoding: a long row uses every thread), merged in a fixed order; how a row is
 // cut depends on its own length only, so its output does not depend on which other rows
 // share the step (batch invariance).
@@ -21,10 +22,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -93,6 +99,44 @@ inline void prefetch_rows(const CT* base, const SlotOf& slot_of, int64_t from, i
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define CONTROLPLANE_BF16_DOT 1
+// Lane j of the result: the sum of a[j]'s 16 lanes (a transpose and add in four rounds, 45
+// instructions for 16 horizontal sums).
+inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
+  __m512 s[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: a[2k] lanes 0+2, a[2k+1] 0+2, a[2k] 1+3, ...
+    s[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: its partial sum of a[4k + e] in element e
+    const __m512d x = _mm512_castps_pd(s[2 * k]), y = _mm512_castps_pd(s[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Then the four 128-bit lanes' partials of each u[k], summed into 128-bit lane k.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// Unscaled scores of one bf16 query head against the bf16 K rows (KV head g) of up to 16 tokens
+// at `slots`: vdpbf16ps takes the stored bytes as they are, two dims a lane, with no widening
+// to float32 and no transpose (the float path's work per token, 3x the instructions).
+template <int64_t DIM>
+inline __m512 bf16_scores(const c10::BFloat16* qh, const c10::BFloat16* k_cache, const int64_t* slots, int m,
+                          int64_t g, int64_t slot_len) {
+  constexpr int kC = DIM / 32;
+  __m512bh qv[kC];
+  for (int c = 0; c < kC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    if (j >= m) continue;
+    const c10::BFloat16* kr = k_cache + slots[j] * slot_len + g * DIM;
+    for (int c = 0; c < kC; ++c) acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+  }
+  return sum_lanes_16(acc);
+}
+#endif
+
 // DIM: the head dim when it is a compile-time constant (64, 128: the loops over it unroll;
 // 1.1-1.3x here), 0 for any other.
 template <typename QT, typename CT, int64_t DIM>
@@ -147,14 +191,39 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
       const bool split = first_item[i + 1] - first_item[i] > 1;
       const int64_t* table = tables + i * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
-      to_float(qp + i * heads * dim, qf.data(), heads * dim);
-      for (float& x : qf) x *= scale;
+#if defined(CONTROLPLANE_BF16_DOT)
+      // bf16 queries on a bf16 cache: scores by bf16 dot products (bf16_scores).
+      constexpr bool kBf16Dot = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> &&
+                                DIM != 0 && DIM % 32 == 0 && kTile == 16;
+#else
+      constexpr bool kBf16Dot = false;
+#endif
+      if constexpr (!kBf16Dot) {
+        to_float(qp + i * heads * dim, qf.data(), heads * dim);
+        for (float& x : qf) x *= scale;
+      }
       // Scores, kTile tokens at a time, as a small GEMM: each KV head's K rows of the tile
       // are transposed to [dim][kTile] (tokens across the vector lanes), so a query head's
       // scores for the whole tile are dim broadcast FMAs with no horizontal sums, and the
       // transpose is shared by the group's query heads. (Per-token dot products ended each
       // in a horizontal sum: 1.5-3x slower at 3 and 8 query heads per KV head.)
-      for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+#if defined(CONTROLPLANE_BF16_DOT)
+      if constexpr (kBf16Dot) {
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+          const int m = static_cast<int>(std::min(kTile, len - t0));
+          int64_t slots_t[kTile];
+          for (int j = 0; j < m; ++j) slots_t[j] = slot_of(lo + t0 + j);
+          prefetch_rows(kp, slot_of, lo + t0 + kTile, std::min(lo + t0 + 2 * kTile, hi), slot_len);
+          for (int64_t g = 0; g < kv_heads; ++g)
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const __m512 sc = _mm512_mul_ps(bf16_scores<DIM>(qp + (i * heads + h) * DIM, kp, slots_t, m, g, slot_len), sv);
+              _mm512_mask_storeu_ps(scores.data() + h * kPartition + t0, static_cast<__mmask16>((1u << m) - 1), sc);
+            }
+        }
+      }
+#endif
+      for (int64_t t0 = 0; t0 < (kBf16Dot ? 0 : len); t0 += kTile) {
         const int m = static_cast<int>(std::min(kTile, len - t0));
         int64_t slots_t[kTile];
         for (int j = 0; j < m; ++j) {
