@@ -1,7 +1,8 @@
 """The decode step's forward, compiled with `torch.compile`.
 
-The model's forward is traced with attention as one opaque custom op
-(`attention.paged_attention`: the graph is split around it, as vLLM does), so the compiler
+The model's forward is traced with attention as one opaque op, the backend's `graph_op`
+(`attention.paged_attention`, or the CPU kernel's own C++ op, which finds the step's metadata
+without Python: the graph is split around it, as vLLM does), so the compiler
 fuses what lies between: norms, rotary, residual adds, SiLU x up, the dtype glue around the
 quantized matmuls, while the paged KV cache, its Python metadata and the matmul kernels stay
 as they are. Only decode-only steps (every row one sequence's next token: the steady state of

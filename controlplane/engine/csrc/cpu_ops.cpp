@@ -8,10 +8,10 @@
 // storage; bf16 queries on a bf16 cache take their scores from bf16 dot products (vdpbf16ps,
 // where the CPU has AVX512-BF16: exact products, float32 sums). 8-bit caches (int8, fp8
 // e4m3) apply their per-(slot, head) scales to the score (K) and to the probability (V), so
-// the dequantized cache is never materialized. A row's context is cut into partitions of kPartition tokens, one work item
-// each (flash-decoding: a long row uses every thread), merged in a fixed order; how a row is
-// cut depends on its own length only, so its output does not depend on which other rows
-// share the step (batch invariance).
+// the dequantized cache is never materialized. A row's context is cut into partitions of
+// kPartition tokens, one work item each (flash-decoding: a long row uses every thread),
+// merged in a fixed order; how a row is cut depends on its own length only, so its output
+// does not depend on which other rows share the step (batch invariance).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -387,8 +387,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, at::Tensor& k, at::Tensor
 // The decode step that a compiled graph's attention reads (step_attention), set around each
 // compiled forward by CpuPagedAttention.begin_step. Per thread: the decode step compiles on a
 // thread of its own while the step thread serves. Why not the Python custom op
-// (attention.paged_attention): its dispatch and our Python around the kernel cost ~10 us of
-// a ~21 us call on one row, 0.3 ms of a 7.5 ms batch-1 step of 30 layers.
+// (attention.paged_attention): with it, attention took 0.63 ms of SmolLM2's batch-1 step
+// around 0.32 ms of kernel, 30 calls; with this op the step went from 7.25 to 6.34 ms.
 struct DecodeStep {
   std::vector<at::Tensor> k, v;  // every layer's cache
   at::Tensor block_table, context_lens, slots;
