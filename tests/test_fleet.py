@@ -22,6 +22,7 @@ from sqlalchemy import Engine, create_engine, insert
 
 from controlplane.config import FleetSettings, build_config
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.settings import EngineSettings
 from controlplane.fleet.heartbeat import FleetMember, default_advertise_url
 from controlplane.fleet.registry import (
     ROLLUPS,
@@ -264,7 +265,7 @@ def test_three_daemons_on_postgresql_apply_drain_kill_and_stop(
         assert view["c"]["model"] and view["c"]["kv_usage"] is not None
         body = admin_get(urls["a"], "/admin/fleet")
         assert body["config_drift"]["engine.max_num_batched_tokens"] == {
-            "majority": 1024,
+            "majority": EngineSettings().max_num_batched_tokens,  # a's and b's: the default
             "instances": {"c": 64},
         }
         assert body["totals"]["instances"] == 3 and body["totals"]["serving"] == 3
