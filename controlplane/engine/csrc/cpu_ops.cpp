@@ -155,6 +155,13 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   QT* op = out.data_ptr<QT>();
   const float scale = static_cast<float>(sm_scale);
+#if defined(CONTROLPLANE_BF16_DOT)
+  // bf16 queries on a bf16 cache: scores by bf16 dot products (bf16_scores).
+  constexpr bool kBf16Dot = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> &&
+                            DIM != 0 && DIM % 32 == 0 && kTile == 16;
+#else
+  constexpr bool kBf16Dot = false;
+#endif
   if (k_new.has_value()) {  // the rows' own K/V first (16/32-bit caches: a cast and a copy)
     const QT* kn = k_new->const_data_ptr<QT>();
     const QT* vn = v_new->const_data_ptr<QT>();
@@ -192,22 +199,6 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
       const int64_t* table = tables + i * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
 #if defined(CONTROLPLANE_BF16_DOT)
-      // bf16 queries on a bf16 cache: scores by bf16 dot products (bf16_scores).
-      constexpr bool kBf16Dot = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> &&
-                                DIM != 0 && DIM % 32 == 0 && kTile == 16;
-#else
-      constexpr bool kBf16Dot = false;
-#endif
-      if constexpr (!kBf16Dot) {
-        to_float(qp + i * heads * dim, qf.data(), heads * dim);
-        for (float& x : qf) x *= scale;
-      }
-      // Scores, kTile tokens at a time, as a small GEMM: each KV head's K rows of the tile
-      // are transposed to [dim][kTile] (tokens across the vector lanes), so a query head's
-      // scores for the whole tile are dim broadcast FMAs with no horizontal sums, and the
-      // transpose is shared by the group's query heads. (Per-token dot products ended each
-      // in a horizontal sum: 1.5-3x slower at 3 and 8 query heads per KV head.)
-#if defined(CONTROLPLANE_BF16_DOT)
       if constexpr (kBf16Dot) {
         const __m512 sv = _mm512_set1_ps(scale);
         for (int64_t t0 = 0; t0 < len; t0 += kTile) {
@@ -223,31 +214,40 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
         }
       }
 #endif
-      for (int64_t t0 = 0; t0 < (kBf16Dot ? 0 : len); t0 += kTile) {
-        const int m = static_cast<int>(std::min(kTile, len - t0));
-        int64_t slots_t[kTile];
-        for (int j = 0; j < m; ++j) {
-          slots_t[j] = slot_of(lo + t0 + j);
-          to_float(kp + slots_t[j] * slot_len, rows.data() + j * slot_len, slot_len);
-        }
-        prefetch_rows(kp, slot_of, lo + t0 + kTile, std::min(lo + t0 + 2 * kTile, hi), slot_len);
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          at::vec::transpose_mxn<float>(rows.data() + g * dim, slot_len, kt.data(), kTile, m, static_cast<int>(dim));
-          float ks[kTile];
-          for (int j = 0; j < kTile; ++j) ks[j] = (k_scale && j < m) ? k_scale[slots_t[j] * kv_heads + g] : 1.f;
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            Vec sum[kTile / kLanes];
-            for (auto& x : sum) x = Vec(0.f);
-            const float* qh = qf.data() + h * dim;
-            for (int64_t d = 0; d < dim; ++d) {
-              const Vec qd(qh[d]);
-              for (int64_t v = 0; v < kTile / kLanes; ++v)
-                sum[v] = at::vec::fmadd(qd, Vec::loadu(kt.data() + d * kTile + v * kLanes), sum[v]);
-            }
-            // Lanes past m hold stale columns of kt; they are never stored.
-            for (int64_t v = 0; v < kTile / kLanes && v * kLanes < m; ++v) {
-              if (k_scale) sum[v] = sum[v] * Vec::loadu(ks + v * kLanes);
-              sum[v].store(scores.data() + h * kPartition + t0 + v * kLanes, std::min<int64_t>(kLanes, m - v * kLanes));
+      if constexpr (!kBf16Dot) {
+        to_float(qp + i * heads * dim, qf.data(), heads * dim);
+        for (float& x : qf) x *= scale;
+        // Scores, kTile tokens at a time, as a small GEMM: each KV head's K rows of the tile
+        // are transposed to [dim][kTile] (tokens across the vector lanes), so a query head's
+        // scores for the whole tile are dim broadcast FMAs with no horizontal sums, and the
+        // transpose is shared by the group's query heads. (Per-token dot products ended each
+        // in a horizontal sum: 1.5-3x slower at 3 and 8 query heads per KV head.)
+        for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+          const int m = static_cast<int>(std::min(kTile, len - t0));
+          int64_t slots_t[kTile];
+          for (int j = 0; j < m; ++j) {
+            slots_t[j] = slot_of(lo + t0 + j);
+            to_float(kp + slots_t[j] * slot_len, rows.data() + j * slot_len, slot_len);
+          }
+          prefetch_rows(kp, slot_of, lo + t0 + kTile, std::min(lo + t0 + 2 * kTile, hi), slot_len);
+          for (int64_t g = 0; g < kv_heads; ++g) {
+            at::vec::transpose_mxn<float>(rows.data() + g * dim, slot_len, kt.data(), kTile, m, static_cast<int>(dim));
+            float ks[kTile];
+            for (int j = 0; j < kTile; ++j) ks[j] = (k_scale && j < m) ? k_scale[slots_t[j] * kv_heads + g] : 1.f;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              Vec sum[kTile / kLanes];
+              for (auto& x : sum) x = Vec(0.f);
+              const float* qh = qf.data() + h * dim;
+              for (int64_t d = 0; d < dim; ++d) {
+                const Vec qd(qh[d]);
+                for (int64_t v = 0; v < kTile / kLanes; ++v)
+                  sum[v] = at::vec::fmadd(qd, Vec::loadu(kt.data() + d * kTile + v * kLanes), sum[v]);
+              }
+              // Lanes past m hold stale columns of kt; they are never stored.
+              for (int64_t v = 0; v < kTile / kLanes && v * kLanes < m; ++v) {
+                if (k_scale) sum[v] = sum[v] * Vec::loadu(ks + v * kLanes);
+                sum[v].store(scores.data() + h * kPartition + t0 + v * kLanes, std::min<int64_t>(kLanes, m - v * kLanes));
+              }
             }
           }
         }
