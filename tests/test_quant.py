@@ -271,10 +271,11 @@ def test_int8_linears_and_the_lm_head_take_our_kernel():
 @needs_cpu_ops
 @pytest.mark.parametrize("scales_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k,group", [(208, 96, 32), (64, 128, 64), (48, 256, 128), (16, 32, 32)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 40])
 def test_int4_linear_is_torch_int4_kernel_bit_for_bit(n, k, group, scales_dtype, rows):
     # Full weight blocks and partial ones (48, 16, 16 rows at the end), group sizes, float or
-    # bf16 scales, row counts on and off the micro-kernel's 6-row blocks.
+    # bf16 scales, row counts on and off the micro-kernel's 6-row blocks and the AVX2 build's
+    # one- and two-row path.
     q = quant.quantize_int4(linear(k, n).weight, group)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
     scales = q.scales_and_zeros.to(scales_dtype)
@@ -328,7 +329,8 @@ def test_int4_many_row_steps_take_our_kernel_with_torch_kernel_results(bias, mon
         x = activations(rows, 96).to(torch.bfloat16)
         y = mod(x)
         assert y.shape == (rows, 200) and torch.equal(y, kernel(x))
-    assert len(calls) == 2  # the two many-row steps
+    # The two many-row steps, and the one-row step where ours won at one row here.
+    assert len(calls) == 2 + mod.one_row
 
 
 needs_a8 = pytest.mark.skipif(
@@ -422,6 +424,7 @@ def test_int4_linears_carry_the_many_rows_measured_on_this_machine():
     assert chosen in quant.MANY_ROWS_CHOICES
     mod = quant.quantize_linear(linear(96, 64), "int4", 32)
     assert mod.layout is not None and mod.many_rows == chosen
+    assert mod.one_row == quant.int4_one_row()
 
 
 def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):

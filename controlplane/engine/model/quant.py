@@ -267,6 +267,10 @@ class Int4Linear(nn.Module):
     # rows 15517 / 7340; on an AMD EPYC ours was 0.82-0.97x torch's at 16 rows, 0.88-1.01x at
     # 32, 1.02-1.18x from 128 (benchmarks/int4_linear.py).
     many_rows = 16
+    # Whether a one-row step (one user's decode) takes ours too: on an AVX2 EPYC its one-row
+    # path dequantizes in registers, 1.07-1.29x torch's on SmolLM2's shapes; elsewhere it has
+    # none and loses (measured per process, int4_one_row).
+    one_row = False
 
     def __init__(
         self,
@@ -324,6 +328,7 @@ class Int4Linear(nn.Module):
         self.layout = _int4_layout() if torch_cpu and self.dense is None else None
         if self.layout is not None:
             self.many_rows = int4_many_rows()
+            self.one_row = int4_one_row()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -337,7 +342,7 @@ class Int4Linear(nn.Module):
             y = torch.ops.controlplane_cpu.w4a8_linear(x2, self.packed, self.scales, self.mins)
         elif self.dense is not None and rows >= self.dense_min_rows:
             y = packed_matmul(x2, self.dense, None, self.padded_out)
-        elif self.layout is not None and x2.shape[0] >= self.many_rows:
+        elif self.layout is not None and (rows >= self.many_rows or (rows == 1 and self.one_row)):
             y = torch.ops.controlplane_cpu.int4_linear(
                 x2, self.packed, self.scales_and_zeros, self.group_size, *self.layout
             )
@@ -423,12 +428,13 @@ def pick_many_rows(timings: dict[int, tuple[float, float]]) -> int:
 
 
 @functools.cache
-def int4_many_rows() -> int:
-    """Int4Linear.many_rows on this machine: both kernels timed once per process (~5 ms) on a
-    SmolLM2-sized weight (576 -> 1536, group 32), best of 5 calls at 16 and 32 rows."""
+def _int4_timings() -> dict[int, tuple[float, float]]:
+    """Both kernels timed once per process (~10 ms) on a SmolLM2-sized weight (576 -> 1536,
+    group 32), best of 10 calls at 1, 16 and 32 rows: {rows: (torch's seconds, ours)}; empty
+    where ours does not serve."""
     layout = _int4_layout()
     if layout is None:
-        return Int4Linear.many_rows
+        return {}
     gen = torch.Generator().manual_seed(0)
     n, k, group = 1536, 576, 32
     q = quantize_int4(torch.randn(n, k, generator=gen), group)
@@ -437,14 +443,14 @@ def int4_many_rows() -> int:
 
     def best(fn, x) -> float:
         times = []
-        for _ in range(5):
+        for _ in range(10):
             t0 = time.perf_counter()
             fn(x)
             times.append(time.perf_counter() - t0)
         return min(times)
 
     timings = {}
-    for rows in MANY_ROWS_CHOICES[:-1]:
+    for rows in (1, *MANY_ROWS_CHOICES[:-1]):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         timings[rows] = (
             best(lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, group, scales), x),
@@ -453,13 +459,24 @@ def int4_many_rows() -> int:
                 x,
             ),
         )
-    chosen = pick_many_rows(timings)
     log.info(
-        "int4: our kernel from %d rows (torch's / ours, us: %s)",
-        chosen,
+        "int4: torch's kernel / ours, us: %s",
         ", ".join(f"{r} rows {a * 1e6:.0f} / {b * 1e6:.0f}" for r, (a, b) in timings.items()),
     )
-    return chosen
+    return timings
+
+
+def int4_many_rows() -> int:
+    """Int4Linear.many_rows on this machine (from _int4_timings)."""
+    timings = _int4_timings()
+    return pick_many_rows(timings) if timings else Int4Linear.many_rows
+
+
+def int4_one_row() -> bool:
+    """Int4Linear.one_row on this machine: whether ours beat torch's at one row (it does where
+    it has a one-row path, csrc/int4_linear.cpp's AVX2 build)."""
+    torch_s, ours_s = _int4_timings().get(1, (0.0, 0.0))
+    return ours_s < torch_s
 
 
 # Input features per int8 activation scale in csrc/int8_activations.cpp (GGUF's Q8_1 block).
