@@ -165,7 +165,8 @@ void dequantize_panel32(const uint8_t* src, const ST* sz, int64_t n0, int64_t N,
 constexpr int64_t kFusedRows = 2;
 
 // ROWS rows of x against a full split block of 32 rows, all of K: the same FMA chains as the
-// panel path, without its stores and loads of the panel (576 -> 3072 at 1 row: ...).
+// panel path, without its stores and loads of the panel (576 -> 3072 at 1 row: 206 -> 111 us
+// on an AVX2 EPYC; torch's kernel 139).
 template <int ROWS, typename ST>
 void fused_block32(const float* x, int64_t K, const uint8_t* src, const ST* sz, int64_t n0, int64_t N,
                    int64_t group, c10::BFloat16* out, int64_t ldo) {

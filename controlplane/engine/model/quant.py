@@ -7,8 +7,9 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   `torch._weight_int4pack_mm_for_cpu` on a weight packed by
   `torch._convert_weight_to_int4pack_for_cpu`. Both beat dequantize-then-matmul and the float
   linears at batch-1 decode here (benchmarks/quant_kernels.py; README "Quantization"). Int4
-  steps of `Int4Linear.many_rows` rows or more take our `int4_linear` (csrc/int4_linear.cpp)
-  on the same packed weight: torch's results bit for bit, faster there.
+  steps of `Int4Linear.many_rows` rows or more (and of one row, `Int4Linear.one_row`, where it
+  won) take our `int4_linear` (csrc/int4_linear.cpp) on the same packed weight: torch's results
+  bit for bit, faster there.
   Int8 steps take our `int8_linear` (csrc/int8_linear.cpp) where it built: the weight read
   once per call for all rows, float32 sums. With `engine.quantize_activations`, int4 linears
   and the int8 lm_head take our `w4a8_linear` / `w8a8_linear` instead
