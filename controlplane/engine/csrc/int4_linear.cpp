@@ -30,6 +30,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "prefetch.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -272,6 +274,15 @@ void panel_times_rows(const Chunk& c) {
   }
 }
 
+// The next block's scales and zeros, asked for while this block computes. They lie a group's
+// row of N pairs apart (torch's layout, [K / group, N, 2]): a stride that crosses pages, which
+// the hardware prefetcher does not follow, so at one row each group's first load waited on
+// memory.
+template <typename ST>
+void prefetch_scales(const ST* sz, int64_t n0, int64_t nb, int64_t N, int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g) controlplane::prefetch(sz + g * N * 2 + n0 * 2, nb * 2, sz + groups * N * 2);
+}
+
 // K rows of a panel dequantized at a time: 128 x 64 floats (32 KB) stay in L1 while every row
 // block reads them. Whole panels (147 KB at K = 576) spilled to L2 and the dequantization's
 // stores stalled: a 576 x 3072 weight at 1 row took 280 us.
@@ -310,6 +321,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       for (int64_t i = begin; i < end; ++i) {
         const int64_t n0 = i * block_n;
         const int64_t nb = std::min(block_n, N - n0);
+        if (i == begin) prefetch_scales(sz, n0, nb, N, K / group_size);
+        if (i + 1 < end) prefetch_scales(sz, n0 + block_n, std::min(block_n, N - n0 - block_n), N, K / group_size);
         const uint8_t* block = src + n0 * K / 2;
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
         if (split && nb == 32 && M <= kFusedRows) {
