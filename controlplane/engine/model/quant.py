@@ -269,8 +269,9 @@ class Int4Linear(nn.Module):
     # 32, 1.02-1.18x from 128 (benchmarks/int4_linear.py).
     many_rows = 16
     # Whether a one-row step (one user's decode) takes ours too: on an AVX2 EPYC its one-row
-    # path dequantizes in registers, 1.07-1.29x torch's on SmolLM2's shapes; elsewhere it has
-    # none and loses (measured per process, int4_one_row).
+    # path dequantizes in registers, 0.99-1.14x torch's on SmolLM2's shapes (1.06x summed over
+    # them, weights from memory); elsewhere it has none and loses (measured per process,
+    # int4_one_row).
     one_row = False
 
     def __init__(
