@@ -1,13 +1,15 @@
-"""Int4 linears on this CPU: our kernel (`int4_linear`) against torch's `_weight_int4pack_mm_for_cpu`.
+"""Int4 linears on this CPU: our kernels against torch's `_weight_int4pack_mm_for_cpu`.
 
 The int4 linears of SmolLM2-135M (q/k/v fused 576 -> 960, o 576 -> 576, gate/up fused
 576 -> 3072, down 1536 -> 576) and a 1.1B Llama (2048 -> 2560, 2048 -> 11264, 5632 -> 2048),
 group size 32, bf16 activations, 1 to 512 rows (decode batches to prompt chunks). Each call
 goes to the next of `--weights` copies of the weight in turn, so weights are read from
-memory as in a real step. Both kernels return the same bits; the run checks it.
+memory as in a real step. `int4_linear` returns torch's kernel's bits (the run checks it);
+where the CPU has AVX512-BF16, `int4_linear_bf16` (the engine's default there) is timed too,
+its results checked within bf16 rounding of torch's.
 
-Prints microseconds a call (best of `--reps` rounds) and torch / ours, measured in the same
-run. Figures to read, never timed assertions.
+Prints microseconds a call (best of `--reps` rounds) and torch / ours (and torch / bf16),
+measured in the same run. Figures to read, never timed assertions.
 
     python -m benchmarks.int4_linear [--threads 2] [--reps 5]
 """
@@ -59,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     def ours(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.controlplane_cpu.int4_linear(x, packed, sz, GROUP, *layout)
 
+    def bf16(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        return torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, sz, GROUP, *layout)
+
+    dot = quant.int4_bf16_dot_available()
     print(f"{args.threads} threads; us per call, best of {args.reps}")
-    print(f"{'model':<11} {'K -> N':>13} {'rows':>5} {'torch':>9} {'ours':>9} ratio")
+    header = f"{'model':<11} {'K -> N':>13} {'rows':>5} {'torch':>9} {'ours':>9} ratio"
+    print(header + (f" {'bf16':>9} ratio" if dot else ""))
     g = torch.Generator().manual_seed(0)
     for model, shapes in SHAPES.items():
         for k, n in shapes:
@@ -75,11 +82,18 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{model} {k}->{n} rows {rows}: results differ")
                 t_torch = _time(torch_kernel, weights, x, args.reps)
                 t_ours = _time(ours, weights, x, args.reps)
-                print(
+                line = (
                     f"{model:<11} {f'{k} -> {n}':>13} {rows:>5} {t_torch:>9.1f} {t_ours:>9.1f} "
-                    f"{t_torch / t_ours:.2f}x",
-                    flush=True,
+                    f"{t_torch / t_ours:.2f}x"
                 )
+                if dot:
+                    ref = torch_kernel(x, *weights[0]).float()
+                    err = (bf16(x, *weights[0]).float() - ref).norm() / ref.norm()
+                    if err > 1e-2:
+                        raise SystemExit(f"{model} {k}->{n} rows {rows}: bf16 error {err:.2e}")
+                    t_bf16 = _time(bf16, weights, x, args.reps)
+                    line += f" {t_bf16:>9.1f} {t_torch / t_bf16:.2f}x"
+                print(line, flush=True)
     return 0
 
 

@@ -193,7 +193,7 @@ needs_bf16_packing = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_dense_copy_serves_many_row_steps_with_the_same_weights(bias):
     lin = linear(96, 200, bias=bias)  # padded to 208 output rows: the copy is sliced too
-    plain = quant.quantize_linear(lin, "int4", 32)
+    plain = quant.quantize_linear(lin, "int4", 32, bf16_dot=False)
     dense = quant.quantize_linear(lin, "int4", 32, dense=True)
     assert plain.dense is None and dense.dense is not None and dense.layout is None
     # The copy is the kernel's own dequantized weights in bf16: 2 bytes a padded weight more.
@@ -316,9 +316,9 @@ def test_int4_linear_errors_name_the_argument():
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_many_row_steps_take_our_kernel_with_torch_kernel_results(bias, monkeypatch):
     lin = linear(96, 200, bias=bias)  # padded to 208 output rows
-    mod = quant.quantize_linear(lin, "int4", 32)
-    assert mod.layout is not None and mod.dense is None
-    kernel = quant.quantize_linear(lin, "int4", 32)
+    mod = quant.quantize_linear(lin, "int4", 32, bf16_dot=False)
+    assert mod.layout is not None and mod.dense is None and not mod.bf16_dot
+    kernel = quant.quantize_linear(lin, "int4", 32, bf16_dot=False)
     kernel.layout = None  # torch's kernel at every row count
     calls = []
     op = torch.ops.controlplane_cpu.int4_linear
@@ -331,6 +331,94 @@ def test_int4_many_row_steps_take_our_kernel_with_torch_kernel_results(bias, mon
         assert y.shape == (rows, 200) and torch.equal(y, kernel(x))
     # The two many-row steps, and the one-row step where ours won at one row here.
     assert len(calls) == 2 + mod.one_row
+
+
+needs_bf16_dot = pytest.mark.skipif(
+    not (cpu_ops.available() and quant.int4_bf16_dot_available()),
+    reason="int4_linear_bf16 needs our AVX512 kernels on a CPU with AVX512-BF16",
+)
+
+
+def _int4_exact(x: torch.Tensor, q: quant.Int4Weight) -> torch.Tensor:
+    """x @ w.T in float64 from the int4 values, scales and zeros as the kernels read them."""
+    return (
+        x.double()
+        @ quant.Int4Weight(q.qvalues, q.scales_and_zeros.double(), q.group_size)
+        .dequantize()
+        .double()
+        .T
+    )
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("scales_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,group", [(208, 96, 32), (64, 128, 64), (48, 256, 128), (16, 32, 32)])
+def test_int4_linear_bf16_is_batch_invariant_and_closer_than_torch_kernel(
+    n, k, group, scales_dtype
+):
+    # Full 64-row blocks and partial ones (16, 48, 16 rows), group sizes, bf16 or float32
+    # scales; 1 and 2 rows take the one-row path, more the panel's 6 x 4 tiles and remainders.
+    q = quant.quantize_int4(linear(k, n).weight, group)
+    q = quant.Int4Weight(q.qvalues, q.scales_and_zeros.to(torch.bfloat16).float(), group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    scales = q.scales_and_zeros.to(scales_dtype)
+    layout = quant._int4_layout()
+    op = torch.ops.controlplane_cpu.int4_linear_bf16
+    x = activations(40, k).to(torch.bfloat16)
+    ours = op(x, packed, scales, group, *layout)
+    exact = _int4_exact(x, q)
+    torch_kernel = torch._weight_int4pack_mm_for_cpu(x, packed, group, scales.to(torch.bfloat16))
+    # Exact products summed per group in float32: no further from the float64 result than
+    # torch's float32 kernel (both end rounded to bf16).
+    assert rel_err(ours, exact) <= rel_err(torch_kernel, exact) * 1.05
+    assert rel_err(ours, exact) < 3e-3
+    for rows in (1, 2, 3, 5, 6, 7, 13):  # any rows alone give their rows of the batch
+        for start in (0, 27):
+            part = x[start : start + rows]
+            assert torch.equal(op(part, packed, scales, group, *layout), ours[start : start + rows])
+
+
+@needs_bf16_dot
+def test_int4_linear_bf16_errors_name_the_argument():
+    q = quant.quantize_int4(linear(64, 64).weight, 32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    op = torch.ops.controlplane_cpu.int4_linear_bf16
+    x = activations(3, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="group_size 24"):
+        op(x, packed, q.scales_and_zeros, 24, 64, True)
+    with pytest.raises(RuntimeError, match=r"x: bf16 \[rows, 64\]"):
+        op(x.float(), packed, q.scales_and_zeros, 32, 64, True)
+
+
+@needs_cpu_ops
+def test_int4_bf16_dot_serves_where_the_cpu_has_avx512_bf16():
+    flags = Path("/proc/cpuinfo")
+    if not flags.exists():
+        pytest.skip("no /proc/cpuinfo")
+    has = "avx512_bf16" in flags.read_text().split()
+    avx512 = quant._int4_layout() == (64, True)
+    assert torch.ops.controlplane_cpu.int4_bf16_dot_supported() == (has and avx512)
+    assert quant.int4_bf16_dot_available() == (has and avx512)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linears_take_the_bf16_dot_kernel_at_every_row_count(bias, monkeypatch):
+    lin = linear(96, 200, bias=bias)
+    mod = quant.quantize_linear(lin, "int4", 32)  # bf16_dot by default where it serves
+    exact = quant.quantize_linear(lin, "int4", 32, bf16_dot=False)
+    assert mod.bf16_dot and not exact.bf16_dot
+    calls = []
+    op = torch.ops.controlplane_cpu.int4_linear_bf16
+    monkeypatch.setattr(
+        quant.torch.ops.controlplane_cpu, "int4_linear_bf16", lambda *a: calls.append(1) or op(*a)
+    )
+    for rows in (1, 2, 16, 300):
+        x = activations(rows, 96).to(torch.bfloat16)
+        y = mod(x)
+        assert y.shape == (rows, 200) and rel_err(y, exact(x)) < 1e-2
+        assert torch.equal(mod(x[-1:]), y[-1:])
+    assert len(calls) == 8  # mod's calls only: exact's take torch's kernel
 
 
 needs_a8 = pytest.mark.skipif(
@@ -422,7 +510,7 @@ def test_many_rows_is_the_fewest_rows_where_our_int4_kernel_wins():
 def test_int4_linears_carry_the_many_rows_measured_on_this_machine():
     chosen = quant.int4_many_rows()
     assert chosen in quant.MANY_ROWS_CHOICES
-    mod = quant.quantize_linear(linear(96, 64), "int4", 32)
+    mod = quant.quantize_linear(linear(96, 64), "int4", 32, bf16_dot=False)
     assert mod.layout is not None and mod.many_rows == chosen
     assert mod.one_row == quant.int4_one_row()
 
@@ -441,6 +529,16 @@ def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):
     assert on.memory.weights_bytes - off.memory.weights_bytes == copies
     with pytest.raises(InvalidSettingError, match="int4_dense_copy"):
         Engine(int4_dense_copy="yes", **kw)
+
+
+def test_int4_bf16_dot_follows_its_setting(tiny_model_dir):
+    kw = dict(model=str(tiny_model_dir), quantization="int4", kv_cache_memory_bytes=8 << 20)
+    on, off = Engine(**kw), Engine(int4_bf16_dot=False, **kw)  # on by default
+    int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
+    assert int4 and all(m.bf16_dot == quant.int4_bf16_dot_available() for m in int4)
+    assert not any(m.bf16_dot for m in off.model.modules() if isinstance(m, quant.Int4Linear))
+    with pytest.raises(InvalidSettingError, match="int4_bf16_dot"):
+        Engine(int4_bf16_dot="yes", **kw)
 
 
 # -- dtype "auto" ------------------------------------------------------------------------------
@@ -797,7 +895,7 @@ def test_int4_dense_copy_keeps_smollm2_perplexity(smollm2_reference):
     path, ids, _ = smollm2_reference
     kw = {"model": str(path), "kv_cache_memory_bytes": 32 << 20}
     (dense,) = _prefill_logits(Engine(int4_dense_copy=True, **kw), [ids])
-    engine = Engine(**kw)
+    engine = Engine(int4_bf16_dot=False, **kw)
     (int4,) = _prefill_logits(engine, [ids])
     for m in engine.model.modules():
         if isinstance(m, quant.Int4Linear):
@@ -812,6 +910,22 @@ def test_int4_dense_copy_keeps_smollm2_perplexity(smollm2_reference):
     # side's top token always among the other's top 5.
     assert (dense.topk(5).indices == int4.argmax(-1, keepdim=True)).any(-1).all()
     assert (int4.topk(5).indices == dense.argmax(-1, keepdim=True)).any(-1).all()
+
+
+@pytest.mark.slow
+@needs_bf16_dot
+def test_int4_bf16_dot_keeps_smollm2_perplexity(smollm2_reference):
+    """The default int4 kernel where the CPU has AVX512-BF16 (exact products of the int4
+    values and bf16 activations, summed per group) against torch's float32 kernel."""
+    path, ids, _ = smollm2_reference
+    kw = {"model": str(path), "kv_cache_memory_bytes": 32 << 20}
+    (dot,) = _prefill_logits(Engine(**kw), [ids])
+    (exact,) = _prefill_logits(Engine(int4_bf16_dot=False, **kw), [ids])
+    ppl_b, ppl_e = _perplexity(dot, ids), _perplexity(exact, ids)
+    print(f"SmolLM2 perplexity, int4 bf16 dot {ppl_b:.4f}, torch's int4 kernel {ppl_e:.4f}")
+    assert abs(ppl_b / ppl_e - 1) < 0.005
+    assert (dot.topk(5).indices == exact.argmax(-1, keepdim=True)).any(-1).all()
+    assert (exact.topk(5).indices == dot.argmax(-1, keepdim=True)).any(-1).all()
 
 
 def test_auto_dtype_runs_quantized_linears_in_bf16_where_the_cpu_has_it():

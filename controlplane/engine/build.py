@@ -106,6 +106,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
             embedding=cfg.stored_quantized_embedding,
             dense=dense,
             int8_activations=s.quantize_activations,
+            bf16_dot=s.int4_bf16_dot,
         )
     return QuantConfig(
         quantization,
@@ -113,6 +114,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
         s.quantize_lm_head and quantization != "none",
         dense=dense,
         int8_activations=s.quantize_activations,
+        bf16_dot=s.int4_bf16_dot,
     )
 
 

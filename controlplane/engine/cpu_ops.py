@@ -2,8 +2,8 @@
 
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for compiled
 steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
-cpu_attention.py), `int4_linear`, `int8_linear`, `w4a8_linear` and `w8a8_linear` (int4_linear.cpp,
-int8_linear.cpp, int8_activations.cpp, used by model/quant.py).
+cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `w4a8_linear` and
+`w8a8_linear` (int4_linear.cpp, int8_linear.cpp, int8_activations.cpp, used by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -102,6 +102,7 @@ def _build() -> bool:
             "set_decode_step",
             "clear_decode_step",
             "int4_linear",
+            "int4_linear_bf16",
             "int8_linear",
             "w4a8_linear",
             "w8a8_linear",
@@ -125,6 +126,7 @@ def _register_fakes() -> None:
         return torch.empty_like(q)
 
     @torch.library.register_fake("controlplane_cpu::int4_linear")
+    @torch.library.register_fake("controlplane_cpu::int4_linear_bf16")
     def _(
         x: torch.Tensor,
         packed: torch.Tensor,

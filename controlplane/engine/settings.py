@@ -137,6 +137,13 @@ class EngineSettings:
         "greedy answer at a near-tie), hence off by default. Needs cpu_weight_packing.",
         False,
     )
+    int4_bf16_dot: bool = _restart(
+        "On a CPU with AVX512-BF16 (Zen 4, Sapphire Rapids), int4 linears round their "
+        "dequantized weights to bf16 and multiply bf16 pairs (VDPBF16PS, csrc/int4_linear.cpp): "
+        "SmolLM2 prompts ~1.5x faster, 16 sequences ~1.2x, at every row count the same "
+        "results (batch invariant). Off: torch's int4 kernel's float32 results bit for bit.",
+        True,
+    )
     quantize_activations: bool = _restart(
         "On an x86 CPU (AVX2 or AVX512), the quantized linears (int4 ones and the int8 "
         "lm_head) round their activations to int8 per 32 values and multiply in integers, as "
@@ -292,6 +299,7 @@ def check(settings: EngineSettings) -> EngineSettings:
     _ranged(s, "seed")
     _bool("cpu_weight_packing", s.cpu_weight_packing)
     _bool("int4_dense_copy", s.int4_dense_copy)
+    _bool("int4_bf16_dot", s.int4_bf16_dot)
     _one_of(s, "quantization")
     if isinstance(s.quantization_group_size, bool) or (
         s.quantization_group_size not in INT4_GROUP_SIZES

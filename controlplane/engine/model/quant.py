@@ -282,6 +282,7 @@ class Int4Linear(nn.Module):
         dtype: torch.dtype,
         kernel: str = "",
         dense: bool = False,
+        bf16_dot: bool = True,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -328,7 +329,9 @@ class Int4Linear(nn.Module):
         # (block_n, split) of torch's packed layout, for our many-row kernel; None: torch's.
         torch_cpu = self.kernel == "int4pack_mm_cpu" and self.act_dtype == bf16
         self.layout = _int4_layout() if torch_cpu and self.dense is None else None
-        if self.layout is not None:
+        # Every row count through AVX512-BF16 dot products, or none (batch invariance).
+        self.bf16_dot = bf16_dot and self.layout is not None and int4_bf16_dot_available()
+        if self.layout is not None and not self.bf16_dot:
             self.many_rows = int4_many_rows()
             self.one_row = int4_one_row()
 
@@ -344,6 +347,10 @@ class Int4Linear(nn.Module):
             y = torch.ops.controlplane_cpu.w4a8_linear(x2, self.packed, self.scales, self.mins)
         elif self.dense is not None and rows >= self.dense_min_rows:
             y = packed_matmul(x2, self.dense, None, self.padded_out)
+        elif self.bf16_dot:
+            y = torch.ops.controlplane_cpu.int4_linear_bf16(
+                x2, self.packed, self.scales_and_zeros, self.group_size, *self.layout
+            )
         elif self.layout is not None and (rows >= self.many_rows or (rows == 1 and self.one_row)):
             y = torch.ops.controlplane_cpu.int4_linear(
                 x2, self.packed, self.scales_and_zeros, self.group_size, *self.layout
@@ -412,6 +419,29 @@ def _int4_layout() -> tuple[int, bool] | None:
         log.warning("our int4 kernel does not match torch's on this CPU; keeping torch's")
         return None
     return layout
+
+
+@functools.cache
+def int4_bf16_dot_available() -> bool:
+    """Whether `int4_linear_bf16` serves here: our kernels built for AVX512, on a CPU with
+    AVX512-BF16, and its results within bf16 rounding of torch's kernel (checked once per
+    process, on the weight `_int4_layout` checks)."""
+    layout = _int4_layout()
+    ops = torch.ops.controlplane_cpu
+    if layout is None or layout[0] != 64 or not ops.int4_bf16_dot_supported():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = 112, 256, 64
+    q = quantize_int4(torch.randn(n, k, generator=gen), group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    scales = q.scales_and_zeros.to(torch.bfloat16)
+    x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
+    ours = ops.int4_linear_bf16(x, packed, scales, group, *layout).float()
+    ref = torch._weight_int4pack_mm_for_cpu(x, packed, group, scales).float()
+    if not torch.allclose(ours, ref, rtol=0.02, atol=0.02 * ref.abs().max().item()):
+        log.warning("our bf16-dot int4 kernel disagrees with torch's on this CPU; not using it")
+        return False
+    return True
 
 
 # Where our int4 kernel may take over: at 16 or 32 rows (decode batches; a compiled decode
@@ -533,6 +563,7 @@ def quantize_linear(
     group_size: int,
     dense: bool = False,
     int8_activations: bool = False,
+    bf16_dot: bool = True,
 ) -> nn.Module:
     """The quantized replacement of `linear` (weights on its device, activations in its dtype;
     `dense`: an int4 linear's bf16 copy for many-row steps, see Int4Linear;
@@ -545,7 +576,9 @@ def quantize_linear(
         )
     if kind == "int4":
         kernel = "w4a8_cpu" if a8 else ""
-        return Int4Linear(linear.weight, linear.bias, group_size, dtype, kernel, dense=dense)
+        return Int4Linear(
+            linear.weight, linear.bias, group_size, dtype, kernel, dense=dense, bf16_dot=bf16_dot
+        )
     raise ValueError(f"unknown quantization {kind!r}; known: {', '.join(QUANTIZATIONS)}")
 
 
@@ -560,6 +593,7 @@ class QuantConfig:
     dense: bool = False  # int4 linears keep a bf16 copy for many-row steps (Int4Linear)
     # Quantized linears round their activations to int8 (engine.quantize_activations).
     int8_activations: bool = False
+    bf16_dot: bool = True  # int4 linears multiply bf16 pairs where the CPU can (Int4Linear)
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
@@ -581,6 +615,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
             quant.group_size,
             skip=("lm_head",),
             dense=quant.dense,
+            bf16_dot=quant.bf16_dot,
             int8_activations=quant.int8_activations,
         )
     lm_head = getattr(model, "lm_head", None)
@@ -620,6 +655,7 @@ def quantize_linears(
     skip: tuple[str, ...] = (),
     dense: bool = False,
     int8_activations: bool = False,
+    bf16_dot: bool = True,
 ) -> int:
     """Swap every nn.Linear (except names in `skip`) for its quantized version; returns how many.
 
@@ -631,7 +667,9 @@ def quantize_linears(
             full = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, nn.Linear) and full not in skip:
                 setattr(
-                    parent, name, quantize_linear(child, kind, group_size, dense, int8_activations)
+                    parent,
+                    name,
+                    quantize_linear(child, kind, group_size, dense, int8_activations, bf16_dot),
                 )
                 count += 1
     return count
