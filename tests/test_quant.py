@@ -357,7 +357,8 @@ def test_int4_linear_bf16_is_batch_invariant_and_closer_than_torch_kernel(
     n, k, group, scales_dtype
 ):
     # Full 64-row blocks and partial ones (16, 48, 16 rows), group sizes, bf16 or float32
-    # scales; 1 and 2 rows take the one-row path, more the panel's 6 x 4 tiles and remainders.
+    # scales; 1 to 4 rows take the fused path (two rows a pass), more the panel's 6 x 4 tiles
+    # and their remainders.
     q = quant.quantize_int4(linear(k, n).weight, group)
     q = quant.Int4Weight(q.qvalues, q.scales_and_zeros.to(torch.bfloat16).float(), group)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
@@ -372,7 +373,7 @@ def test_int4_linear_bf16_is_batch_invariant_and_closer_than_torch_kernel(
     # torch's float32 kernel (both end rounded to bf16).
     assert rel_err(ours, exact) <= rel_err(torch_kernel, exact) * 1.05
     assert rel_err(ours, exact) < 3e-3
-    for rows in (1, 2, 3, 5, 6, 7, 13):  # any rows alone give their rows of the batch
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13):  # any rows alone give their rows of the batch
         for start in (0, 27):
             part = x[start : start + rows]
             assert torch.equal(op(part, packed, scales, group, *layout), ours[start : start + rows])
