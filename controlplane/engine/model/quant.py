@@ -9,7 +9,9 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   linears at batch-1 decode here (benchmarks/quant_kernels.py; README "Quantization"). Int4
   steps of `Int4Linear.many_rows` rows or more (and of one row, `Int4Linear.one_row`, where it
   won) take our `int4_linear` (csrc/int4_linear.cpp) on the same packed weight: torch's results
-  bit for bit, faster there.
+  bit for bit, faster there. Where the CPU has AVX512-BF16, every int4 step takes our
+  `int4_linear_bf16` instead (`Int4Linear.bf16_dot`, engine.int4_bf16_dot): the int4 values
+  times the bf16 activations in VDPBF16PS dot products, summed per group, then scaled.
   Int8 steps take our `int8_linear` (csrc/int8_linear.cpp) where it built: the weight read
   once per call for all rows, float32 sums. With `engine.quantize_activations`, int4 linears
   and the int8 lm_head take our `w4a8_linear` / `w8a8_linear` instead
