@@ -391,6 +391,42 @@ def test_int4_linear_bf16_errors_name_the_argument():
         op(x.float(), packed, q.scales_and_zeros, 32, 64, True)
 
 
+@needs_bf16_dot
+@pytest.mark.parametrize("n,k", [(208, 96), (37, 576), (64, 17), (5, 40)])
+def test_int8_linear_bf16_is_exact_products_and_batch_invariant(n, k):
+    # K tails (17, 40: not whole 32-value steps), weight-row tails (37, 5), row counts on and
+    # off the 6-row tiles; scales or none.
+    q = quant.quantize_int8(linear(k, n).weight)
+    x = activations(40, k).to(torch.bfloat16)
+    op = torch.ops.controlplane_cpu.int8_linear_bf16
+    y = op(x, q.qweight, q.scales)
+    assert y.dtype == torch.float32 and y.shape == (40, n)
+    want = (x.double() @ q.qweight.double().T) * q.scales.double()
+    assert float((y - want).abs().max() / want.abs().max()) < 1e-5  # float32 sums
+    assert torch.allclose(op(x, q.qweight, None) * q.scales, y, rtol=1e-6, atol=0)
+    for rows in (1, 2, 5, 6, 7, 13):
+        assert torch.equal(op(x[20 : 20 + rows], q.qweight, q.scales), y[20 : 20 + rows])
+    with pytest.raises(RuntimeError, match=r"x: bf16 \[rows, "):
+        op(x.float(), q.qweight, q.scales)
+
+
+@needs_bf16_dot
+def test_int8_linears_take_the_bf16_dot_kernel_for_bf16_activations(monkeypatch):
+    lin = linear(576, 300, bias=True)
+    mod = quant.quantize_linear(lin, "int8", 32)
+    off = quant.quantize_linear(lin, "int8", 32, bf16_dot=False)
+    assert mod.bf16_dot and not off.bf16_dot
+    calls = []
+    op = torch.ops.controlplane_cpu.int8_linear_bf16
+    monkeypatch.setattr(
+        quant.torch.ops.controlplane_cpu, "int8_linear_bf16", lambda *a: calls.append(1) or op(*a)
+    )
+    x = activations(4, 576)
+    assert torch.equal(mod(x), off(x)) and not calls  # float32 activations: the float kernel
+    y = mod(x.bfloat16())
+    assert len(calls) == 1 and rel_err(y, off(x.bfloat16())) < 1e-2
+
+
 @needs_cpu_ops
 def test_int4_bf16_dot_serves_where_the_cpu_has_avx512_bf16():
     flags = Path("/proc/cpuinfo")
@@ -398,8 +434,8 @@ def test_int4_bf16_dot_serves_where_the_cpu_has_avx512_bf16():
         pytest.skip("no /proc/cpuinfo")
     has = "avx512_bf16" in flags.read_text().split()
     avx512 = quant._int4_layout() == (64, True)
-    assert torch.ops.controlplane_cpu.int4_bf16_dot_supported() == (has and avx512)
-    assert quant.int4_bf16_dot_available() == (has and avx512)
+    assert torch.ops.controlplane_cpu.bf16_dot_supported() == (has and avx512)
+    assert quant.bf16_dot_available() == quant.int4_bf16_dot_available() == (has and avx512)
 
 
 @needs_bf16_dot
@@ -532,14 +568,22 @@ def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):
         Engine(int4_dense_copy="yes", **kw)
 
 
-def test_int4_bf16_dot_follows_its_setting(tiny_model_dir):
-    kw = dict(model=str(tiny_model_dir), quantization="int4", kv_cache_memory_bytes=8 << 20)
-    on, off = Engine(**kw), Engine(int4_bf16_dot=False, **kw)  # on by default
+def test_bf16_dot_follows_its_setting(tiny_model_dir):
+    kw = dict(
+        model=str(tiny_model_dir),
+        quantization="int4",
+        quantize_lm_head=True,
+        kv_cache_memory_bytes=8 << 20,
+    )
+    on, off = Engine(**kw), Engine(bf16_dot=False, **kw)  # on by default
     int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
     assert int4 and all(m.bf16_dot == quant.int4_bf16_dot_available() for m in int4)
-    assert not any(m.bf16_dot for m in off.model.modules() if isinstance(m, quant.Int4Linear))
-    with pytest.raises(InvalidSettingError, match="int4_bf16_dot"):
-        Engine(int4_bf16_dot="yes", **kw)
+    assert isinstance(on.model.lm_head, quant.Int8Linear)
+    assert on.model.lm_head.bf16_dot == quant.bf16_dot_available()
+    kinds = (quant.Int4Linear, quant.Int8Linear)
+    assert not any(m.bf16_dot for m in off.model.modules() if isinstance(m, kinds))
+    with pytest.raises(InvalidSettingError, match="bf16_dot"):
+        Engine(bf16_dot="yes", **kw)
 
 
 # -- dtype "auto" ------------------------------------------------------------------------------
@@ -896,7 +940,7 @@ def test_int4_dense_copy_keeps_smollm2_perplexity(smollm2_reference):
     path, ids, _ = smollm2_reference
     kw = {"model": str(path), "kv_cache_memory_bytes": 32 << 20}
     (dense,) = _prefill_logits(Engine(int4_dense_copy=True, **kw), [ids])
-    engine = Engine(int4_bf16_dot=False, **kw)
+    engine = Engine(bf16_dot=False, **kw)
     (int4,) = _prefill_logits(engine, [ids])
     for m in engine.model.modules():
         if isinstance(m, quant.Int4Linear):
@@ -921,7 +965,7 @@ def test_int4_bf16_dot_keeps_smollm2_perplexity(smollm2_reference):
     path, ids, _ = smollm2_reference
     kw = {"model": str(path), "kv_cache_memory_bytes": 32 << 20}
     (dot,) = _prefill_logits(Engine(**kw), [ids])
-    (exact,) = _prefill_logits(Engine(int4_bf16_dot=False, **kw), [ids])
+    (exact,) = _prefill_logits(Engine(bf16_dot=False, **kw), [ids])
     ppl_b, ppl_e = _perplexity(dot, ids), _perplexity(exact, ids)
     print(f"SmolLM2 perplexity, int4 bf16 dot {ppl_b:.4f}, torch's int4 kernel {ppl_e:.4f}")
     assert abs(ppl_b / ppl_e - 1) < 0.005

@@ -106,7 +106,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
             embedding=cfg.stored_quantized_embedding,
             dense=dense,
             int8_activations=s.quantize_activations,
-            bf16_dot=s.int4_bf16_dot,
+            bf16_dot=s.bf16_dot,
         )
     return QuantConfig(
         quantization,
@@ -114,7 +114,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
         s.quantize_lm_head and quantization != "none",
         dense=dense,
         int8_activations=s.quantize_activations,
-        bf16_dot=s.int4_bf16_dot,
+        bf16_dot=s.bf16_dot,
     )
 
 

@@ -14,7 +14,7 @@ Shapes: the row count is a dynamic dimension, so one graph serves 2..max_rows ro
 copy (Int4Linear.dense_min_rows) or, without one, at 16 or 32 rows to our int4 kernel
 (Int4Linear.many_rows, measured per machine; 64 where ours never wins: no branch), which splits
 the dynamic graph in two (2..15 and 16..max_rows, say; Int4Linear.one_row only picks the
-kernel of the size-1 graph); with `quantize_activations`, or `int4_bf16_dot` on a CPU with
+kernel of the size-1 graph); with `quantize_activations`, or `bf16_dot` on a CPU with
 AVX512-BF16, they take one kernel at every row count (no branch without the dense copy).
 Warm-up compiles them all (and runs every row count once), and after it a recompile is an
 error that sends the step down the eager path, so a step that would need another graph (a

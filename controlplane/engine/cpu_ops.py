@@ -2,8 +2,9 @@
 
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for compiled
 steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
-cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `w4a8_linear` and
-`w8a8_linear` (int4_linear.cpp, int8_linear.cpp, int8_activations.cpp, used by model/quant.py).
+cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `int8_linear_bf16`,
+`w4a8_linear` and `w8a8_linear` (int4_linear.cpp, int8_linear.cpp, int8_activations.cpp, used
+by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -104,6 +105,7 @@ def _build() -> bool:
             "int4_linear",
             "int4_linear_bf16",
             "int8_linear",
+            "int8_linear_bf16",
             "w4a8_linear",
             "w8a8_linear",
         )
@@ -148,6 +150,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("controlplane_cpu::int8_linear")
+    @torch.library.register_fake("controlplane_cpu::int8_linear_bf16")
     def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 

@@ -137,12 +137,13 @@ class EngineSettings:
         "greedy answer at a near-tie), hence off by default. Needs cpu_weight_packing.",
         False,
     )
-    int4_bf16_dot: bool = _restart(
-        "On a CPU with AVX512-BF16 (Zen 4, Sapphire Rapids), int4 linears round their "
-        "dequantized weights to bf16 and multiply bf16 pairs (VDPBF16PS, csrc/int4_linear.cpp): "
-        "on a 2-core Zen 4 SmolLM2's prompts 1.43x, one user 1.14x, 16 sequences 1.06x; the "
-        "same results at every row count (batch invariant), closer to exact than torch's "
-        "kernel. Off: torch's int4 kernel's float32 results bit for bit.",
+    bf16_dot: bool = _restart(
+        "On a CPU with AVX512-BF16 (Zen 4, Sapphire Rapids), the quantized linears multiply "
+        "their int4 / int8 values, exact in bf16, by bf16 activations with VDPBF16PS "
+        "(csrc/int4_linear.cpp, csrc/int8_linear.cpp): on a 2-core Zen 4 SmolLM2's prompts "
+        "1.43x, one user 1.14x, 16 sequences 1.06x (int4 alone); the same results at every "
+        "row count (batch invariant). Off: torch's int4 kernel's float32 results bit for bit, "
+        "and the int8 lm_head in float32 FMAs.",
         True,
     )
     quantize_activations: bool = _restart(
@@ -300,7 +301,7 @@ def check(settings: EngineSettings) -> EngineSettings:
     _ranged(s, "seed")
     _bool("cpu_weight_packing", s.cpu_weight_packing)
     _bool("int4_dense_copy", s.int4_dense_copy)
-    _bool("int4_bf16_dot", s.int4_bf16_dot)
+    _bool("bf16_dot", s.bf16_dot)
     _one_of(s, "quantization")
     if isinstance(s.quantization_group_size, bool) or (
         s.quantization_group_size not in INT4_GROUP_SIZES

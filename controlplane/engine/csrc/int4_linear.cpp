@@ -714,7 +714,7 @@ TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
   m.def(
       "int4_linear_bf16(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, int block_n, bool split) "
       "-> Tensor");
-  m.def("int4_bf16_dot_supported() -> bool", &bf16_dot_supported);
+  m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
 }
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) {

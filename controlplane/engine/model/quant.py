@@ -10,7 +10,7 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   steps of `Int4Linear.many_rows` rows or more (and of one row, `Int4Linear.one_row`, where it
   won) take our `int4_linear` (csrc/int4_linear.cpp) on the same packed weight: torch's results
   bit for bit, faster there. Where the CPU has AVX512-BF16, every int4 step takes our
-  `int4_linear_bf16` instead (`Int4Linear.bf16_dot`, engine.int4_bf16_dot): the int4 values
+  `int4_linear_bf16` instead (`Int4Linear.bf16_dot`, engine.bf16_dot): the int4 values
   times the bf16 activations in VDPBF16PS dot products, summed per group, then scaled.
   Int8 steps take our `int8_linear` (csrc/int8_linear.cpp) where it built: the weight read
   once per call for all rows, float32 sums. With `engine.quantize_activations`, int4 linears
@@ -148,12 +148,15 @@ class Int8Linear(nn.Module):
         dtype: torch.dtype,
         kernel: str = "",
         float_scales: bool = False,
+        bf16_dot: bool = True,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.qweight.shape
         device = weight.qweight.device
         self.kernel = kernel or _int8_kernel(device, self.in_features)
         ours = self.kernel in ("int8_cpu", "w8a8_cpu")
+        # bf16 activations through VDPBF16PS where the CPU has it (int8_linear_bf16).
+        self.bf16_dot = bf16_dot and self.kernel == "int8_cpu" and bf16_dot_available()
         # Ours takes the model's activations as they are (float32 sums either way).
         keep = ours or self.kernel == "dequant"
         self.act_dtype = dtype if keep else kernel_dtype(device, dtype)
@@ -190,7 +193,10 @@ class Int8Linear(nn.Module):
             y = (y.float() * self.scales.float()).to(x.dtype)
         elif self.kernel == "int8_cpu":
             x2 = x.reshape(rows, self.in_features)
-            y = torch.ops.controlplane_cpu.int8_linear(x2, self.qweight, self.scales).to(x.dtype)
+            op = torch.ops.controlplane_cpu.int8_linear
+            if self.bf16_dot and x2.dtype == torch.bfloat16:
+                op = torch.ops.controlplane_cpu.int8_linear_bf16
+            y = op(x2, self.qweight, self.scales).to(x.dtype)
         elif self.kernel == "w8a8_cpu":
             x2 = x.reshape(rows, self.in_features)
             y = torch.ops.controlplane_cpu.w8a8_linear(x2, self.qweight, self.scales).to(x.dtype)
@@ -424,13 +430,22 @@ def _int4_layout() -> tuple[int, bool] | None:
 
 
 @functools.cache
+def bf16_dot_available() -> bool:
+    """Whether our bf16 dot-product kernels (`int8_linear_bf16`, `int4_linear_bf16`) can run
+    here: built for AVX512, on a CPU with AVX512-BF16."""
+    from controlplane.engine import cpu_ops
+
+    return cpu_ops.available() and torch.ops.controlplane_cpu.bf16_dot_supported()
+
+
+@functools.cache
 def int4_bf16_dot_available() -> bool:
     """Whether `int4_linear_bf16` serves here: our kernels built for AVX512, on a CPU with
     AVX512-BF16, and its results within bf16 rounding of torch's kernel (checked once per
     process, on the weight `_int4_layout` checks)."""
     layout = _int4_layout()
     ops = torch.ops.controlplane_cpu
-    if layout is None or layout[0] != 64 or not ops.int4_bf16_dot_supported():
+    if layout is None or layout[0] != 64 or not bf16_dot_available():
         return False
     gen = torch.Generator().manual_seed(0)
     n, k, group = 112, 256, 64
@@ -573,8 +588,9 @@ def quantize_linear(
     dtype = linear.weight.dtype
     a8 = _a8(linear.weight, int8_activations)
     if kind == "int8":
+        kernel = "w8a8_cpu" if a8 else ""
         return Int8Linear(
-            quantize_int8(linear.weight), linear.bias, dtype, "w8a8_cpu" if a8 else ""
+            quantize_int8(linear.weight), linear.bias, dtype, kernel, bf16_dot=bf16_dot
         )
     if kind == "int4":
         kernel = "w4a8_cpu" if a8 else ""
@@ -595,7 +611,7 @@ class QuantConfig:
     dense: bool = False  # int4 linears keep a bf16 copy for many-row steps (Int4Linear)
     # Quantized linears round their activations to int8 (engine.quantize_activations).
     int8_activations: bool = False
-    bf16_dot: bool = True  # int4 linears multiply bf16 pairs where the CPU can (Int4Linear)
+    bf16_dot: bool = True  # int4 and int8 kernels in bf16 dot products where the CPU has them
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
@@ -627,7 +643,9 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     if quant.lm_head and isinstance(lm_head, nn.Linear):
         kernel = "w8a8_cpu" if _a8(lm_head.weight, quant.int8_activations) else ""
         q = quantize_int8(lm_head.weight)
-        head = Int8Linear(q, lm_head.bias, dtype, kernel, float_scales=True)
+        head = Int8Linear(
+            q, lm_head.bias, dtype, kernel, float_scales=True, bf16_dot=quant.bf16_dot
+        )
         model.lm_head = head
         count += 1
         if tied and quant.embedding:
