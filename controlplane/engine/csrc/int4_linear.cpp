@@ -33,6 +33,7 @@
 #include "prefetch.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -222,6 +223,40 @@ void micro_kernel(const float* x, int64_t K, int64_t kn, const float* panel, int
   }
 }
 
+// f(m, rows) for tiles of TILE rows from m = 0, then the last rows (fewer than TILE, at most 5),
+// `rows` a compile-time count (std::integral_constant) so each tile shape is its own kernel.
+template <int TILE, typename F>
+void over_row_tiles(int64_t M, const F& f) {
+  static_assert(TILE <= 6, "the remainder switch covers up to 5 rows");
+  int64_t m = 0;
+  for (; m + TILE <= M; m += TILE) f(m, std::integral_constant<int, TILE>{});
+  switch (M - m) {
+    case 0: break;
+    case 1: f(m, std::integral_constant<int, 1>{}); break;
+    case 2: f(m, std::integral_constant<int, 2>{}); break;
+    case 3: f(m, std::integral_constant<int, 3>{}); break;
+    case 4: f(m, std::integral_constant<int, 4>{}); break;
+    case 5: f(m, std::integral_constant<int, 5>{}); break;
+    default: TORCH_CHECK(false, "int4_linear: internal row split");
+  }
+}
+
+// f(c0, vecs) over a block's nb columns, in steps of FULL vectors of `lanes` columns, then the
+// last 1 to 3 vectors of a partial block; `vecs` a compile-time count.
+template <int FULL, typename F>
+void over_column_vectors(int64_t nb, int64_t lanes, const F& f) {
+  TORCH_CHECK(nb % lanes == 0, "int4_linear: a block of ", nb, " rows");
+  int64_t c0 = 0;
+  for (; c0 + FULL * lanes <= nb; c0 += FULL * lanes) f(c0, std::integral_constant<int, FULL>{});
+  switch ((nb - c0) / lanes) {
+    case 0: break;
+    case 1: f(c0, std::integral_constant<int, 1>{}); break;
+    case 2: f(c0, std::integral_constant<int, 2>{}); break;
+    case 3: f(c0, std::integral_constant<int, 3>{}); break;
+    default: TORCH_CHECK(false, "int4_linear: a block of ", nb, " rows");
+  }
+}
+
 struct Chunk {  // one K chunk of one panel, applied to every row of x
   const float* x;
   int64_t M, K, k0, kn;
@@ -245,33 +280,11 @@ inline void rows_of(const Chunk& c, int64_t m, int64_t c0) {
                            c.k0 + c.kn == c.K, c.out + m * c.ldo + c0, c.ldo);
 }
 
-// Every row of the chunk against VECS vectors of columns from c0.
-template <int VECS>
-void columns_of(const Chunk& c, int64_t c0) {
-  int64_t m = 0;
-  for (; m + kRows <= c.M; m += kRows) rows_of<kRows, VECS>(c, m, c0);
-  switch (c.M - m) {  // the last rows, fewer than kRows
-    case 0: break;
-    case 1: rows_of<1, VECS>(c, m, c0); break;
-    case 2: rows_of<2, VECS>(c, m, c0); break;
-    case 3: rows_of<3, VECS>(c, m, c0); break;
-    case 4: rows_of<4, VECS>(c, m, c0); break;
-    case 5: rows_of<5, VECS>(c, m, c0); break;
-    default: TORCH_CHECK(false, "int4_linear: internal row split");
-  }
-}
-
+// Every row of the chunk against every column of its panel.
 void panel_times_rows(const Chunk& c) {
-  TORCH_CHECK(c.nb % kLanes == 0, "int4_linear: a block of ", c.nb, " rows");
-  int64_t c0 = 0;
-  for (; c0 + kVecs * kLanes <= c.nb; c0 += kVecs * kLanes) columns_of<kVecs>(c, c0);
-  switch ((c.nb - c0) / kLanes) {  // a partial block's last columns
-    case 0: break;
-    case 1: columns_of<1>(c, c0); break;
-    case 2: columns_of<2>(c, c0); break;
-    case 3: columns_of<3>(c, c0); break;
-    default: TORCH_CHECK(false, "int4_linear: a block of ", c.nb, " rows");
-  }
+  over_column_vectors<kVecs>(c.nb, kLanes, [&](int64_t c0, auto vecs) {
+    over_row_tiles<kRows>(c.M, [&](int64_t m, auto rows) { rows_of<decltype(rows)::value, decltype(vecs)::value>(c, m, c0); });
+  });
 }
 
 // The next block's scales and zeros, asked for while this block computes. They lie a group's
@@ -283,13 +296,13 @@ void prefetch_scales(const ST* sz, int64_t n0, int64_t nb, int64_t N, int64_t gr
   for (int64_t g = 0; g < groups; ++g) controlplane::prefetch(sz + g * N * 2 + n0 * 2, nb * 2, sz + groups * N * 2);
 }
 
-// K rows of a panel dequantized at a time: 128 x 64 floats (32 KB) stay in L1 while every row
-// block reads them. Whole panels (147 KB at K = 576) spilled to L2 and the dequantization's
-// stores stalled: a 576 x 3072 weight at 1 row took 280 us.
-constexpr int64_t kChunkK = 128;
+struct Int4Shape {
+  int64_t M, N, K;
+};
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                       int64_t group_size, int64_t block_n, bool split) {
+// The arguments both int4 ops take, checked; `group_multiple`: what group_size must divide by.
+Int4Shape checked_int4_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                            int64_t group_size, int64_t block_n, int64_t group_multiple) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed: contiguous uint8 [N, K / 2]");
   const int64_t N = packed.size(0);
@@ -299,10 +312,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.is_contiguous() && scales_and_zeros.size(1) == N &&
                   scales_and_zeros.size(2) == 2,
               "scales_and_zeros: contiguous [K / group_size, N, 2]");
-  TORCH_CHECK(group_size > 0 && K % group_size == 0 && scales_and_zeros.size(0) == K / group_size,
-              "group_size ", group_size, " does not divide K = ", K, " into ", scales_and_zeros.size(0), " groups");
+  TORCH_CHECK(group_size > 0 && group_size % group_multiple == 0 && K % group_size == 0 &&
+                  scales_and_zeros.size(0) == K / group_size,
+              "group_size ", group_size, " does not divide K = ", K, " into ", scales_and_zeros.size(0),
+              " groups (of a multiple of ", group_multiple, ")");
   TORCH_CHECK((block_n == 32 || block_n == 64) && N % 16 == 0, "block_n: 32 or 64; N: a multiple of 16");
-  const int64_t M = x.size(0);
+  return {x.size(0), N, K};
+}
+
+// K rows of a panel dequantized at a time: 128 x 64 floats (32 KB) stay in L1 while every row
+// block reads them. Whole panels (147 KB at K = 576) spilled to L2 and the dequantization's
+// stores stalled: a 576 x 3072 weight at 1 row took 280 us.
+constexpr int64_t kChunkK = 128;
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                       int64_t group_size, int64_t block_n, bool split) {
+  const Int4Shape shape = checked_int4_args(x, packed, scales_and_zeros, group_size, block_n, 1);
+  const int64_t M = shape.M, N = shape.N, K = shape.K;  // (a structured binding cannot be captured in C++17)
   // x as float32 in a plain buffer: at::Tensor::to cost ~3 us a call, as much as a 576 x 576
   // weight's arithmetic at one row.
   const at::Tensor xc = x.contiguous();
@@ -591,32 +617,12 @@ CP_BF16 void micro_kernel_bf16(const PairChunk& c, int64_t m, int64_t c0) {
 
 constexpr int kPairRows = 6;
 
-template <int VECS>
-void pair_columns_of(const PairChunk& c, int64_t c0) {
-  int64_t m = 0;
-  for (; m + kPairRows <= c.M; m += kPairRows) micro_kernel_bf16<kPairRows, VECS>(c, m, c0);
-  switch (c.M - m) {
-    case 0: break;
-    case 1: micro_kernel_bf16<1, VECS>(c, m, c0); break;
-    case 2: micro_kernel_bf16<2, VECS>(c, m, c0); break;
-    case 3: micro_kernel_bf16<3, VECS>(c, m, c0); break;
-    case 4: micro_kernel_bf16<4, VECS>(c, m, c0); break;
-    case 5: micro_kernel_bf16<5, VECS>(c, m, c0); break;
-    default: TORCH_CHECK(false, "int4_linear_bf16: internal row split");
-  }
-}
-
 void pair_panel_times_rows(const PairChunk& c) {
-  TORCH_CHECK(c.nb % 16 == 0, "int4_linear_bf16: a block of ", c.nb, " rows");
-  int64_t c0 = 0;
-  for (; c0 + 64 <= c.nb; c0 += 64) pair_columns_of<4>(c, c0);
-  switch ((c.nb - c0) / 16) {
-    case 0: break;
-    case 1: pair_columns_of<1>(c, c0); break;
-    case 2: pair_columns_of<2>(c, c0); break;
-    case 3: pair_columns_of<3>(c, c0); break;
-    default: TORCH_CHECK(false, "int4_linear_bf16: a block of ", c.nb, " rows");
-  }
+  over_column_vectors<4>(c.nb, 16, [&](int64_t c0, auto vecs) {
+    over_row_tiles<kPairRows>(c.M, [&](int64_t m, auto rows) {
+      micro_kernel_bf16<decltype(rows)::value, decltype(vecs)::value>(c, m, c0);
+    });
+  });
 }
 #endif
 
@@ -632,21 +638,8 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
                             int64_t group_size, int64_t block_n, bool split) {
   TORCH_CHECK(bf16_dot_supported(), "int4_linear_bf16: this CPU (or this build) has no AVX512-BF16");
 #if defined(CPU_CAPABILITY_AVX512)
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: contiguous uint8 [N, K / 2]");
-  const int64_t N = packed.size(0);
-  const int64_t K = packed.size(1) * 2;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
-              "x: bf16 [rows, ", K, "] (the weight's in_features)");
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.is_contiguous() && scales_and_zeros.size(1) == N &&
-                  scales_and_zeros.size(2) == 2,
-              "scales_and_zeros: contiguous [K / group_size, N, 2]");
-  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 &&
-                  scales_and_zeros.size(0) == K / group_size,
-              "group_size ", group_size, " (a multiple of 16) does not divide K = ", K, " into ",
-              scales_and_zeros.size(0), " groups");
-  TORCH_CHECK((block_n == 32 || block_n == 64) && N % 16 == 0, "block_n: 32 or 64; N: a multiple of 16");
-  const int64_t M = x.size(0);
+  const Int4Shape shape = checked_int4_args(x, packed, scales_and_zeros, group_size, block_n, 16);
+  const int64_t M = shape.M, N = shape.N, K = shape.K;  // (a structured binding cannot be captured in C++17)
   const int64_t groups = K / group_size;
   const at::Tensor xc = x.contiguous();
   std::vector<float> xsum(M * groups);

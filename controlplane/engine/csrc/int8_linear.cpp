@@ -21,6 +21,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 namespace {
 
@@ -94,6 +95,31 @@ constexpr int64_t kTaskRows = 64;
 // How far ahead (weight rows) the next rows' bytes are prefetched.
 constexpr int64_t kPrefetchRows = 8;
 
+// The scales as float32 (held alive by `held`), or nullptr without them.
+const float* checked_scales(const c10::optional<at::Tensor>& scales, int64_t N, at::Tensor& held) {
+  if (!scales.has_value()) return nullptr;
+  held = scales->to(at::kFloat).contiguous();
+  TORCH_CHECK(held.dim() == 1 && held.size(0) == N, "scales: [", N, "] (one per output row), got ", scales->sizes());
+  return held.const_data_ptr<float>();
+}
+
+// body(n, W) for the weight rows n .. n + W - 1 of every task of kTaskRows rows (W = kW, then
+// single rows at a task's end), tasks in parallel, the next rows' bytes prefetched.
+template <typename Body>
+void over_weight_rows(const int8_t* wp, int64_t N, int64_t K, const Body& body) {
+  at::parallel_for(0, (N + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n1 = std::min(N, (t + 1) * kTaskRows);
+      int64_t n = t * kTaskRows;
+      for (; n + kW <= n1; n += kW) {
+        controlplane::prefetch(wp + (n + kPrefetchRows) * K, kW * K, wp + N * K);
+        body(n, std::integral_constant<int, kW>{});
+      }
+      for (; n < n1; ++n) body(n, std::integral_constant<int, 1>{});
+    }
+  });
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
               "weight: contiguous int8 [N, K]");
@@ -102,29 +128,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [rows, ", K, "] (the weight's in_features), got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x: float32, bfloat16 or float16, got ", x.scalar_type());
-  const float* sp = nullptr;
-  at::Tensor s;
-  if (scales.has_value()) {
-    s = scales->to(at::kFloat).contiguous();
-    TORCH_CHECK(s.dim() == 1 && s.size(0) == N, "scales: [", N, "] (one per output row), got ", scales->sizes());
-    sp = s.const_data_ptr<float>();
-  }
+  at::Tensor held;
+  const float* sp = checked_scales(scales, N, held);
   const int64_t M = x.size(0);
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.const_data_ptr<float>();
   const int8_t* wp = weight.const_data_ptr<int8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, (N + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n1 = std::min(N, (t + 1) * kTaskRows);
-      int64_t n = t * kTaskRows;
-      for (; n + kW <= n1; n += kW) {
-        controlplane::prefetch(wp + (n + kPrefetchRows) * K, kW * K, wp + N * K);
-        rows_against<kW>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
-      }
-      for (; n < n1; ++n) rows_against<1>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
-    }
+  over_weight_rows(wp, N, K, [&](int64_t n, auto w) {
+    rows_against<decltype(w)::value>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
   });
   return out;
 }
@@ -196,29 +209,16 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t K = weight.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
               "x: bf16 [rows, ", K, "] (the weight's in_features), got ", x.scalar_type(), " ", x.sizes());
-  const float* sp = nullptr;
-  at::Tensor s;
-  if (scales.has_value()) {
-    s = scales->to(at::kFloat).contiguous();
-    TORCH_CHECK(s.dim() == 1 && s.size(0) == N, "scales: [", N, "] (one per output row), got ", scales->sizes());
-    sp = s.const_data_ptr<float>();
-  }
+  at::Tensor held;
+  const float* sp = checked_scales(scales, N, held);
   const int64_t M = x.size(0);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const c10::BFloat16* xp = xc.const_data_ptr<c10::BFloat16>();
   const int8_t* wp = weight.const_data_ptr<int8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, (N + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n1 = std::min(N, (t + 1) * kTaskRows);
-      int64_t n = t * kTaskRows;
-      for (; n + kW <= n1; n += kW) {
-        controlplane::prefetch(wp + (n + kPrefetchRows) * K, kW * K, wp + N * K);
-        rows_against_bf16<kW>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
-      }
-      for (; n < n1; ++n) rows_against_bf16<1>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
-    }
+  over_weight_rows(wp, N, K, [&](int64_t n, auto w) {
+    rows_against_bf16<decltype(w)::value>(xp, M, K, wp + n * K, sp ? sp + n : nullptr, op + n, N);
   });
   return out;
 #else
