@@ -157,6 +157,24 @@ CP_BF16 inline __m512bh load_int8_bf16(const int8_t* p) {
   return _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values in the low half
 }
 
+// The sums of 4 vectors' 16 lanes (4 outputs), in one tree for every output whatever sits beside
+// it: lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3). Transposing 4 outputs through it
+// takes ~4 instructions an output; reducing each vector alone took ~10, a third of the lm_head's
+// time at 16 rows.
+CP_BF16 inline void reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3, float (&sums)[4]) {
+  // i + (i + 8): outputs 0 and 1 in one vector, 8 lanes each; 2 and 3 in another.
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
+  // + 4: output k in 128-bit block k.
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  // (0 + 2), (1 + 3), then their sum, in each block's lane 0.
+  const __m512 d = _mm512_add_ps(c, _mm512_shuffle_ps(c, c, 0x4E));
+  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_ps(d, d, 0xB1));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, e);
+  for (int k = 0; k < 4; ++k) sums[k] = lanes[4 * k];
+}
+
 template <int ROWS, int W>
 CP_BF16 void tile_bf16(const c10::BFloat16* x, int64_t K, const int8_t* w, const float* scales, float* out,
                        int64_t ldo) {
@@ -173,8 +191,13 @@ CP_BF16 void tile_bf16(const c10::BFloat16* x, int64_t K, const int8_t* w, const
     }
   }
   for (int r = 0; r < ROWS; ++r) {
+    float sums[4];
+    if constexpr (W == 4)
+      reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+    else
+      reduce4(acc[r][0], acc[r][0], acc[r][0], acc[r][0], sums);  // one output: the same tree
     for (int j = 0; j < W; ++j) {
-      float sum = _mm512_reduce_add_ps(acc[r][j]);
+      float sum = sums[j];
       for (int64_t k = kv; k < K; ++k) sum += static_cast<float>(x[r * K + k]) * static_cast<float>(w[j * K + k]);
       out[r * ldo + j] = scales ? sum * scales[j] : sum;
     }
