@@ -568,14 +568,20 @@ def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):
         Engine(int4_dense_copy="yes", **kw)
 
 
-def test_bf16_dot_follows_its_setting(tiny_model_dir):
+def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
     kw = dict(
         model=str(tiny_model_dir),
         quantization="int4",
         quantize_lm_head=True,
         kv_cache_memory_bytes=8 << 20,
     )
-    on, off = Engine(**kw), Engine(bf16_dot=False, **kw)  # on by default
+    with caplog.at_level("INFO", logger=quant.log.name):
+        on = Engine(**kw)  # on by default
+    said = "bf16 dot products" in caplog.text  # the start-up log says which kernels serve
+    caplog.clear()
+    with caplog.at_level("INFO", logger=quant.log.name):
+        off = Engine(bf16_dot=False, **kw)
+    assert said == quant.bf16_dot_available() and "bf16 dot products" not in caplog.text
     int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
     assert int4 and all(m.bf16_dot == quant.int4_bf16_dot_available() for m in int4)
     assert isinstance(on.model.lm_head, quant.Int8Linear)

@@ -654,7 +654,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         q = quantize_int8(model.model.embed_tokens.weight)
         model.model.embed_tokens = Int8Embedding(q.qweight, q.scales, dtype)
     log.info(
-        "quantized %d linear layers to %s%s (lm_head %s, embedding %s%s): weights %.1f MiB -> "
+        "quantized %d linear layers to %s%s (lm_head %s, embedding %s%s%s): weights %.1f MiB -> "
         "%.1f MiB",
         count,
         quant.kind,
@@ -662,6 +662,9 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         "int8" if quant.lm_head else "kept float",
         "int8" if quant.embedding else "kept float",
         ", activations int8" if any(_int8_activated(m) for m in model.modules()) else "",
+        ", bf16 dot products"
+        if any(getattr(m, "bf16_dot", False) for m in model.modules())
+        else "",
         before / 2**20,
         weight_bytes(model) / 2**20,
     )
