@@ -3,8 +3,8 @@
 One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for compiled
 steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
 cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `int8_linear_bf16`,
-`w4a8_linear` and `w8a8_linear` (int4_linear.cpp, int8_linear.cpp, int8_activations.cpp, used
-by model/quant.py).
+`w4a8_linear` and `w8a8_linear` (int4_linear.cpp, int4_linear_bf16.cpp, int8_linear.cpp,
+int8_activations.cpp, used by model/quant.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -29,9 +29,15 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_ops.cpp", "int4_linear.cpp", "int8_linear.cpp", "int8_activations.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "int4_linear.cpp",
+        "int4_linear_bf16.cpp",
+        "int8_linear.cpp",
+        "int8_activations.cpp",
+    )
 )
-HEADERS = (Path(__file__).parent / "csrc" / "prefetch.h",)
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("prefetch.h", "int4_common.h"))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str once tried
