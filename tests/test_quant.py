@@ -210,8 +210,23 @@ def test_int4_dense_copy_serves_many_row_steps_with_the_same_weights(bias):
         assert rel_err(y, ref) < 5e-3
 
 
+def _count_calls(monkeypatch, op_name: str) -> list[int]:
+    """Calls of our op `op_name` from quant.py from now on (one entry each); it still runs."""
+    calls: list[int] = []
+    op = getattr(torch.ops.controlplane_cpu, op_name)
+    monkeypatch.setattr(
+        quant.torch.ops.controlplane_cpu, op_name, lambda *a: calls.append(1) or op(*a)
+    )
+    return calls
+
+
 needs_cpu_ops = pytest.mark.skipif(
     not cpu_ops.available(), reason="our CPU kernels did not build here"
+)
+
+needs_bf16_dot = pytest.mark.skipif(
+    not (cpu_ops.available() and quant.int4_bf16_dot_available()),
+    reason="int4_linear_bf16 needs our AVX512 kernels on a CPU with AVX512-BF16",
 )
 
 
@@ -295,13 +310,17 @@ def test_int4_linear_is_torch_int4_kernel_bit_for_bit(n, k, group, scales_dtype,
 
 
 @needs_cpu_ops
-def test_int4_linear_errors_name_the_argument():
+@pytest.mark.parametrize(
+    "name", ["int4_linear", pytest.param("int4_linear_bf16", marks=needs_bf16_dot)]
+)
+def test_int4_linear_errors_name_the_argument(name):
     q = quant.quantize_int4(linear(64, 64).weight, 32)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
-    op = torch.ops.controlplane_cpu.int4_linear
+    op = getattr(torch.ops.controlplane_cpu, name)
     x = activations(3, 64).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="group_size 48"):
-        op(x, packed, q.scales_and_zeros, 48, 64, True)
+    for bad in (48, 24):
+        with pytest.raises(RuntimeError, match=f"group_size {bad}"):
+            op(x, packed, q.scales_and_zeros, bad, 64, True)
     with pytest.raises(RuntimeError, match="packed: contiguous uint8"):
         op(x, packed.int(), q.scales_and_zeros, 32, 64, True)
     with pytest.raises(RuntimeError, match="scales_and_zeros"):
@@ -320,23 +339,13 @@ def test_int4_many_row_steps_take_our_kernel_with_torch_kernel_results(bias, mon
     assert mod.layout is not None and mod.dense is None and not mod.bf16_dot
     kernel = quant.quantize_linear(lin, "int4", 32, bf16_dot=False)
     kernel.layout = None  # torch's kernel at every row count
-    calls = []
-    op = torch.ops.controlplane_cpu.int4_linear
-    monkeypatch.setattr(
-        quant.torch.ops.controlplane_cpu, "int4_linear", lambda *a: calls.append(1) or op(*a)
-    )
+    calls = _count_calls(monkeypatch, "int4_linear")
     for rows in (1, mod.many_rows - 1, mod.many_rows, 300):
         x = activations(rows, 96).to(torch.bfloat16)
         y = mod(x)
         assert y.shape == (rows, 200) and torch.equal(y, kernel(x))
     # The two many-row steps, and the one-row step where ours won at one row here.
     assert len(calls) == 2 + mod.one_row
-
-
-needs_bf16_dot = pytest.mark.skipif(
-    not (cpu_ops.available() and quant.int4_bf16_dot_available()),
-    reason="int4_linear_bf16 needs our AVX512 kernels on a CPU with AVX512-BF16",
-)
 
 
 def _int4_exact(x: torch.Tensor, q: quant.Int4Weight) -> torch.Tensor:
@@ -380,18 +389,6 @@ def test_int4_linear_bf16_is_batch_invariant_and_closer_than_torch_kernel(
 
 
 @needs_bf16_dot
-def test_int4_linear_bf16_errors_name_the_argument():
-    q = quant.quantize_int4(linear(64, 64).weight, 32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
-    op = torch.ops.controlplane_cpu.int4_linear_bf16
-    x = activations(3, 64).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="group_size 24"):
-        op(x, packed, q.scales_and_zeros, 24, 64, True)
-    with pytest.raises(RuntimeError, match=r"x: bf16 \[rows, 64\]"):
-        op(x.float(), packed, q.scales_and_zeros, 32, 64, True)
-
-
-@needs_bf16_dot
 @pytest.mark.parametrize("n,k", [(208, 96), (37, 576), (64, 17), (5, 40)])
 def test_int8_linear_bf16_is_exact_products_and_batch_invariant(n, k):
     # K tails (17, 40: not whole 32-value steps), weight-row tails (37, 5), row counts on and
@@ -416,11 +413,7 @@ def test_int8_linears_take_the_bf16_dot_kernel_for_bf16_activations(monkeypatch)
     mod = quant.quantize_linear(lin, "int8", 32)
     off = quant.quantize_linear(lin, "int8", 32, bf16_dot=False)
     assert mod.bf16_dot and not off.bf16_dot
-    calls = []
-    op = torch.ops.controlplane_cpu.int8_linear_bf16
-    monkeypatch.setattr(
-        quant.torch.ops.controlplane_cpu, "int8_linear_bf16", lambda *a: calls.append(1) or op(*a)
-    )
+    calls = _count_calls(monkeypatch, "int8_linear_bf16")
     x = activations(4, 576)
     assert torch.equal(mod(x), off(x)) and not calls  # float32 activations: the float kernel
     y = mod(x.bfloat16())
@@ -445,11 +438,7 @@ def test_int4_linears_take_the_bf16_dot_kernel_at_every_row_count(bias, monkeypa
     mod = quant.quantize_linear(lin, "int4", 32)  # bf16_dot by default where it serves
     exact = quant.quantize_linear(lin, "int4", 32, bf16_dot=False)
     assert mod.bf16_dot and not exact.bf16_dot
-    calls = []
-    op = torch.ops.controlplane_cpu.int4_linear_bf16
-    monkeypatch.setattr(
-        quant.torch.ops.controlplane_cpu, "int4_linear_bf16", lambda *a: calls.append(1) or op(*a)
-    )
+    calls = _count_calls(monkeypatch, "int4_linear_bf16")
     for rows in (1, 2, 16, 300):
         x = activations(rows, 96).to(torch.bfloat16)
         y = mod(x)

@@ -37,7 +37,10 @@ SOURCES = tuple(
         "int8_activations.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("prefetch.h", "int4_common.h"))
+HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name
+    for name in ("prefetch.h", "tiles.h", "bf16_dot.h", "int4_common.h")
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str once tried

@@ -1,34 +1,19 @@
 // What both int4 kernels share (int4_linear.cpp: torch's bits; int4_linear_bf16.cpp: bf16 dot
 // products): torch's packed layout's argument checks, the scales' prefetch, the K chunking and
-// the tile dispatch.
+// the column dispatch (rows: tiles.h).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include "prefetch.h"
+#include "tiles.h"
 
 #include <cstdint>
 #include <type_traits>
 
 namespace controlplane::int4 {
 
-// f(m, rows) for tiles of TILE rows from m = 0, then the last rows (fewer than TILE, at most 5),
-// `rows` a compile-time count (std::integral_constant) so each tile shape is its own kernel.
-template <int TILE, typename F>
-inline void over_row_tiles(int64_t M, const F& f) {
-  static_assert(TILE <= 6, "the remainder switch covers up to 5 rows");
-  int64_t m = 0;
-  for (; m + TILE <= M; m += TILE) f(m, std::integral_constant<int, TILE>{});
-  switch (M - m) {
-    case 0: break;
-    case 1: f(m, std::integral_constant<int, 1>{}); break;
-    case 2: f(m, std::integral_constant<int, 2>{}); break;
-    case 3: f(m, std::integral_constant<int, 3>{}); break;
-    case 4: f(m, std::integral_constant<int, 4>{}); break;
-    case 5: f(m, std::integral_constant<int, 5>{}); break;
-    default: TORCH_CHECK(false, "int4_linear: internal row split");
-  }
-}
+using controlplane::over_row_tiles;
 
 // f(c0, vecs) over a block's nb columns, in steps of FULL vectors of `lanes` columns, then the
 // last 1 to 3 vectors of a partial block; `vecs` a compile-time count.

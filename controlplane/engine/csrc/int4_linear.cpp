@@ -33,7 +33,6 @@
 #include "int4_common.h"
 
 #include <algorithm>
-#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -313,7 +312,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   }
   return out;
 }
-
 
 }  // namespace
 

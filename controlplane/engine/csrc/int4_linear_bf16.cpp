@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16_dot.h"
 #include "int4_common.h"
 
 #include <algorithm>
@@ -37,7 +38,6 @@ using namespace controlplane::int4;
 // every row count or for none (Int4Linear.bf16_dot).
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define CP_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 template <typename T>
 T* aligned64(std::vector<T>& buf) {  // buf's first 64-byte aligned element (buf has 64 bytes spare)
@@ -258,17 +258,9 @@ void pair_panel_times_rows(const PairChunk& c) {
 }
 #endif
 
-bool bf16_dot_supported() {
-#if defined(CPU_CAPABILITY_AVX512)
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
 at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                             int64_t group_size, int64_t block_n, bool split) {
-  TORCH_CHECK(bf16_dot_supported(), "int4_linear_bf16: this CPU (or this build) has no AVX512-BF16");
+  TORCH_CHECK(controlplane::bf16_dot_supported(), "int4_linear_bf16: this CPU (or this build) has no AVX512-BF16");
 #if defined(CPU_CAPABILITY_AVX512)
   const Int4Shape shape = checked_int4_args(x, packed, scales_and_zeros, group_size, block_n, 16);
   const int64_t M = shape.M, N = shape.N, K = shape.K;  // (a structured binding cannot be captured in C++17)
@@ -336,7 +328,7 @@ TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
   m.def(
       "int4_linear_bf16(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, int block_n, bool split) "
       "-> Tensor");
-  m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
+  m.def("bf16_dot_supported() -> bool", &controlplane::bf16_dot_supported);
 }
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("int4_linear_bf16", &int4_linear_bf16); }

@@ -16,7 +16,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "bf16_dot.h"
 #include "prefetch.h"
+#include "tiles.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -69,24 +71,13 @@ void tile(const float* x, int64_t K, const int8_t* w, const float* scales, float
   }
 }
 
+// Every row of x against W weight rows: tiles of kRows rows, then the last rows.
 template <int W>
 void rows_against(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, float* out,
                   int64_t ldo) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, W>(x + m * K, K, w, scales, out + m * ldo, ldo);
-  const float* xm = x + m * K;
-  float* om = out + m * ldo;
-  switch (M - m) {
-    case 0: break;
-    case 1: tile<1, W>(xm, K, w, scales, om, ldo); break;
-#if defined(CPU_CAPABILITY_AVX512)
-    case 2: tile<2, W>(xm, K, w, scales, om, ldo); break;
-    case 3: tile<3, W>(xm, K, w, scales, om, ldo); break;
-    case 4: tile<4, W>(xm, K, w, scales, om, ldo); break;
-    case 5: tile<5, W>(xm, K, w, scales, om, ldo); break;
-#endif
-    default: TORCH_CHECK(false, "int8_linear: internal row split");
-  }
+  controlplane::over_row_tiles<kRows>(M, [&](int64_t m, auto rows) {
+    tile<decltype(rows)::value, W>(x + m * K, K, w, scales, out + m * ldo, ldo);
+  });
 }
 
 // Weight rows per parallel task: 64 x 576 bytes (36 KB) stay in L2 while every row block of x
@@ -148,7 +139,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 // a vector. Each output: its lanes' chains over k in steps of 32, reduced in a fixed order, the
 // K tail added after, times the row's scale; as above, never dependent on M.
 #if defined(CPU_CAPABILITY_AVX512)
-#define CP_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 // 32 int8 weights as 32 bf16, in order.
 CP_BF16 inline __m512bh load_int8_bf16(const int8_t* p) {
@@ -207,25 +197,15 @@ CP_BF16 void tile_bf16(const c10::BFloat16* x, int64_t K, const int8_t* w, const
 template <int W>
 void rows_against_bf16(const c10::BFloat16* x, int64_t M, int64_t K, const int8_t* w, const float* scales, float* out,
                        int64_t ldo) {
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile_bf16<6, W>(x + m * K, K, w, scales, out + m * ldo, ldo);
-  const c10::BFloat16* xm = x + m * K;
-  float* om = out + m * ldo;
-  switch (M - m) {
-    case 0: break;
-    case 1: tile_bf16<1, W>(xm, K, w, scales, om, ldo); break;
-    case 2: tile_bf16<2, W>(xm, K, w, scales, om, ldo); break;
-    case 3: tile_bf16<3, W>(xm, K, w, scales, om, ldo); break;
-    case 4: tile_bf16<4, W>(xm, K, w, scales, om, ldo); break;
-    case 5: tile_bf16<5, W>(xm, K, w, scales, om, ldo); break;
-    default: TORCH_CHECK(false, "int8_linear_bf16: internal row split");
-  }
+  controlplane::over_row_tiles<6>(M, [&](int64_t m, auto rows) {
+    tile_bf16<decltype(rows)::value, W>(x + m * K, K, w, scales, out + m * ldo, ldo);
+  });
 }
 #endif
 
 at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scales) {
 #if defined(CPU_CAPABILITY_AVX512)
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "int8_linear_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(controlplane::bf16_dot_supported(), "int8_linear_bf16: this CPU has no AVX512-BF16");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
               "weight: contiguous int8 [N, K]");
   const int64_t N = weight.size(0);

@@ -416,17 +416,24 @@ def _int4_layout() -> tuple[int, bool] | None:
     layout = {"AVX512": (64, True), "AVX2": (32, True)}.get(
         torch.backends.cpu.get_cpu_capability(), (32, False)
     )
-    gen = torch.Generator().manual_seed(0)
-    n, k, group = layout[0] + 48, 256, 64
-    q = quantize_int4(torch.randn(n, k, generator=gen), group)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
-    scales = q.scales_and_zeros.to(torch.bfloat16)
-    x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
+    x, packed, scales, group = _int4_probe(layout[0])
     ours = torch.ops.controlplane_cpu.int4_linear(x, packed, scales, group, *layout)
     if not torch.equal(ours, torch._weight_int4pack_mm_for_cpu(x, packed, group, scales)):
         log.warning("our int4 kernel does not match torch's on this CPU; keeping torch's")
         return None
     return layout
+
+
+def _int4_probe(block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(x, packed, scales, group) for the start-up checks of our int4 kernels: 7 rows against
+    a weight of one full and one partial block of `block_n` rows, group 64, bf16 scales."""
+    gen = torch.Generator().manual_seed(0)
+    n, k, group = block_n + 48, 256, 64
+    q = quantize_int4(torch.randn(n, k, generator=gen), group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    scales = q.scales_and_zeros.to(torch.bfloat16)
+    x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
+    return x, packed, scales, group
 
 
 @functools.cache
@@ -444,16 +451,10 @@ def int4_bf16_dot_available() -> bool:
     AVX512-BF16, and its results within bf16 rounding of torch's kernel (checked once per
     process, on the weight `_int4_layout` checks)."""
     layout = _int4_layout()
-    ops = torch.ops.controlplane_cpu
     if layout is None or layout[0] != 64 or not bf16_dot_available():
         return False
-    gen = torch.Generator().manual_seed(0)
-    n, k, group = 112, 256, 64
-    q = quantize_int4(torch.randn(n, k, generator=gen), group)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
-    scales = q.scales_and_zeros.to(torch.bfloat16)
-    x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
-    ours = ops.int4_linear_bf16(x, packed, scales, group, *layout).float()
+    x, packed, scales, group = _int4_probe(layout[0])
+    ours = torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, scales, group, *layout).float()
     ref = torch._weight_int4pack_mm_for_cpu(x, packed, group, scales).float()
     if not torch.allclose(ours, ref, rtol=0.02, atol=0.02 * ref.abs().max().item()):
         log.warning("our bf16-dot int4 kernel disagrees with torch's on this CPU; not using it")
