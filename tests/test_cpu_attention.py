@@ -82,6 +82,47 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(alone[0], together[i]), f"row {i} differs alone"
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (32, 4, 64), (16, 2, 128)])
+def test_bf16_attention_stays_within_bf16_rounding_of_the_exact_result(heads, kv_heads, dim):
+    # bf16 queries on a bf16 cache (with AVX512-BF16: scores and the weighted sum of V by bf16
+    # dot products, the probabilities rounded to bf16 for the latter; 8 query heads a KV head
+    # take the register-sized runs of 6 + 2 and 3 + 3 + 2 heads): against float64 on the same
+    # stored values, off by at most the output's rounding and each probability's (2^-9
+    # relative each), for lengths odd and even, one token, and split into partitions.
+    lens = [1, 2, 15, 33, 256, 257, 700]
+    kv = _filled_cache(torch.bfloat16, kv_heads, dim, blocks=96)
+    spans = _spans(lens, 96)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(7)).bfloat16()
+    ours = _decode(CpuPagedAttention, kv, spans, q).double()
+    group = heads // kv_heads
+    for i, span in enumerate(spans):
+        blocks = torch.tensor(span.block_table)
+        slots = (blocks[:, None] * BS + torch.arange(BS)).flatten()[: span.context_len]
+        k = kv.k[1][slots].double().repeat_interleave(group, dim=1)  # [tokens, heads, dim]
+        v = kv.v[1][slots].double().repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), k) / dim**0.5, dim=-1)
+        exact = torch.einsum("ht,thd->hd", p, v)
+        bound = 1.5 * 2**-9 * (exact.abs() + torch.einsum("ht,thd->hd", p, v.abs())) + 1e-6
+        err = (ours[i] - exact).abs()
+        assert (err <= bound).all(), f"row {i}: {(err / bound).max():.2f}x the bound"
+
+
+def test_bf16_dot_off_gives_the_float_kernels_results():
+    # engine.bf16_dot = false: bf16 queries on a bf16 cache in float32 scores and sums, as a
+    # float32 query of the same values (exact in float32) gets them, rounded to bf16 at the end.
+    kv = _filled_cache(torch.bfloat16, 3, 64, blocks=96)
+    spans = _spans([1, 17, 100, 300], 96)
+    q = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    backend = CpuPagedAttention(kv, bf16_dot=False)
+    meta = backend.prepare(spans, CPU)
+    off = torch.cat([backend._decode(1, q[d.start : d.end], d) for d in meta.decodes])
+    as_float = _decode(CpuPagedAttention, kv, spans, q.float())
+    assert torch.equal(off, as_float.bfloat16())
+    on = _decode(CpuPagedAttention, kv, spans, q)
+    # With AVX512-BF16 the default takes other (bf16-rounded probability) sums: not the same bits.
+    assert torch.equal(on, off) != torch.ops.controlplane_cpu.bf16_dot_supported()
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
 def test_the_fused_write_stores_what_kv_cache_write_stores(kv_dtype):
     spans = _spans([40, 17, 1], 16)

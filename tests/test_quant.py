@@ -577,6 +577,8 @@ def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
     assert on.model.lm_head.bf16_dot == quant.bf16_dot_available()
     kinds = (quant.Int4Linear, quant.Int8Linear)
     assert not any(m.bf16_dot for m in off.model.modules() if isinstance(m, kinds))
+    if cpu_ops.available():  # and the decode attention kernel (cpu_attention)
+        assert on.runner.backend.bf16_dot and not off.runner.backend.bf16_dot
     with pytest.raises(InvalidSettingError, match="bf16_dot"):
         Engine(bf16_dot="yes", **kw)
 

@@ -54,10 +54,12 @@ class EngineParts:
     draft: DraftModel | None
 
 
-def make_backend(name: str, kv_cache: KVCache, device: torch.device) -> AttentionBackend:
+def make_backend(
+    name: str, kv_cache: KVCache, device: torch.device, bf16_dot: bool = True
+) -> AttentionBackend:
     """The `engine.attention_backend` setting's backend: auto is Triton on CUDA (when the
     triton package is installed: it is an optional extra), our C++ kernel on a CPU where it
-    builds (cpu_ops), torch elsewhere."""
+    builds (cpu_ops), torch elsewhere. `bf16_dot`: engine.bf16_dot, for the C++ kernel."""
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and cpu_ops.available():
@@ -77,7 +79,7 @@ def make_backend(name: str, kv_cache: KVCache, device: torch.device) -> Attentio
             raise InvalidSettingError("attention_backend", f"cpu is not available here: {why}")
         from controlplane.engine.cpu_attention import CpuPagedAttention
 
-        return CpuPagedAttention(kv_cache)
+        return CpuPagedAttention(kv_cache, bf16_dot)
     if device.type == "cpu":
         log.warning(
             "attention_backend triton on CPU: Triton's interpreter runs the kernels, "

@@ -37,11 +37,14 @@ class DecodeRows:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    def __init__(self, kv_cache: KVCache) -> None:
+    def __init__(self, kv_cache: KVCache, bf16_dot: bool = True) -> None:
         if not cpu_ops.available():
             raise RuntimeError(f"the CPU kernels did not build: {cpu_ops.build_error()}")
         super().__init__(kv_cache)
         self.sm_scale = kv_cache.spec.head_dim**-0.5  # SDPA's default, as the torch backend
+        # bf16 queries on a bf16 cache by bf16 dot products where the CPU has them
+        # (engine.bf16_dot); off: float32 scores and sums, the probabilities unrounded.
+        self.bf16_dot = bf16_dot
 
     def _decode_buckets(self, spans: list[SeqSpan], device: torch.device) -> list[DecodeRows]:
         if not spans:
@@ -77,6 +80,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 meta.slot_mapping,
                 self.block_size,
                 self.sm_scale,
+                self.bf16_dot,
             )
 
     def end_step(self) -> None:
@@ -100,8 +104,9 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         kv = self.kv
         scales = (None, None) if kv.k_scale is None else (kv.k_scale[layer], kv.v_scale[layer])
+        k_new, v_new, slots = (None, None, None) if new is None else new
         if new is not None:
-            new = (new[0].to(q.dtype).contiguous(), new[1].to(q.dtype).contiguous(), new[2])
+            k_new, v_new = k_new.to(q.dtype).contiguous(), v_new.to(q.dtype).contiguous()
         return torch.ops.controlplane_cpu.paged_decode_attention(
             q.contiguous(),
             kv.k[layer],
@@ -111,5 +116,8 @@ class CpuPagedAttention(TorchPagedAttention):
             b.context_lens,
             self.block_size,
             self.sm_scale,
-            *(new or ()),
+            k_new,
+            v_new,
+            slots,
+            self.bf16_dot,
         )

@@ -85,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(s, self.block_pool, self.swap_pool, s.block_size)
         self.draft: DraftModel | None = parts.draft
         self.scheduler.draft = self.draft
-        backend = make_backend(s.attention_backend, self.kv_cache, self.device)
+        backend = make_backend(s.attention_backend, self.kv_cache, self.device, s.bf16_dot)
         log.info("attention: %s", type(backend).__name__)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
         mode = compile_mode(s.compile, self.device, long_running)
@@ -98,7 +98,7 @@ class Engine:
             self.runner.compiled.warm_up(self.runner.backend, self.device)
         elif mode == "background":
             self._warm_up_block = self.block_pool.allocate(1)
-            own_backend = make_backend(s.attention_backend, self.kv_cache, self.device)
+            own_backend = make_backend(s.attention_backend, self.kv_cache, self.device, s.bf16_dot)
             self.runner.compiled.warm_up_in_background(
                 own_backend, self.device, self._warm_up_block[0]
             )

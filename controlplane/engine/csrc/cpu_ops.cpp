@@ -5,8 +5,10 @@
 // place through each row's block table: no gather into a contiguous copy, no padding mask,
 // no per-bucket SDPA call. The query heads of a KV group share every K/V row loaded (GQA
 // without expansion). Scores, softmax and the weighted sum run in float32 whatever the
-// storage; bf16 queries on a bf16 cache take their scores from bf16 dot products (vdpbf16ps,
-// where the CPU has AVX512-BF16: exact products, float32 sums). 8-bit caches (int8, fp8
+// storage, but for bf16 queries on a bf16 cache where the CPU has AVX512-BF16: their scores
+// come from bf16 dot products (vdpbf16ps: exact products, float32 sums) and so does the
+// weighted sum of V, the probabilities rounded to bf16 for it (1.6x the float path on
+// SmolLM2's 16 rows of 200 tokens, 250 against 420 us a layer). 8-bit caches (int8, fp8
 // e4m3) apply their per-(slot, head) scales to the score (K) and to the probability (V), so
 // the dequantized cache is never materialized. A row's context is cut into partitions of
 // kPartition tokens, one work item each (flash-decoding: a long row uses every thread),
@@ -22,12 +24,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "bf16_dot.h"
+
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -99,11 +101,13 @@ inline void prefetch_rows(const CT* base, const SlotOf& slot_of, int64_t from, i
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define CONTROLPLANE_BF16_DOT 1
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 queries on a bf16 cache, where the CPU has AVX512-BF16 (checked at run time: the build's
+// flags stop at AVX512-VNNI, so these functions compile under CP_BF16, csrc/bf16_dot.h).
+
 // Lane j of the result: the sum of a[j]'s 16 lanes (a transpose and add in four rounds, 45
 // instructions for 16 horizontal sums).
-inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
+CP_BF16 inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
   __m512 s[8], u[4];
   for (int k = 0; k < 8; ++k)  // per 128-bit lane: a[2k] lanes 0+2, a[2k+1] 0+2, a[2k] 1+3, ...
     s[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
@@ -121,8 +125,8 @@ inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
 // at `slots`: vdpbf16ps takes the stored bytes as they are, two dims a lane, with no widening
 // to float32 and no transpose (the float path's work per token, 3x the instructions).
 template <int64_t DIM>
-inline __m512 bf16_scores(const c10::BFloat16* qh, const c10::BFloat16* k_cache, const int64_t* slots, int m,
-                          int64_t g, int64_t slot_len) {
+CP_BF16 inline __m512 bf16_scores(const c10::BFloat16* qh, const c10::BFloat16* k_cache, const int64_t* slots, int m,
+                                  int64_t g, int64_t slot_len) {
   constexpr int kC = DIM / 32;
   __m512bh qv[kC];
   for (int c = 0; c < kC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
@@ -135,6 +139,109 @@ inline __m512 bf16_scores(const c10::BFloat16* qh, const c10::BFloat16* k_cache,
   }
   return sum_lanes_16(acc);
 }
+
+// Scaled scores of every query head of a row (`qr`: heads x DIM) against `len` tokens at
+// `slots`, 16 tokens at a time, into scores[h * kPartition + t].
+// The next tile's K rows are asked for ahead (the hardware prefetcher does not follow a row's
+// blocks), and its V rows too, into L2, for bf16_partition_values to find there.
+template <int64_t DIM>
+CP_BF16 void bf16_partition_scores(const c10::BFloat16* qr, const c10::BFloat16* k_cache,
+                                   const c10::BFloat16* v_cache, const int64_t* slots, int64_t len, int64_t kv_heads,
+                                   int64_t group, int64_t slot_len, float scale, float* scores) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, len - t0));
+    for (int64_t t = t0 + 16; t < std::min(t0 + 32, len); ++t)
+      for (int64_t b = 0; b < slot_len * 2; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + slots[t] * slot_len) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + slots[t] * slot_len) + b, 0, 2);
+      }
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const __m512 sc = _mm512_mul_ps(bf16_scores<DIM>(qr + h * DIM, k_cache, slots + t0, m, g, slot_len), sv);
+        _mm512_mask_storeu_ps(scores + h * kPartition + t0, static_cast<__mmask16>((1u << m) - 1), sc);
+      }
+  }
+}
+
+// acc[h] = sum over tokens t < len of p[h][t] * V[t] (KV head g's DIM values) for NH query heads,
+// by bf16 dot products: two tokens a lane pair, so each vdpbf16ps does 32 multiply-adds on the
+// stored V bytes as they are (the float path widens every V row to float32 first, then 16 FMAs
+// an instruction). Two V rows interleaved by unpacklo/hi give the pairs; that puts the dims in
+// the order (0-3, 8-11, ...) / (4-7, 12-15, ...) per 32, undone once at the end. The NH x DIM/16
+// sums stay in registers for the whole partition. `pb`: NH rows of `stride` bf16 probabilities,
+// zero past len (an odd tail pairs the last row with itself, times zero).
+template <int64_t DIM, int NH>
+CP_BF16 inline void bf16_weighted_sum(const uint16_t* pb, int64_t stride, const c10::BFloat16* v_cache,
+                                      const int64_t* slots, int64_t len, int64_t g, int64_t slot_len, float* out) {
+  constexpr int kC = DIM / 32;
+  __m512 acc[NH][2 * kC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 2 * kC; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 2) {
+    if (t + 8 < len) {  // the hardware prefetcher does not follow a row's blocks
+      const char* ahead = reinterpret_cast<const char*>(v_cache + slots[t + 8] * slot_len + g * DIM);
+      for (int b = 0; b < DIM * 2; b += 64) __builtin_prefetch(ahead + b);
+    }
+    const c10::BFloat16* v0 = v_cache + slots[t] * slot_len + g * DIM;
+    const c10::BFloat16* v1 = t + 1 < len ? v_cache + slots[t + 1] * slot_len + g * DIM : v0;
+    __m512bh lo[kC], hi[kC];
+    for (int c = 0; c < kC; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int h = 0; h < NH; ++h) {
+      uint32_t pair;
+      std::memcpy(&pair, pb + h * stride + t, sizeof(pair));
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < kC; ++c) {
+        acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], pp, lo[c]);
+        acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], pp, hi[c]);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < kC; ++c) {
+      _mm512_storeu_ps(out + h * DIM + 32 * c, _mm512_permutex2var_ps(acc[h][2 * c], first, acc[h][2 * c + 1]));
+      _mm512_storeu_ps(out + h * DIM + 32 * c + 16, _mm512_permutex2var_ps(acc[h][2 * c], second, acc[h][2 * c + 1]));
+    }
+}
+
+// The unnormalized outputs (heads x DIM, into acc) of a partition whose exp(score - max) are in
+// scores[h * kPartition + t]: the probabilities rounded to bf16 (as flash attention rounds P
+// before its P.V product: 2^-9 relative at most), then bf16_weighted_sum per KV head, its query
+// heads in register-sized runs (24 sums at most). `pb`: heads x (kPartition + 16) scratch.
+template <int64_t DIM>
+CP_BF16 void bf16_partition_values(const float* scores, uint16_t* pb, const c10::BFloat16* v_cache,
+                                   const int64_t* slots, int64_t len, int64_t kv_heads, int64_t group,
+                                   int64_t slot_len, float* acc) {
+  constexpr int64_t stride = kPartition + 16;
+  for (int64_t h = 0; h < kv_heads * group; ++h)
+    for (int64_t t = 0; t < len; t += 16) {  // 16 at a time, zeros past len
+      const __mmask16 k = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, scores + h * kPartition + t));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + h * stride + t), (__m256i)b);
+    }
+  constexpr int kMax = std::max<int>(1, 24 / (DIM / 16));
+  for (int64_t g = 0; g < kv_heads; ++g)
+    for (int64_t h = g * group; h < (g + 1) * group;) {
+      const int64_t nh = std::min<int64_t>(kMax, (g + 1) * group - h);
+      const uint16_t* p = pb + h * stride;
+      float* o = acc + h * DIM;
+      switch (nh) {
+#define CP_HEADS(N)                                                                       \
+  case N:                                                                                 \
+    if constexpr (N <= kMax) bf16_weighted_sum<DIM, N>(p, stride, v_cache, slots, len, g, slot_len, o); \
+    break;
+        CP_HEADS(1) CP_HEADS(2) CP_HEADS(3) CP_HEADS(4) CP_HEADS(5) CP_HEADS(6)
+#undef CP_HEADS
+      }
+      h += nh;
+    }
+}
 #endif
 
 // DIM: the head dim when it is a compile-time constant (64, 128: the loops over it unroll;
@@ -144,7 +251,7 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
                       const float* k_scale, const float* v_scale, const at::Tensor& block_table,
                       const at::Tensor& context_lens, int64_t block_size, double sm_scale,
                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-                      const std::optional<at::Tensor>& slots, at::Tensor& out) {
+                      const std::optional<at::Tensor>& slots, bool allow_bf16, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), dim = DIM ? DIM : q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t width = block_table.size(1), slot_len = kv_heads * dim;
@@ -155,13 +262,11 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   QT* op = out.data_ptr<QT>();
   const float scale = static_cast<float>(sm_scale);
-#if defined(CONTROLPLANE_BF16_DOT)
-  // bf16 queries on a bf16 cache: scores by bf16 dot products (bf16_scores).
-  constexpr bool kBf16Dot = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> &&
-                            DIM != 0 && DIM % 32 == 0 && kTile == 16;
-#else
-  constexpr bool kBf16Dot = false;
-#endif
+  // bf16 queries on a bf16 cache, on a CPU with AVX512-BF16: scores and the weighted sum by
+  // bf16 dot products (bf16_partition_scores, bf16_partition_values).
+  constexpr bool kBf16Types = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> &&
+                              DIM != 0 && DIM % 32 == 0;
+  const bool bf16_dot = kBf16Types && allow_bf16 && controlplane::bf16_dot_supported();
   if (k_new.has_value()) {  // the rows' own K/V first (16/32-bit caches: a cast and a copy)
     const QT* kn = k_new->const_data_ptr<QT>();
     const QT* vn = v_new->const_data_ptr<QT>();
@@ -190,6 +295,8 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * dim), acc(heads * dim), rows(kTile * slot_len), kt(dim * kTile);
     std::vector<float> scores(heads * kPartition);
+    std::vector<uint16_t> pb(bf16_dot ? heads * (kPartition + 16) : 0);  // bf16 probabilities
+    std::vector<int64_t> slots_p(bf16_dot ? kPartition : 0);
     int64_t i = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
       while (first_item[i + 1] <= item) ++i;
@@ -198,23 +305,15 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
       const bool split = first_item[i + 1] - first_item[i] > 1;
       const int64_t* table = tables + i * width;
       auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
-#if defined(CONTROLPLANE_BF16_DOT)
-      if constexpr (kBf16Dot) {
-        const __m512 sv = _mm512_set1_ps(scale);
-        for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-          const int m = static_cast<int>(std::min(kTile, len - t0));
-          int64_t slots_t[kTile];
-          for (int j = 0; j < m; ++j) slots_t[j] = slot_of(lo + t0 + j);
-          prefetch_rows(kp, slot_of, lo + t0 + kTile, std::min(lo + t0 + 2 * kTile, hi), slot_len);
-          for (int64_t g = 0; g < kv_heads; ++g)
-            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              const __m512 sc = _mm512_mul_ps(bf16_scores<DIM>(qp + (i * heads + h) * DIM, kp, slots_t, m, g, slot_len), sv);
-              _mm512_mask_storeu_ps(scores.data() + h * kPartition + t0, static_cast<__mmask16>((1u << m) - 1), sc);
-            }
+      if (bf16_dot) {
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (kBf16Types) {
+          for (int64_t t = 0; t < len; ++t) slots_p[t] = slot_of(lo + t);
+          bf16_partition_scores<DIM>(qp + i * heads * DIM, kp, vp, slots_p.data(), len, kv_heads, group, slot_len, scale,
+                                     scores.data());
         }
-      }
 #endif
-      if constexpr (!kBf16Dot) {
+      } else {
         to_float(qp + i * heads * dim, qf.data(), heads * dim);
         for (float& x : qf) x *= scale;
         // Scores, kTile tokens at a time, as a small GEMM: each KV head's K rows of the tile
@@ -259,24 +358,32 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
         pmax[h] = *std::max_element(s, s + len);
         psum[h] = exp_sum(s, pmax[h], len);
       }
-      // Weighted sum of V, kChunk tokens at a time: each head's accumulator is loaded and
-      // stored once per chunk rather than once per token.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += kChunk) {
-        const int64_t c = std::min(kChunk, len - t0);
-        int64_t slots_c[kChunk];
-        float w[kChunk];
-        for (int64_t j = 0; j < c; ++j) {
-          slots_c[j] = slot_of(lo + t0 + j);
-          to_float(vp + slots_c[j] * slot_len, rows.data() + j * slot_len, slot_len);
-        }
-        prefetch_rows(vp, slot_of, lo + t0 + 4 * kChunk, std::min(lo + t0 + 5 * kChunk, hi), slot_len);
-        for (int64_t g = 0; g < kv_heads; ++g)
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            for (int64_t j = 0; j < c; ++j)
-              w[j] = scores[h * kPartition + t0 + j] * (v_scale ? v_scale[slots_c[j] * kv_heads + g] : 1.f);
-            weighted_sum(w, rows.data() + g * dim, slot_len, c, acc.data() + h * dim, dim);
+      if (bf16_dot) {
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (kBf16Types)
+          bf16_partition_values<DIM>(scores.data(), pb.data(), vp, slots_p.data(), len, kv_heads, group, slot_len,
+                                     acc.data());
+#endif
+      } else {
+        // Weighted sum of V, kChunk tokens at a time: each head's accumulator is loaded and
+        // stored once per chunk rather than once per token.
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t0 = 0; t0 < len; t0 += kChunk) {
+          const int64_t c = std::min(kChunk, len - t0);
+          int64_t slots_c[kChunk];
+          float w[kChunk];
+          for (int64_t j = 0; j < c; ++j) {
+            slots_c[j] = slot_of(lo + t0 + j);
+            to_float(vp + slots_c[j] * slot_len, rows.data() + j * slot_len, slot_len);
           }
+          prefetch_rows(vp, slot_of, lo + t0 + 4 * kChunk, std::min(lo + t0 + 5 * kChunk, hi), slot_len);
+          for (int64_t g = 0; g < kv_heads; ++g)
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              for (int64_t j = 0; j < c; ++j)
+                w[j] = scores[h * kPartition + t0 + j] * (v_scale ? v_scale[slots_c[j] * kv_heads + g] : 1.f);
+              weighted_sum(w, rows.data() + g * dim, slot_len, c, acc.data() + h * dim, dim);
+            }
+        }
       }
       if (split) {
         std::copy(acc.begin(), acc.end(), part_acc.begin() + item * heads * dim);
@@ -310,12 +417,12 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
 }
 
 // The arguments of decode_attention, as dispatch_cache and paged_decode_attention name them.
-#define ARGS q, k, v, ks, vs, bt, lens, bs, scale, k_new, v_new, slots, out
+#define ARGS q, k, v, ks, vs, bt, lens, bs, scale, k_new, v_new, slots, bf16_dot, out
 template <typename QT, typename CT>
 void with_dim(const at::Tensor& q, at::Tensor& k, at::Tensor& v, const float* ks, const float* vs,
               const at::Tensor& bt, const at::Tensor& lens, int64_t bs, double scale,
               const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-              const std::optional<at::Tensor>& slots, at::Tensor& out) {
+              const std::optional<at::Tensor>& slots, bool bf16_dot, at::Tensor& out) {
   switch (q.size(2)) {
     case 64: return decode_attention<QT, CT, 64>(ARGS);
     case 128: return decode_attention<QT, CT, 128>(ARGS);
@@ -328,7 +435,7 @@ void dispatch_cache(const at::Tensor& q, at::Tensor& k, at::Tensor& v, const flo
                     const float* vs, const at::Tensor& bt, const at::Tensor& lens, int64_t bs,
                     double scale, const std::optional<at::Tensor>& k_new,
                     const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& slots,
-                    at::Tensor& out) {
+                    bool bf16_dot, at::Tensor& out) {
   switch (k.scalar_type()) {
     case at::kFloat: return with_dim<QT, float>(ARGS);
     case at::kBFloat16: return with_dim<QT, c10::BFloat16>(ARGS);
@@ -345,7 +452,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, at::Tensor& k, at::Tensor
                                   const at::Tensor& lens, int64_t bs, double scale,
                                   const std::optional<at::Tensor>& k_new,
                                   const std::optional<at::Tensor>& v_new,
-                                  const std::optional<at::Tensor>& slots) {
+                                  const std::optional<at::Tensor>& slots, bool bf16_dot) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k_cache, v_cache: 3-D");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k_cache and v_cache differ");
@@ -394,14 +501,16 @@ struct DecodeStep {
   at::Tensor block_table, context_lens, slots;
   int64_t block_size;
   double scale;
+  bool bf16_dot;
 };
 thread_local std::optional<DecodeStep> t_step;
 
 void set_decode_step(at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_table,
                      const at::Tensor& context_lens, const at::Tensor& slot_mapping, int64_t block_size,
-                     double sm_scale) {
+                     double sm_scale, bool bf16_dot) {
   TORCH_CHECK(k_caches.size() == v_caches.size(), "k_caches and v_caches: one per layer each");
-  t_step = DecodeStep{k_caches.vec(), v_caches.vec(), block_table, context_lens, slot_mapping, block_size, sm_scale};
+  t_step = DecodeStep{k_caches.vec(), v_caches.vec(), block_table, context_lens, slot_mapping, block_size,
+                      sm_scale, bf16_dot};
 }
 
 void clear_decode_step() { t_step.reset(); }
@@ -414,7 +523,7 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const auto dtype = q.scalar_type();
   return paged_decode_attention(q.contiguous(), s.k[layer], s.v[layer], std::nullopt, std::nullopt, s.block_table,
                                 s.context_lens, s.block_size, s.scale, k.to(dtype).contiguous(),
-                                v.to(dtype).contiguous(), s.slots);
+                                v.to(dtype).contiguous(), s.slots, s.bf16_dot);
 }
 
 }  // namespace
@@ -423,11 +532,11 @@ TORCH_LIBRARY(controlplane_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
       "Tensor? v_scale, Tensor block_table, Tensor context_lens, int block_size, float sm_scale, "
-      "Tensor? k_new=None, Tensor? v_new=None, Tensor? slot_mapping=None) -> Tensor");
+      "Tensor? k_new=None, Tensor? v_new=None, Tensor? slot_mapping=None, bool bf16_dot=True) -> Tensor");
   // No tensor to dispatch on (or only lists): one kernel whatever the device.
   m.def(
       "set_decode_step(Tensor[] k_caches, Tensor[] v_caches, Tensor block_table, Tensor context_lens, "
-      "Tensor slot_mapping, int block_size, float sm_scale) -> ()",
+      "Tensor slot_mapping, int block_size, float sm_scale, bool bf16_dot=True) -> ()",
       &set_decode_step);
   m.def("clear_decode_step() -> ()", &clear_decode_step);
   m.def("step_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor");
