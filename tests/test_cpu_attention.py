@@ -56,8 +56,8 @@ def _decode(backend_cls, kv, spans, q, layer=1):
 )
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 128), (4, 4, 32), (8, 2, 24)])
 def test_kernel_matches_the_torch_backend(q_dtype, kv_dtype, heads, kv_heads, dim):
-    # Lengths on and off block boundaries, one token, and longer ones cut into two and three
-    # partitions of 256 tokens (the torch backend buckets them apart).
+    # Lengths on and off block boundaries, one token, and longer ones cut into three and six
+    # partitions of 128 tokens (the torch backend buckets them apart).
     lens = [1, 15, 16, 17, 100, 300, 700]
     kv = _filled_cache(kv_dtype, kv_heads, dim, blocks=96)
     spans = _spans(lens, 96)
