@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,32 +298,28 @@ def special_ids(model_dir: Path) -> set[int]:
 # --------------------------------------------------------------------------------------------- #
 
 
-def measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 6) -> float:
-    """Best-of-`reps` dst.copy_(src) bandwidth in bytes/s, counting bytes read + bytes written."""
-    n = nbytes // 4
-    src = torch.ones(n, dtype=torch.float32)  # touched: no page faults inside the timing
-    dst = torch.zeros(n, dtype=torch.float32)
-    dst.copy_(src)
+def _best_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` timed calls of fn, after one untimed call."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        fn()
         best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2.0 * n * 4 / best
+    return best
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 6) -> float:
+    """Best-of-`reps` dst.copy_(src) bandwidth in bytes/s, counting bytes read + bytes written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)  # touched: no page faults inside the timing
+    dst = torch.zeros(nbytes // 4, dtype=torch.float32)
+    return 2.0 * nbytes / _best_seconds(lambda: dst.copy_(src), reps)
 
 
 def measure_read_bandwidth(nbytes: int = 1 << 30, reps: int = 6) -> float:
     """Best-of-`reps` src.sum() bandwidth in bytes/s: bytes read, nothing written."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    del src
-    return nbytes / best
+    return nbytes / _best_seconds(src.sum, reps)
 
 
 class _StepTimer:

@@ -104,9 +104,8 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         kv = self.kv
         scales = (None, None) if kv.k_scale is None else (kv.k_scale[layer], kv.v_scale[layer])
-        k_new, v_new, slots = (None, None, None) if new is None else new
         if new is not None:
-            k_new, v_new = k_new.to(q.dtype).contiguous(), v_new.to(q.dtype).contiguous()
+            new = (new[0].to(q.dtype).contiguous(), new[1].to(q.dtype).contiguous(), new[2])
         return torch.ops.controlplane_cpu.paged_decode_attention(
             q.contiguous(),
             kv.k[layer],
@@ -116,8 +115,6 @@ class CpuPagedAttention(TorchPagedAttention):
             b.context_lens,
             self.block_size,
             self.sm_scale,
-            k_new,
-            v_new,
-            slots,
-            self.bf16_dot,
+            *(new or ()),
+            bf16_dot=self.bf16_dot,
         )

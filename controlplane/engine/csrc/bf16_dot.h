@@ -1,6 +1,7 @@
-// What the AVX512-BF16 kernels (int4_linear_bf16.cpp, int8_linear.cpp's int8_linear_bf16) share:
-// the target attribute their functions compile under (the build's flags stop at AVX512-VNNI, so
-// the bf16 instructions are enabled per function) and the run-time check that the CPU has them.
+// What the AVX512-BF16 kernels (int4_linear_bf16.cpp, int8_linear.cpp's int8_linear_bf16,
+// cpu_ops.cpp's decode attention) share: the target attribute their functions compile under (the
+// build's flags stop at AVX512-VNNI on a Zen 4, so the bf16 instructions are enabled per
+// function) and the run-time check that the CPU has them.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512)

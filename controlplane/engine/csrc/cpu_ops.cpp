@@ -94,12 +94,13 @@ inline float exp_sum(float* x, float m, int64_t n) {
 }
 
 // Ask for the cache rows of tokens [from, to) ahead of their use: a row's tokens jump from
-// block to block, which the hardware prefetcher does not follow.
-template <typename CT, typename SlotOf>
+// block to block, which the hardware prefetcher does not follow. LOCALITY: __builtin_prefetch's
+// (3: into L1; 2: into L2, for rows read a while later).
+template <int LOCALITY = 3, typename CT, typename SlotOf>
 inline void prefetch_rows(const CT* base, const SlotOf& slot_of, int64_t from, int64_t to, int64_t slot_len) {
   for (int64_t t = from; t < to; ++t) {
     const char* p = reinterpret_cast<const char*>(base + slot_of(t) * slot_len);
-    for (int64_t b = 0; b < slot_len * static_cast<int64_t>(sizeof(CT)); b += 64) __builtin_prefetch(p + b);
+    for (int64_t b = 0; b < slot_len * static_cast<int64_t>(sizeof(CT)); b += 64) __builtin_prefetch(p + b, 0, LOCALITY);
   }
 }
 
@@ -153,11 +154,9 @@ CP_BF16 void bf16_partition_scores(const c10::BFloat16* qr, const c10::BFloat16*
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, len - t0));
-    for (int64_t t = t0 + 16; t < std::min(t0 + 32, len); ++t)
-      for (int64_t b = 0; b < slot_len * 2; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + slots[t] * slot_len) + b);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + slots[t] * slot_len) + b, 0, 2);
-      }
+    const auto slot_of = [slots](int64_t t) { return slots[t]; };
+    prefetch_rows(k_cache, slot_of, t0 + 16, std::min(t0 + 32, len), slot_len);
+    prefetch_rows<2>(v_cache, slot_of, t0 + 16, std::min(t0 + 32, len), slot_len);
     for (int64_t g = 0; g < kv_heads; ++g)
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         const __m512 sc = _mm512_mul_ps(bf16_scores<DIM>(qr + h * DIM, k_cache, slots + t0, m, g, slot_len), sv);
@@ -295,9 +294,12 @@ void decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_ca
   std::vector<float> part_max(items * heads), part_sum(items * heads), part_acc(items * heads * dim);
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads * dim), acc(heads * dim), rows(kTile * slot_len), kt(dim * kTile);
-    std::vector<float> scores(heads * kPartition);
-    std::vector<uint16_t> pb(bf16_dot ? heads * (kPartition + 16) : 0);  // bf16 probabilities
+    std::vector<float> acc(heads * dim), scores(heads * kPartition);
+    // The float path's query, widened rows and transposed tile; the bf16 path's probabilities
+    // and the partition's slots.
+    std::vector<float> qf(bf16_dot ? 0 : heads * dim), rows(bf16_dot ? 0 : kTile * slot_len);
+    std::vector<float> kt(bf16_dot ? 0 : dim * kTile);
+    std::vector<uint16_t> pb(bf16_dot ? heads * (kPartition + 16) : 0);
     std::vector<int64_t> slots_p(bf16_dot ? kPartition : 0);
     int64_t i = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
