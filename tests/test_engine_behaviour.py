@@ -539,6 +539,31 @@ def test_packed_linears_pad_rows_to_few_buckets_with_the_same_results():
         torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
 
 
+def test_the_cpp_packed_linear_is_the_python_one():
+    from controlplane.engine import cpu_ops
+    from controlplane.engine.model.linear import (
+        PackedLinear,
+        _packed_linear,
+        cpu_packing_supported,
+        padded_rows,
+    )
+
+    if not cpu_ops.available() or not cpu_packing_supported(torch.bfloat16):
+        pytest.skip("needs our CPU kernels and oneDNN bf16 packing")
+    # One bucket rule in two languages: the C++ op's and the Python fallback's.
+    assert all(torch.ops.controlplane_cpu.packed_rows(t) == padded_rows(t) for t in range(1, 5000))
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.native
+    for t in (1, 3, 17, 300):
+        x = torch.randn(t, 64, dtype=torch.bfloat16)
+        y = packed(x)
+        assert y.shape == (t, 48)
+        assert torch.equal(y, _packed_linear(x, packed.packed, packed.bias))
+    with pytest.raises(RuntimeError, match="out_features=47"):
+        torch.ops.controlplane_cpu.packed_linear(x, packed.packed, packed.bias, 47)
+
+
 def test_packing_test_holds_on_an_avx2_only_cpu(tiny_model_dir):
     # oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA) is what an AVX2-only CPU looks like to the
     # engine: bfloat16 does not pack there, float32 still does, and the test above must hold.

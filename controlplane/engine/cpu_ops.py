@@ -4,7 +4,8 @@ One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for 
 steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
 cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `int8_linear_bf16`,
 `w4a8_linear` and `w8a8_linear` (int4_linear.cpp, int4_linear_bf16.cpp, int8_linear.cpp,
-int8_activations.cpp, used by model/quant.py).
+int8_activations.cpp, used by model/quant.py), `packed_linear` (packed_linear.cpp, used by
+model/linear.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -35,6 +36,7 @@ SOURCES = tuple(
         "int4_linear_bf16.cpp",
         "int8_linear.cpp",
         "int8_activations.cpp",
+        "packed_linear.cpp",
     )
 )
 HEADERS = tuple(
@@ -117,6 +119,7 @@ def _build() -> bool:
             "int8_linear_bf16",
             "w4a8_linear",
             "w8a8_linear",
+            "packed_linear",
         )
     ):
         _state["error"] = "the library loaded without its ops"
@@ -157,6 +160,12 @@ def _register_fakes() -> None:
     @torch.library.register_fake("controlplane_cpu::w8a8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("controlplane_cpu::packed_linear")
+    def _(
+        x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("controlplane_cpu::int8_linear")
     @torch.library.register_fake("controlplane_cpu::int8_linear_bf16")

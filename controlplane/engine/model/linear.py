@@ -13,6 +13,8 @@ import logging
 import torch
 from torch import nn
 
+from controlplane.engine import cpu_ops
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +91,8 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
 def padded_rows(t: int) -> int:
     """The row bucket of a packed matmul: powers of two up to 16 (decode batches), then
     multiples of 16 up to 256, then of 64: at most ~15% padding past 16 rows, and a few dozen
-    shapes per weight for a 2048-token step budget."""
+    shapes per weight for a 2048-token step budget. (The C++ op's `packed_rows` is the same
+    rule; a test holds them equal.)"""
     if t <= 16:
         return 1 << max(t - 1, 0).bit_length()
     step = 16 if t <= 256 else 64
@@ -125,11 +128,22 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
 
 
 def packed_matmul(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    native: bool,
 ) -> torch.Tensor:
-    """x [T, in] @ a weight packed by `mkldnn._reorder_linear_weight`: the opaque op inside a
-    compiled graph (inductor cannot lower the oneDNN call on a weight it did not pack itself,
-    and the row padding would specialize the graph on T), the call itself outside one."""
+    """x [T, in] @ a weight packed by `mkldnn._reorder_linear_weight`, as one opaque op
+    (inductor cannot lower the oneDNN call on a weight it did not pack itself, and the row
+    padding would specialize a compiled graph on T).
+
+    `native` (cpu_ops.available(), asked once when the layer is built): our C++ op
+    (csrc/packed_linear.cpp); as a Python custom op the call cost ~43 us in wrappers, 2.8 ms
+    of the 1.1B Llama's 90 ms token. Without our kernels, the Python op in a compiled graph and
+    the plain call outside one."""
+    if native:
+        return torch.ops.controlplane_cpu.packed_linear(x, packed, bias, out_features)
     if torch.compiler.is_compiling():
         return torch.ops.controlplane.packed_linear(x, packed, bias, out_features)
     return _packed_linear(x, packed, bias)
@@ -142,9 +156,10 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor, not a Parameter: nothing trains or re-saves it.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.native = cpu_ops.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, self.packed, self.bias, self.out_features)
+        return packed_matmul(x, self.packed, self.bias, self.out_features, self.native)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

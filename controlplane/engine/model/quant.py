@@ -327,13 +327,17 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", _pack_int4(q.qvalues, self.kernel))
         self.bias = None if bias is None else bias.detach().to(dtype)
         self.dense: torch.Tensor | None = None  # oneDNN's opaque layout (see the class doc)
+        self.dense_native = False  # packed_matmul's `native`
         bf16 = torch.bfloat16
         cpu_bf16 = self.kernel in ("int4pack_mm_cpu", "w4a8_cpu") and self.act_dtype == bf16
         if dense and cpu_bf16 and cpu_packing_supported(bf16):
             # The kernel's own weights: its scales and zeros applied to the int4 values.
+            from controlplane.engine import cpu_ops
+
             self.dense = torch.ops.mkldnn._reorder_linear_weight(
                 self._dequantize(q.qvalues).to(bf16), None
             )
+            self.dense_native = cpu_ops.available()
         # (block_n, split) of torch's packed layout, for our many-row kernel; None: torch's.
         torch_cpu = self.kernel == "int4pack_mm_cpu" and self.act_dtype == bf16
         self.layout = _int4_layout() if torch_cpu and self.dense is None else None
@@ -354,7 +358,7 @@ class Int4Linear(nn.Module):
         if w4a8:
             y = torch.ops.controlplane_cpu.w4a8_linear(x2, self.packed, self.scales, self.mins)
         elif self.dense is not None and rows >= self.dense_min_rows:
-            y = packed_matmul(x2, self.dense, None, self.padded_out)
+            y = packed_matmul(x2, self.dense, None, self.padded_out, self.dense_native)
         elif self.bf16_dot:
             y = torch.ops.controlplane_cpu.int4_linear_bf16(
                 x2, self.packed, self.scales_and_zeros, self.group_size, *self.layout
