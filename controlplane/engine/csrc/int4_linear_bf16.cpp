@@ -13,6 +13,7 @@
 #include "int4_common.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 #include <vector>
 
@@ -102,48 +103,71 @@ CP_BF16 void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t gr
 }
 
 // Steps this few rows skip the panel: each pair of weight rows becomes bf16 pairs in registers
-// and is used at once, two rows a pass (making the pairs costs little: reading the weights twice
-// from L2 is cheaper than a panel for so few rows). 4 rows of a 1.1B Llama's 2048 -> 11264 ran
-// at 0.73x torch's kernel's speed through the panel, 1.16x in two passes.
+// and is used at once by every row of x (making the pairs costs little: a panel for so few rows
+// cost more). 4 rows of a 1.1B Llama's 2048 -> 11264 ran at 0.73x torch's kernel's speed
+// through the panel, 1.16x in two passes of two rows; one pass of four does the nibbles once.
 constexpr int64_t kFusedPairRows = 4;
 
+// How far ahead of its nibbles the few-row path asks for the weight bytes (one 64-byte line a
+// pair of K rows). A decode step reads its weights from memory, 0.5-2 MB a call, too short a
+// stream for the hardware prefetcher to get ahead of: SmolLM2's 120 int4 linears, cycled
+// through, took 5.7-6.6 ms at one row and 12.4 ms at four without it, 3.6-4.0 and 7.1-7.5 at
+// 2 KB ahead (4 KB about the same, 8 KB worse; 2-core Xeon with AMX, benchmarks/quant_kernels
+// shapes). Past the buffer's end a prefetch is a no-op, not a fault.
+constexpr int64_t kFusedPrefetchBytes = 2048;
+
 // ROWS rows of x (bf16 pairs, row stride K / 2) against a full split block of 64 rows, all of
-// K: the same chains as the panel path.
+// K: the same chains as the panel path. A group's partial sums stay in registers (16 at 4
+// rows), and so do the running totals up to 2 rows (3% faster there than in L1); from 3 rows
+// they live in `total` (ROWS x 64 floats, 64-byte aligned). 5 or 6 rows in one pass spilled
+// and ran slower than the panel.
 template <int ROWS, typename ST>
 CP_BF16 void fused_block64_bf16(const uint32_t* x, const float* xsum, int64_t K, const uint8_t* src, const ST* sz,
-                                int64_t n0, int64_t N, int64_t group, c10::BFloat16* out, int64_t ldo) {
+                                int64_t n0, int64_t N, int64_t group, float* total, c10::BFloat16* out,
+                                int64_t ldo) {
   const __m512i table = nibble_table();
   const int64_t groups = K / group;
-  __m512 total[ROWS][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 4; ++j) total[r][j] = _mm512_setzero_ps();
+  constexpr bool kInRegisters = ROWS <= 2;
+  __m512 totals[kInRegisters ? ROWS : 1][4];
   for (int64_t g = 0; g < groups; ++g) {
     __m512 part[ROWS][4];
+#pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) part[r][j] = _mm512_setzero_ps();
     for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
       __m512i pairs[4];
+      _mm_prefetch(reinterpret_cast<const char*>(src + k * 32 + kFusedPrefetchBytes), _MM_HINT_T0);
       q_pairs64(src + k * 32, table, pairs);
+#pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
         const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * (K / 2) + k / 2])));
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], reinterpret_cast<__m512bh>(pairs[j]), a);
       }
     }
     __m512 vs[4], vz[4];
     group_scales64(sz + g * N * 2 + n0 * 2, vs, vz);
+#pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
       const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        total[r][j] = _mm512_fmadd_ps(part[r][j], vs[j], total[r][j]);
-        total[r][j] = _mm512_fmadd_ps(xs, vz[j], total[r][j]);
+        float* t = total + r * 64 + 16 * j;
+        __m512 acc = g == 0 ? _mm512_setzero_ps() : kInRegisters ? totals[r][j] : _mm512_load_ps(t);
+        acc = _mm512_fmadd_ps(xs, vz[j], _mm512_fmadd_ps(part[r][j], vs[j], acc));
+        if constexpr (kInRegisters) {
+          totals[r][j] = acc;
+        } else {
+          _mm512_store_ps(t, acc);
+        }
       }
     }
   }
-  alignas(64) float row[64];
-  for (int r = 0; r < ROWS; ++r) {
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(row + 16 * j, total[r][j]);
-    at::vec::convert(row, out + r * ldo, 64);
-  }
+  if constexpr (kInRegisters)
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(total + r * 64 + 16 * j, totals[r][j]);
+  for (int r = 0; r < ROWS; ++r) at::vec::convert(total + r * 64, out + r * ldo, 64);
 }
 
 // Rows k0 .. k1 - 1 of a block as bf16 pairs, [(k1 - k0) / 2, nb] lanes, and its groups'
@@ -292,13 +316,15 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
         if (i + 1 < end) prefetch_scales(sz, n0 + block_n, std::min(block_n, N - n0 - block_n), N, groups);
         const uint8_t* block = src + n0 * K / 2;
         if (split && nb == 64 && M <= kFusedPairRows) {
-          for (int64_t r = 0; r < M; r += 2) {  // two rows a pass (their sums fill 16 registers)
-            const uint32_t* xr = xp + r * K / 2;
-            const float* xs = xsum.data() + r * groups;
-            if (M - r == 1)
-              fused_block64_bf16<1>(xr, xs, K, block, sz, n0, N, group_size, dst + r * N + n0, N);
-            else
-              fused_block64_bf16<2>(xr, xs, K, block, sz, n0, N, group_size, dst + r * N + n0, N);
+          auto fused = [&](auto rows) {
+            fused_block64_bf16<decltype(rows)::value>(xp, xsum.data(), K, block, sz, n0, N, group_size, total,
+                                                      dst + n0, N);
+          };
+          switch (M) {
+            case 1: fused(std::integral_constant<int, 1>{}); break;
+            case 2: fused(std::integral_constant<int, 2>{}); break;
+            case 3: fused(std::integral_constant<int, 3>{}); break;
+            default: fused(std::integral_constant<int, 4>{}); break;
           }
           continue;
         }
