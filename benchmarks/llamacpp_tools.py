@@ -11,6 +11,11 @@ built from the source that llama-cpp-python's source distribution carries in
     cmake --build build -j2 --target llama-bench llama-batched-bench llama-server
     python -m benchmarks.llamacpp_tools --llama-bin /tmp/lcpp/llama_cpp_python-*/vendor/llama.cpp/build/bin
 
+On a CPU with AMX (a 2-core AVX10.1 Xeon, llama.cpp of October 2026) the native build dies in
+ggml's AMX path (SIGILL; a SIGSEGV at `ldtilecfg` under gdb): configure it with
+`-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"` and the same CMAKE_CXX_FLAGS,
+its best working build there.
+
 What is measured (each figure the same way on both sides):
 
 * prompt processing, one `--pp`-token prompt: tokens / seconds (llama-bench `pp`; the engine:
