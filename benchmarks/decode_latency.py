@@ -25,7 +25,7 @@ its weights, so the read bandwidth (``src.sum()`` over 1 GiB, best of several) i
 it (on a 2-core Zen 4 VM about the copy figure: 33.4 against 32.2 GB/s). Both are probed
 again after every round of repeats, and each repeat is held against the mean of the probes
 either side of it ("of limit" is the median of those fractions): on a shared VM the bandwidth
-swung between 50 and 78 GB/s within minutes, so one probe at the start could put the same
+swung between ~46 and ~80 GB/s within a minute, so one probe at the start put the same code's
 decode speed at 59% or at 91% of its limit. The target for the engine is >= 1.3x transformers.
 
 These are figures to read, never timed assertions.
