@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from controlplane.engine import cpu_ops
 from controlplane.engine.model.linear import cpu_packing_supported, packed_matmul
 from controlplane.engine.settings import QUANTIZATIONS
 from controlplane.engine.types import MemoryUse
@@ -238,8 +239,6 @@ class Int8Embedding(nn.Module):
 
 
 def _int8_kernel(device: torch.device, k: int) -> str:
-    from controlplane.engine import cpu_ops
-
     if device.type == "cpu" and cpu_ops.available():  # ours (csrc/int8_linear.cpp)
         return "int8_cpu"
     if not hasattr(torch, "_weight_int8pack_mm") or device.type not in ("cpu", "cuda"):
@@ -332,8 +331,6 @@ class Int4Linear(nn.Module):
         cpu_bf16 = self.kernel in ("int4pack_mm_cpu", "w4a8_cpu") and self.act_dtype == bf16
         if dense and cpu_bf16 and cpu_packing_supported(bf16):
             # The kernel's own weights: its scales and zeros applied to the int4 values.
-            from controlplane.engine import cpu_ops
-
             self.dense = torch.ops.mkldnn._reorder_linear_weight(
                 self._dequantize(q.qvalues).to(bf16), None
             )
@@ -412,8 +409,6 @@ def _int4_layout() -> tuple[int, bool] | None:
     weights in on this CPU (csrc/int4_linear.cpp), or None where our kernels are not built or
     do not return torch's kernel's results bit for bit: checked once per process on a weight
     of one full and one partial block, so another torch or CPU keeps torch's kernel."""
-    from controlplane.engine import cpu_ops
-
     if not cpu_ops.available():
         return None
     # torch's BLOCK_N is 4 float vectors; its AVX512 and AVX2 kernels split full blocks.
@@ -444,8 +439,6 @@ def _int4_probe(block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 def bf16_dot_available() -> bool:
     """Whether our bf16 dot-product kernels (`int8_linear_bf16`, `int4_linear_bf16`) can run
     here: built for AVX512, on a CPU with AVX512-BF16."""
-    from controlplane.engine import cpu_ops
-
     return cpu_ops.available() and torch.ops.controlplane_cpu.bf16_dot_supported()
 
 
@@ -541,8 +534,6 @@ def int8_activations_available() -> bool:
     """Whether our int8-activation kernels (engine.quantize_activations) serve on this CPU:
     where our kernels are built for AVX2 or AVX512 (their integer dot products are AVX2's;
     elsewhere they would run a scalar loop, slower than torch's kernels)."""
-    from controlplane.engine import cpu_ops
-
     simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     return simd and cpu_ops.available()
 
