@@ -6,7 +6,8 @@ group size 32, bf16 activations, 1 to 512 rows (decode batches to prompt chunks)
 goes to the next of `--weights` copies of the weight in turn, so weights are read from
 memory as in a real step. `int4_linear` returns torch's kernel's bits (the run checks it);
 where the CPU has AVX512-BF16, `int4_linear_bf16` (the engine's default there) is timed too,
-its results checked within bf16 rounding of torch's.
+its results checked within bf16 rounding of torch's, and where it has AMX tiles, the same op
+with `amx=True` (the engine's default there) against it.
 
 Prints microseconds a call (best of `--reps` rounds) and torch / ours (and torch / bf16),
 measured in the same run. Figures to read, never timed assertions.
@@ -64,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     def bf16(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, sz, GROUP, *layout)
 
+    def amx(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        return torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, sz, GROUP, *layout, True)
+
     dot = quant.int4_bf16_dot_available()
+    tiles = dot and quant.int4_amx_available()
     print(f"{args.threads} threads; us per call, best of {args.reps}")
     header = f"{'model':<11} {'K -> N':>13} {'rows':>5} {'torch':>9} {'ours':>9} ratio"
-    print(header + (f" {'bf16':>9} ratio" if dot else ""))
+    header += f" {'bf16':>9} ratio" if dot else ""
+    print(header + (f" {'amx':>9} bf16/amx" if tiles else ""))
     g = torch.Generator().manual_seed(0)
     for model, shapes in SHAPES.items():
         for k, n in shapes:
@@ -93,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                         raise SystemExit(f"{model} {k}->{n} rows {rows}: bf16 error {err:.2e}")
                     t_bf16 = _time(bf16, weights, x, args.reps)
                     line += f" {t_bf16:>9.1f} {t_torch / t_bf16:.2f}x"
+                if tiles:
+                    t_amx = _time(amx, weights, x, args.reps)
+                    line += f" {t_amx:>9.1f} {t_bf16 / t_amx:.2f}x"
                 print(line, flush=True)
     return 0
 

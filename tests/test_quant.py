@@ -68,10 +68,17 @@ def test_int8_is_symmetric_per_output_channel():
     w[3] *= 100  # one loud row must not coarsen the others' grids
     q = quant.quantize_int8(w)
     assert q.qweight.dtype == torch.int8 and q.qweight.shape == w.shape
-    assert torch.allclose(q.scales, w.abs().amax(dim=1) / 127)
     assert int(q.qweight.abs().max()) == 127 and int(q.qweight.min()) >= -127
-    err = (q.dequantize() - w).abs()
-    assert bool((err <= q.scales[:, None] / 2 + 1e-6).all())  # round to nearest, per row
+    # Each row's scale is the least-squares one for its values...
+    qf = q.qweight.float()
+    assert torch.allclose(q.scales, (w * qf).sum(1) / (qf * qf).sum(1), rtol=1e-5)
+    # ... within a few percent of max |w| / 127, per row (the loud row's too)...
+    assert torch.allclose(q.scales, w.abs().amax(dim=1) / 127, rtol=0.05)
+    # ... and no row's squared error above the max grid's (rounded to nearest on it).
+    grid = w.abs().amax(dim=1, keepdim=True) / 127
+    max_grid = ((torch.round(w / grid) * grid - w) ** 2).sum(1)
+    assert bool((((q.dequantize() - w) ** 2).sum(1) <= max_grid * (1 + 1e-5)).all())
+    assert bool(((q.dequantize() - w).abs() <= q.scales[:, None]).all())
 
 
 def test_int4_scales_and_zeros_are_per_group_of_input_features():
@@ -386,6 +393,85 @@ def test_int4_linear_bf16_is_batch_invariant_and_closer_than_torch_kernel(
         for start in (0, 27):
             part = x[start : start + rows]
             assert torch.equal(op(part, packed, scales, group, *layout), ours[start : start + rows])
+
+
+needs_amx = pytest.mark.skipif(
+    not (cpu_ops.available() and quant.int4_amx_available()),
+    reason="int4_linear_bf16's amx=True needs a CPU with AMX-BF16 tiles (Sapphire Rapids on)",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("scales_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "n,k,group",
+    [(208, 96, 32), (64, 128, 64), (48, 256, 128), (128, 512, 256), (576, 1536, 32), (64, 96, 48)],
+)
+def test_int4_linear_amx_is_batch_invariant_and_as_close_as_the_dot_products(
+    n, k, group, scales_dtype
+):
+    # Full 64-row blocks go through the tiles, partial ones (the last 16 of 208; 48) through
+    # VDPBF16PS at every row count; groups of 1, 2, 4 and 8 tiles, and one of 48 values that
+    # is not whole tiles and stays off them; 1536: six K chunks. 40 rows: two 16-row tiles
+    # and a tail of 8 read from a padded copy; under 16 rows, tiles of that many rows.
+    q = quant.quantize_int4(linear(k, n).weight, group)
+    q = quant.Int4Weight(q.qvalues, q.scales_and_zeros.to(torch.bfloat16).float(), group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
+    scales = q.scales_and_zeros.to(scales_dtype)
+    layout = quant._int4_layout()
+    op = torch.ops.controlplane_cpu.int4_linear_bf16
+    x = activations(40, k).to(torch.bfloat16)
+    tiles = op(x, packed, scales, group, *layout, True)
+    dots = op(x, packed, scales, group, *layout, False)
+    exact = _int4_exact(x, q)
+    assert rel_err(tiles, exact) <= rel_err(dots, exact) * 1.05
+    assert rel_err(tiles, exact) < 3e-3
+    if group % 32:
+        assert torch.equal(tiles, dots)
+    else:  # the tiles add their products in their own order: a rare last-bit difference
+        assert float((tiles != dots).float().mean()) < 0.01
+    for rows in (1, 2, 4, 5, 15, 16, 17, 24, 32, 33):  # any rows alone give their rows
+        for start in (0, 7):
+            part = x[start : start + rows]
+            got = op(part, packed, scales, group, *layout, True)
+            assert torch.equal(got, tiles[start : start + rows]), (rows, start)
+
+
+@needs_amx
+def test_int4_linears_take_the_amx_tiles_at_every_row_count(monkeypatch, caplog):
+    lin = linear(96, 200, bias=True)
+    mod = quant.quantize_linear(lin, "int4", 32)
+    dots = quant.quantize_linear(lin, "int4", 32)
+    dots.amx = False
+    assert mod.bf16_dot and mod.amx
+    flags: list[bool] = []
+    op = torch.ops.controlplane_cpu.int4_linear_bf16
+    monkeypatch.setattr(
+        quant.torch.ops.controlplane_cpu,
+        "int4_linear_bf16",
+        lambda *a: flags.append(a[-1]) or op(*a),
+    )
+    for rows in (1, 3, 16, 300):
+        x = activations(rows, 96).to(torch.bfloat16)
+        y = mod(x)
+        assert rel_err(y, dots(x)) < 1e-3
+        assert torch.equal(mod(x[-1:]), y[-1:])
+    assert flags == [True, False, True] * 4  # mod, dots, mod again
+
+
+@needs_cpu_ops
+def test_amx_serves_only_where_the_cpu_has_its_tiles():
+    flags = Path("/proc/cpuinfo")
+    if not flags.exists():
+        pytest.skip("no /proc/cpuinfo")
+    words = flags.read_text().split()
+    if "amx_bf16" in words and "amx_tile" in words:
+        pytest.skip("this CPU has AMX: the tiles' tests above run instead")
+    assert not torch.ops.controlplane_cpu.amx_supported() and not quant.int4_amx_available()
+    if quant.int4_bf16_dot_available():
+        x, packed, scales, group = quant._int4_probe(64)
+        with pytest.raises(RuntimeError, match="amx=True on a CPU"):
+            torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, scales, group, 64, True, True)
 
 
 @needs_bf16_dot

@@ -115,6 +115,7 @@ def _build() -> bool:
             "clear_decode_step",
             "int4_linear",
             "int4_linear_bf16",
+            "amx_supported",
             "int8_linear",
             "int8_linear_bf16",
             "w4a8_linear",
@@ -148,6 +149,7 @@ def _register_fakes() -> None:
         group_size: int,
         block_n: int,
         split: bool,
+        amx: bool = False,
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], packed.shape[0]))
 

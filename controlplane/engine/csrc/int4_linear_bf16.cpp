@@ -17,6 +17,12 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using namespace controlplane::int4;
@@ -192,6 +198,7 @@ CP_BF16 void pair_panel(const uint8_t* src, const ST* sz, int64_t n0, int64_t nb
     const __m512i table = nibble_table();
     for (int64_t k = k0; k < k1; k += 2) {
       __m512i pairs[4];
+      _mm_prefetch(reinterpret_cast<const char*>(src + k * 32 + kFusedPrefetchBytes), _MM_HINT_T0);
       q_pairs64(src + k * 32, table, pairs);
       for (int j = 0; j < 4; ++j) _mm512_storeu_si512(panel + (k - k0) / 2 * 64 + 16 * j, pairs[j]);
     }
@@ -280,12 +287,130 @@ void pair_panel_times_rows(const PairChunk& c) {
     });
   });
 }
+
+// AMX (Sapphire Rapids on): TDPBF16PS multiplies a tile of up to 16 rows of x (32 bf16 values
+// each: one group of 32) by a tile of 32 x 16 weights (the pair panel's VNNI layout, as
+// VDPBF16PS reads it) into 16 x 16 float32 sums: 16 times a VDPBF16PS's multiply-adds in one
+// instruction. Its sums are not VDPBF16PS's bit for bit (46 of 51,200 outputs differed on one
+// group, relative 8.6e-5: the tile unit adds its products in another order), so where it
+// serves it serves every row count (`amx`, chosen once per module: batch invariance), and each
+// output is still
+//     total = 0; for each group g: partial = the TDPBF16PS chain over its 32-value tiles, from 0;
+//                                  total = fma(partial, s, total); total = fma(xsum[g], z, total)
+// whatever the row count or the tile of rows it falls in: a tile's rows never meet.
+
+#define CP_AMX __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+
+// Tile numbers: partial sums of four groups in C0..C3, x and the weights in two pairs of
+// tiles used in turn, so that a load need not wait for the product before it. (Macros: GCC's
+// tile intrinsics paste the number into their assembly.)
+#define CP_TILE_A0 4
+#define CP_TILE_B0 5
+#define CP_TILE_A1 6
+#define CP_TILE_B1 7
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// `rows` rows of x and of the sums a tile (1 to 16), 64 bytes a row everywhere.
+inline TileConfig amx_config(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+  for (int t : {0, 1, 2, 3, CP_TILE_A0, CP_TILE_A1}) c.rows[t] = static_cast<uint8_t>(rows);
+  for (int t : {CP_TILE_B0, CP_TILE_B1}) c.rows[t] = 16;
+  return c;
+}
+
+struct AmxChunk {  // one m-tile of x against one K chunk of one 64-column pair panel
+  const uint32_t* a;  // x's pairs: the tile's first row, the chunk's first pair
+  int64_t lda;        // bytes from one row of x to the next
+  const float* xsum;  // the tile's first row, the chunk's first group; row stride `groups`
+  int64_t groups;
+  const uint32_t* panel;  // [chunk pairs, 64]
+  const float* sp;        // [chunk groups, 64]
+  const float* zp;
+  int64_t chunk_groups, tiles_per_group;  // group / 32 tiles a group
+  bool first;
+  float* total;  // [16, 64] running sums of the tile's rows
+};
+
+// Group `g`'s partial sums of columns 16 j .. 16 j + 15 into tile C (zeroed first), stored to
+// `part` (16 x 16 floats).
+#define CP_AMX_GROUP(C, A, B, g)                                                            \
+  do {                                                                                      \
+    _tile_zero(C);                                                                          \
+    for (int64_t s = 0; s < c.tiles_per_group; ++s) {                                       \
+      const int64_t p = ((g) * c.tiles_per_group + s) * 16;                                 \
+      _tile_loadd(A, c.a + p, c.lda);                                                       \
+      _tile_loadd(B, c.panel + p * 64 + 16 * j, 256);                                       \
+      _tile_dpbf16ps(C, A, B);                                                              \
+    }                                                                                       \
+    _tile_stored(C, part[C], 64);                                                           \
+  } while (0)
+
+// The chunk for ROWS rows of the tile, one 16-column slice at a time: the slice's running
+// totals stay in registers across the chunk's groups (ROWS of them), four groups' products in
+// flight in C0..C3.
+template <int ROWS>
+CP_AMX void amx_chunk(const AmxChunk& c) {
+  alignas(64) float part[4][16 * 16];
+  for (int j = 0; j < 4; ++j) {
+    __m512 t[ROWS];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) t[r] = c.first ? _mm512_setzero_ps() : _mm512_load_ps(c.total + r * 64 + 16 * j);
+    for (int64_t g = 0; g < c.chunk_groups; g += 4) {
+      const int64_t n = std::min<int64_t>(4, c.chunk_groups - g);
+      CP_AMX_GROUP(0, CP_TILE_A0, CP_TILE_B0, g);
+      if (n > 1) CP_AMX_GROUP(1, CP_TILE_A1, CP_TILE_B1, g + 1);
+      if (n > 2) CP_AMX_GROUP(2, CP_TILE_A0, CP_TILE_B0, g + 2);
+      if (n > 3) CP_AMX_GROUP(3, CP_TILE_A1, CP_TILE_B1, g + 3);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 s = _mm512_load_ps(c.sp + (g + i) * 64 + 16 * j);
+        const __m512 z = _mm512_load_ps(c.zp + (g + i) * 64 + 16 * j);
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          t[r] = _mm512_fmadd_ps(_mm512_load_ps(part[i] + 16 * r), s, t[r]);
+          t[r] = _mm512_fmadd_ps(_mm512_set1_ps(c.xsum[r * c.groups + g + i]), z, t[r]);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) _mm512_store_ps(c.total + r * 64 + 16 * j, t[r]);
+  }
+}
+#undef CP_AMX_GROUP
+
+template <int... R>
+void amx_chunk_rows(int rows, const AmxChunk& c, std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? amx_chunk<R + 1>(c) : void()), ...);
+}
+
+// Whether this CPU has AMX-BF16 and Linux lets this process use the tiles' 8 KB of state
+// (asked for once: ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return tile && bf16 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+CP_AMX void amx_load_config(const TileConfig& c) { _tile_loadconfig(&c); }
+CP_AMX void amx_release() { _tile_release(); }
 #endif
 
 at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                            int64_t group_size, int64_t block_n, bool split) {
+                            int64_t group_size, int64_t block_n, bool split, bool amx) {
   TORCH_CHECK(controlplane::bf16_dot_supported(), "int4_linear_bf16: this CPU (or this build) has no AVX512-BF16");
 #if defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(!amx || amx_usable(), "int4_linear_bf16: amx=True on a CPU (or a process) without AMX-BF16 tiles");
   const Int4Shape shape = checked_int4_args(x, packed, scales_and_zeros, group_size, block_n, 16);
   const int64_t M = shape.M, N = shape.N, K = shape.K;  // (a structured binding cannot be captured in C++17)
   const int64_t groups = K / group_size;
@@ -299,8 +424,17 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
   const int64_t blocks = (N + block_n - 1) / block_n;
   // 256 K rows a chunk: a pair panel of 128 x 64 lanes is 32 KB, as the float path's.
   const int64_t kc = std::max(2 * kChunkK / group_size, int64_t{1}) * group_size;
+  // Full split blocks take the tiles (groups of whole 32-value tiles; the rest of a weight, the
+  // VDPBF16PS paths, at every row count alike). Tiles are 16 rows of x, or all of them when
+  // fewer; past 16, the last partial tile's rows are read from a copy padded to 16.
+  const bool tiles = amx && split && block_n == 64 && group_size % 32 == 0;
+  const int tile_rows = static_cast<int>(std::min<int64_t>(M, 16));
+  const int64_t K2 = K / 2, tail = M > 16 ? M % 16 : 0;
+  std::vector<uint32_t> tail_x(tail ? 16 * K2 : 0);
+  if (tail) std::copy(xp + (M - tail) * K2, xp + M * K2, tail_x.begin());
   auto run = [&](auto* sz) {
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      if (tiles) amx_load_config(amx_config(tile_rows));
       // 64-byte aligned: a vector load or store that straddles two cache lines costs two, and
       // a total stored so and reloaded one group later missed store forwarding.
       std::vector<uint32_t> panel_buf(kc / 2 * block_n + 16);
@@ -315,6 +449,30 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
         if (i == begin) prefetch_scales(sz, n0, nb, N, groups);
         if (i + 1 < end) prefetch_scales(sz, n0 + block_n, std::min(block_n, N - n0 - block_n), N, groups);
         const uint8_t* block = src + n0 * K / 2;
+        if (tiles && nb == 64) {
+          for (int64_t k0 = 0; k0 < K; k0 += kc) {
+            const int64_t k1 = std::min(K, k0 + kc);
+            pair_panel(block, sz, n0, nb, true, N, k0, k1, group_size, panel, sp, zp);
+            for (int64_t m = 0; m < M; m += 16) {
+              const int rows = static_cast<int>(std::min<int64_t>(16, M - m));
+              const bool padded = rows < tile_rows;
+              const AmxChunk c{(padded ? tail_x.data() : xp + m * K2) + k0 / 2,
+                               K2 * 4,
+                               xsum.data() + m * groups + k0 / group_size,
+                               groups,
+                               panel,
+                               sp,
+                               zp,
+                               (k1 - k0) / group_size,
+                               group_size / 32,
+                               k0 == 0,
+                               total + m * 64};
+              amx_chunk_rows(rows, c, std::make_integer_sequence<int, 16>{});
+            }
+          }
+          for (int64_t r = 0; r < M; ++r) at::vec::convert(total + r * 64, dst + n0 + r * N, 64);
+          continue;
+        }
         if (split && nb == 64 && M <= kFusedPairRows) {
           auto fused = [&](auto rows) {
             fused_block64_bf16<decltype(rows)::value>(xp, xsum.data(), K, block, sz, n0, N, group_size, total,
@@ -335,6 +493,7 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
                                           panel, sp, zp, nb, total, dst + n0, N});
         }
       }
+      if (tiles) amx_release();
     });
   };
   switch (scales_and_zeros.scalar_type()) {
@@ -348,12 +507,22 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
 #endif
 }
 
+// Whether int4_linear_bf16 can take amx=True here.
+bool amx_supported() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return controlplane::bf16_dot_supported() && amx_usable();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
   m.def(
-      "int4_linear_bf16(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, int block_n, bool split) "
-      "-> Tensor");
+      "int4_linear_bf16(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, int block_n, bool split, "
+      "bool amx=False) -> Tensor");
+  m.def("amx_supported() -> bool", &amx_supported);
   m.def("bf16_dot_supported() -> bool", &controlplane::bf16_dot_supported);
 }
 
