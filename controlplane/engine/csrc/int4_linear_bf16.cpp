@@ -316,12 +316,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// `rows` rows of x and of the sums a tile (1 to 16), 64 bytes a row everywhere.
+// `rows` rows of x and of the sums a tile (1 to 16), 64 bytes a row everywhere. Tile A1 holds x
+// only in steps of more than 16 rows (so 16 rows of it), a third tile of weights in fewer.
 inline TileConfig amx_config(int rows) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
-  for (int t : {0, 1, 2, 3, CP_TILE_A0, CP_TILE_A1}) c.rows[t] = static_cast<uint8_t>(rows);
-  for (int t : {CP_TILE_B0, CP_TILE_B1}) c.rows[t] = 16;
+  for (int t : {0, 1, 2, 3, CP_TILE_A0}) c.rows[t] = static_cast<uint8_t>(rows);
+  for (int t : {CP_TILE_B0, CP_TILE_A1, CP_TILE_B1}) c.rows[t] = 16;
   return c;
 }
 
@@ -389,6 +390,86 @@ void amx_chunk_rows(int rows, const AmxChunk& c, std::integer_sequence<int, R...
   ((rows == R + 1 ? amx_chunk<R + 1>(c) : void()), ...);
 }
 
+// Steps of up to 16 rows (one tile of x): the weights' bf16 pairs built one 32-value tile at a
+// time into four B tiles (1 KB each, a ring of two in L1) and used at once, so that building
+// the next tile's pairs overlaps this one's products. The same products and sums as
+// amx_chunk's, in the same order. ROWS running totals a column vector: in registers up to 4
+// rows, in `total` (ROWS x 64 floats) beyond.
+template <int ROWS, typename ST>
+CP_AMX void amx_block_few_rows(const uint32_t* x, int64_t K2, const float* xsum, int64_t groups,
+                               const uint8_t* src, const ST* sz, int64_t n0, int64_t N, int64_t group,
+                               float* total, c10::BFloat16* out, int64_t ldo) {
+  const __m512i table = nibble_table();
+  alignas(64) uint32_t b[2][4][16 * 16];
+  alignas(64) float part[4][16 * 16];
+  constexpr bool kInRegisters = ROWS <= 4;
+  __m512 totals[kInRegisters ? ROWS : 1][4];
+  const int64_t tiles_per_group = group / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t s = 0; s < tiles_per_group; ++s) {
+      const int64_t tile = g * tiles_per_group + s;
+      uint32_t(*bt)[16 * 16] = b[tile & 1];
+      const uint8_t* rows = src + tile * 32 * 32;  // 32 K rows of 32 bytes
+#pragma GCC unroll 2
+      for (int p = 0; p < 16; ++p) {
+        __m512i pairs[4];
+        _mm_prefetch(reinterpret_cast<const char*>(rows + p * 64 + kFusedPrefetchBytes), _MM_HINT_T0);
+        q_pairs64(rows + p * 64, table, pairs);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(bt[j] + p * 16, pairs[j]);
+      }
+      if (s == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      _tile_loadd(CP_TILE_A0, x + tile * 16, K2 * 4);
+      _tile_loadd(CP_TILE_B0, bt[0], 64);
+      _tile_dpbf16ps(0, CP_TILE_A0, CP_TILE_B0);
+      _tile_loadd(CP_TILE_B1, bt[1], 64);
+      _tile_dpbf16ps(1, CP_TILE_A0, CP_TILE_B1);
+      _tile_loadd(CP_TILE_A1, bt[2], 64);  // weights too here (see amx_config)
+      _tile_dpbf16ps(2, CP_TILE_A0, CP_TILE_A1);
+      _tile_loadd(CP_TILE_B0, bt[3], 64);
+      _tile_dpbf16ps(3, CP_TILE_A0, CP_TILE_B0);
+    }
+    _tile_stored(0, part[0], 64);
+    _tile_stored(1, part[1], 64);
+    _tile_stored(2, part[2], 64);
+    _tile_stored(3, part[3], 64);
+    __m512 vs[4], vz[4];
+    group_scales64(sz + g * N * 2 + n0 * 2, vs, vz);
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        float* t = total + r * 64 + 16 * j;
+        __m512 acc = g == 0 ? _mm512_setzero_ps() : kInRegisters ? totals[r][j] : _mm512_load_ps(t);
+        acc = _mm512_fmadd_ps(xs, vz[j], _mm512_fmadd_ps(_mm512_load_ps(part[j] + 16 * r), vs[j], acc));
+        if constexpr (kInRegisters) {
+          totals[r][j] = acc;
+        } else {
+          _mm512_store_ps(t, acc);
+        }
+      }
+    }
+  }
+  if constexpr (kInRegisters)
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(total + r * 64 + 16 * j, totals[r][j]);
+  for (int r = 0; r < ROWS; ++r) at::vec::convert(total + r * 64, out + r * ldo, 64);
+}
+
+template <typename ST, int... R>
+void amx_block_rows(int rows, std::integer_sequence<int, R...>, const uint32_t* x, int64_t K2, const float* xsum,
+                    int64_t groups, const uint8_t* src, const ST* sz, int64_t n0, int64_t N, int64_t group,
+                    float* total, c10::BFloat16* out, int64_t ldo) {
+  ((rows == R + 1 ? amx_block_few_rows<R + 1>(x, K2, xsum, groups, src, sz, n0, N, group, total, out, ldo) : void()),
+   ...);
+}
+
 // Whether this CPU has AMX-BF16 and Linux lets this process use the tiles' 8 KB of state
 // (asked for once: ARCH_REQ_XCOMP_PERM for XTILEDATA).
 bool amx_usable() {
@@ -449,6 +530,11 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
         if (i == begin) prefetch_scales(sz, n0, nb, N, groups);
         if (i + 1 < end) prefetch_scales(sz, n0 + block_n, std::min(block_n, N - n0 - block_n), N, groups);
         const uint8_t* block = src + n0 * K / 2;
+        if (tiles && nb == 64 && M <= 16) {
+          amx_block_rows(tile_rows, std::make_integer_sequence<int, 16>{}, xp, K2, xsum.data(), groups, block, sz, n0,
+                         N, group_size, total, dst + n0, N);
+          continue;
+        }
         if (tiles && nb == 64) {
           for (int64_t k0 = 0; k0 < K; k0 += kc) {
             const int64_t k1 = std::min(K, k0 + kc);
