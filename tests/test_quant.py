@@ -669,6 +669,25 @@ def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
         Engine(bf16_dot="yes", **kw)
 
 
+def test_amx_follows_its_setting(tiny_model_dir, caplog):
+    kw = dict(model=str(tiny_model_dir), quantization="int4", kv_cache_memory_bytes=8 << 20)
+    with caplog.at_level("INFO", logger=quant.log.name):
+        on = Engine(**kw)  # on by default, where the CPU has the tiles
+    said = "AMX tiles" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger=quant.log.name):
+        off = Engine(amx=False, **kw)
+    assert said == quant.int4_amx_available() and "AMX tiles" not in caplog.text
+    int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
+    assert int4 and all(m.amx == quant.int4_amx_available() for m in int4)
+    assert not any(m.amx for m in off.model.modules() if isinstance(m, quant.Int4Linear))
+    # Without bf16 dot products there are no tiles either.
+    plain = Engine(bf16_dot=False, **kw)
+    assert not any(m.amx for m in plain.model.modules() if isinstance(m, quant.Int4Linear))
+    with pytest.raises(InvalidSettingError, match="amx"):
+        Engine(amx="yes", **kw)
+
+
 # -- dtype "auto" ------------------------------------------------------------------------------
 
 

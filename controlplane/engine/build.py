@@ -109,6 +109,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
             dense=dense,
             int8_activations=s.quantize_activations,
             bf16_dot=s.bf16_dot,
+            amx=s.amx,
         )
     return QuantConfig(
         quantization,
@@ -117,6 +118,7 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
         dense=dense,
         int8_activations=s.quantize_activations,
         bf16_dot=s.bf16_dot,
+        amx=s.amx,
     )
 
 

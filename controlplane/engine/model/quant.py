@@ -309,6 +309,7 @@ class Int4Linear(nn.Module):
         kernel: str = "",
         dense: bool = False,
         bf16_dot: bool = True,
+        amx: bool = True,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -360,7 +361,7 @@ class Int4Linear(nn.Module):
         # Every row count through AVX512-BF16 dot products, or none (batch invariance).
         self.bf16_dot = bf16_dot and self.layout is not None and int4_bf16_dot_available()
         # and through AMX tiles where the CPU has them, again for every row count.
-        self.amx = self.bf16_dot and int4_amx_available()
+        self.amx = amx and self.bf16_dot and int4_amx_available()
         if self.layout is not None and not self.bf16_dot:
             self.many_rows = int4_many_rows()
             self.one_row = int4_one_row()
@@ -615,6 +616,7 @@ def quantize_linear(
     dense: bool = False,
     int8_activations: bool = False,
     bf16_dot: bool = True,
+    amx: bool = True,
 ) -> nn.Module:
     """The quantized replacement of `linear` (weights on its device, activations in its dtype;
     `dense`: an int4 linear's bf16 copy for many-row steps, see Int4Linear;
@@ -629,7 +631,14 @@ def quantize_linear(
     if kind == "int4":
         kernel = "w4a8_cpu" if a8 else ""
         return Int4Linear(
-            linear.weight, linear.bias, group_size, dtype, kernel, dense=dense, bf16_dot=bf16_dot
+            linear.weight,
+            linear.bias,
+            group_size,
+            dtype,
+            kernel,
+            dense=dense,
+            bf16_dot=bf16_dot,
+            amx=amx,
         )
     raise ValueError(f"unknown quantization {kind!r}; known: {', '.join(QUANTIZATIONS)}")
 
@@ -646,6 +655,7 @@ class QuantConfig:
     # Quantized linears round their activations to int8 (engine.quantize_activations).
     int8_activations: bool = False
     bf16_dot: bool = True  # int4 and int8 kernels in bf16 dot products where the CPU has them
+    amx: bool = True  # and the int4 ones in AMX tiles where it has those (engine.amx)
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
@@ -668,6 +678,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
             skip=("lm_head",),
             dense=quant.dense,
             bf16_dot=quant.bf16_dot,
+            amx=quant.amx,
             int8_activations=quant.int8_activations,
         )
     lm_head = getattr(model, "lm_head", None)
@@ -719,6 +730,7 @@ def quantize_linears(
     dense: bool = False,
     int8_activations: bool = False,
     bf16_dot: bool = True,
+    amx: bool = True,
 ) -> int:
     """Swap every nn.Linear (except names in `skip`) for its quantized version; returns how many.
 
@@ -732,7 +744,9 @@ def quantize_linears(
                 setattr(
                     parent,
                     name,
-                    quantize_linear(child, kind, group_size, dense, int8_activations, bf16_dot),
+                    quantize_linear(
+                        child, kind, group_size, dense, int8_activations, bf16_dot, amx
+                    ),
                 )
                 count += 1
     return count
