@@ -122,6 +122,43 @@ constexpr int64_t kFusedPairRows = 4;
 // shapes). Past the buffer's end a prefetch is a no-op, not a fault.
 constexpr int64_t kFusedPrefetchBytes = 2048;
 
+// Folds group g's partial sums (part[r][j]: row r, columns 16 j .. 16 j + 15 of a 64-column
+// block) into the running totals, the same arithmetic in every path:
+//     total = fma(xsum[g], z, fma(partial, s, total)), from 0 at g = 0.
+// The totals stay in `regs` when IN_REGISTERS, else in `total` (ROWS x 64 floats, aligned).
+template <int ROWS, bool IN_REGISTERS, typename ST>
+CP_BF16 inline void fold_group(const __m512 (&part)[ROWS][4], const ST* sz, int64_t g, int64_t n0, int64_t N,
+                               const float* xsum, int64_t groups, __m512 (&regs)[IN_REGISTERS ? ROWS : 1][4],
+                               float* total) {
+  __m512 vs[4], vz[4];
+  group_scales64(sz + g * N * 2 + n0 * 2, vs, vz);
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      float* t = total + r * 64 + 16 * j;
+      __m512 acc = g == 0 ? _mm512_setzero_ps() : IN_REGISTERS ? regs[r][j] : _mm512_load_ps(t);
+      acc = _mm512_fmadd_ps(xs, vz[j], _mm512_fmadd_ps(part[r][j], vs[j], acc));
+      if constexpr (IN_REGISTERS) {
+        regs[r][j] = acc;
+      } else {
+        _mm512_store_ps(t, acc);
+      }
+    }
+  }
+}
+
+// The totals of ROWS rows x 64 columns out as bf16 (rows `ldo` apart).
+template <int ROWS, bool IN_REGISTERS>
+CP_BF16 inline void store_totals(const __m512 (&regs)[IN_REGISTERS ? ROWS : 1][4], float* total,
+                                 c10::BFloat16* out, int64_t ldo) {
+  if constexpr (IN_REGISTERS)
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_store_ps(total + r * 64 + 16 * j, regs[r][j]);
+  for (int r = 0; r < ROWS; ++r) at::vec::convert(total + r * 64, out + r * ldo, 64);
+}
+
 // ROWS rows of x (bf16 pairs, row stride K / 2) against a full split block of 64 rows, all of
 // K: the same chains as the panel path. A group's partial sums stay in registers (16 at 4
 // rows), and so do the running totals up to 2 rows (3% faster there than in L1); from 3 rows
@@ -152,28 +189,9 @@ CP_BF16 void fused_block64_bf16(const uint32_t* x, const float* xsum, int64_t K,
         for (int j = 0; j < 4; ++j) part[r][j] = _mm512_dpbf16_ps(part[r][j], reinterpret_cast<__m512bh>(pairs[j]), a);
       }
     }
-    __m512 vs[4], vz[4];
-    group_scales64(sz + g * N * 2 + n0 * 2, vs, vz);
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        float* t = total + r * 64 + 16 * j;
-        __m512 acc = g == 0 ? _mm512_setzero_ps() : kInRegisters ? totals[r][j] : _mm512_load_ps(t);
-        acc = _mm512_fmadd_ps(xs, vz[j], _mm512_fmadd_ps(part[r][j], vs[j], acc));
-        if constexpr (kInRegisters) {
-          totals[r][j] = acc;
-        } else {
-          _mm512_store_ps(t, acc);
-        }
-      }
-    }
+    fold_group<ROWS, kInRegisters>(part, sz, g, n0, N, xsum, groups, totals, total);
   }
-  if constexpr (kInRegisters)
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(total + r * 64 + 16 * j, totals[r][j]);
-  for (int r = 0; r < ROWS; ++r) at::vec::convert(total + r * 64, out + r * ldo, 64);
+  store_totals<ROWS, kInRegisters>(totals, total, out, ldo);
 }
 
 // Rows k0 .. k1 - 1 of a block as bf16 pairs, [(k1 - k0) / 2, nb] lanes, and its groups'
@@ -438,28 +456,14 @@ CP_AMX void amx_block_few_rows(const uint32_t* x, int64_t K2, const float* xsum,
     _tile_stored(1, part[1], 64);
     _tile_stored(2, part[2], 64);
     _tile_stored(3, part[3], 64);
-    __m512 vs[4], vz[4];
-    group_scales64(sz + g * N * 2 + n0 * 2, vs, vz);
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        float* t = total + r * 64 + 16 * j;
-        __m512 acc = g == 0 ? _mm512_setzero_ps() : kInRegisters ? totals[r][j] : _mm512_load_ps(t);
-        acc = _mm512_fmadd_ps(xs, vz[j], _mm512_fmadd_ps(_mm512_load_ps(part[j] + 16 * r), vs[j], acc));
-        if constexpr (kInRegisters) {
-          totals[r][j] = acc;
-        } else {
-          _mm512_store_ps(t, acc);
-        }
-      }
-    }
-  }
-  if constexpr (kInRegisters)
+    __m512 sums[ROWS][4];
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(total + r * 64 + 16 * j, totals[r][j]);
-  for (int r = 0; r < ROWS; ++r) at::vec::convert(total + r * 64, out + r * ldo, 64);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_load_ps(part[j] + 16 * r);
+    fold_group<ROWS, kInRegisters>(sums, sz, g, n0, N, xsum, groups, totals, total);
+  }
+  store_totals<ROWS, kInRegisters>(totals, total, out, ldo);
 }
 
 template <typename ST, int... R>
