@@ -629,6 +629,17 @@ def test_int4_dense_copy_follows_its_setting_and_the_cpu(tiny_model_dir):
         Engine(int4_dense_copy="yes", **kw)
 
 
+def _on_and_off(caplog, kw: dict, **off) -> tuple[Engine, Engine, str, str]:
+    """Two engines on `kw`, the second with `off`, and each one's start-up log of quant."""
+    engines, logs = [], []
+    for extra in ({}, off):
+        caplog.clear()
+        with caplog.at_level("INFO", logger=quant.log.name):
+            engines.append(Engine(**kw, **extra))
+        logs.append(caplog.text)
+    return engines[0], engines[1], logs[0], logs[1]
+
+
 def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
     kw = dict(
         model=str(tiny_model_dir),
@@ -636,13 +647,10 @@ def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
         quantize_lm_head=True,
         kv_cache_memory_bytes=8 << 20,
     )
-    with caplog.at_level("INFO", logger=quant.log.name):
-        on = Engine(**kw)  # on by default
-    said = "bf16 dot products" in caplog.text  # the start-up log says which kernels serve
-    caplog.clear()
-    with caplog.at_level("INFO", logger=quant.log.name):
-        off = Engine(bf16_dot=False, **kw)
-    assert said == quant.bf16_dot_available() and "bf16 dot products" not in caplog.text
+    on, off, on_log, off_log = _on_and_off(caplog, kw, bf16_dot=False)  # on by default
+    # The start-up log says which kernels serve.
+    said = "bf16 dot products" in on_log
+    assert said == quant.bf16_dot_available() and "bf16 dot products" not in off_log
     int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
     assert int4 and all(m.bf16_dot == quant.int4_bf16_dot_available() for m in int4)
     assert isinstance(on.model.lm_head, quant.Int8Linear)
@@ -657,13 +665,8 @@ def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
 
 def test_amx_follows_its_setting(tiny_model_dir, caplog):
     kw = dict(model=str(tiny_model_dir), quantization="int4", kv_cache_memory_bytes=8 << 20)
-    with caplog.at_level("INFO", logger=quant.log.name):
-        on = Engine(**kw)  # on by default, where the CPU has the tiles
-    said = "AMX tiles" in caplog.text
-    caplog.clear()
-    with caplog.at_level("INFO", logger=quant.log.name):
-        off = Engine(amx=False, **kw)
-    assert said == quant.int4_amx_available() and "AMX tiles" not in caplog.text
+    on, off, on_log, off_log = _on_and_off(caplog, kw, amx=False)  # on where the CPU has tiles
+    assert ("AMX tiles" in on_log) == quant.int4_amx_available() and "AMX tiles" not in off_log
     int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
     assert int4 and all(m.amx == quant.int4_amx_available() for m in int4)
     assert not any(m.amx for m in off.model.modules() if isinstance(m, quant.Int4Linear))
