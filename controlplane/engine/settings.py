@@ -151,9 +151,10 @@ class EngineSettings:
     amx: bool = _restart(
         "With bf16_dot, on a CPU with AMX tiles (Sapphire Rapids and later Xeons), the int4 "
         "linears multiply in the tiles (TDPBF16PS) at every row count: on a 2-core Emerald "
-        "Rapids Xeon SmolLM2's 512-token prompts 2.5x faster than with VDPBF16PS alone. The "
-        "tiles round their sums their own way, so a model's logits differ from `false`'s in "
-        "the last bits (batch invariant either way). Off: VDPBF16PS only.",
+        "Rapids Xeon, SmolLM2, one run against `false`: 512-token prompts 846.6 vs 414.2 tok/s, "
+        "16 sequences 419.7 vs 266.8, one user 72.6 vs 82.3 (off suits a single user's "
+        "latency there). The tiles round their sums their own way, so a model's logits differ "
+        "from `false`'s in the last bits (batch invariant either way). Off: VDPBF16PS only.",
         True,
     )
     quantize_activations: bool = _restart(
