@@ -78,8 +78,8 @@ class Int4Weight:
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per output channel, in [-127, 127] (so -128 is never used): each row rounded on
-    the grid of its largest value (max |w| / 127), its scale then refitted by least squares
-    (<w, q> / <q, q>), the row rounded again on that grid and the scale refitted once more.
+    the grid of its largest value (max |w| / 127), then twice: its scale refitted by least
+    squares (<w, q> / <q, q>) and the row rounded again on it; the scale refitted at the end.
 
     Why: a row's scale from its maximum leaves the row's dequantized size off by a little, and
     a tied lm_head turns that straight into the logits' temperature. SmolLM2's int8 lm_head
