@@ -522,7 +522,7 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
   // fewer; past 16, the last partial tile's rows are read from a copy padded to 16.
   const bool tiles = amx && split && block_n == 64 && group_size % 32 == 0;
   const int tile_rows = static_cast<int>(std::min<int64_t>(M, 16));
-  const int64_t K2 = K / 2, tail = M > 16 ? M % 16 : 0;
+  const int64_t K2 = K / 2, tail = tiles && M > 16 ? M % 16 : 0;
   std::vector<uint32_t> tail_x(tail ? 16 * K2 : 0);
   if (tail) std::copy(xp + (M - tail) * K2, xp + M * K2, tail_x.begin());
   auto run = [&](auto* sz) {

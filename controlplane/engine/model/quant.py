@@ -473,13 +473,7 @@ def int4_bf16_dot_available() -> bool:
     layout = _int4_layout()
     if layout is None or layout[0] != 64 or not bf16_dot_available():
         return False
-    x, packed, scales, group = _int4_probe(layout[0])
-    ours = torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, scales, group, *layout).float()
-    ref = torch._weight_int4pack_mm_for_cpu(x, packed, group, scales).float()
-    if not torch.allclose(ours, ref, rtol=0.02, atol=0.02 * ref.abs().max().item()):
-        log.warning("our bf16-dot int4 kernel disagrees with torch's on this CPU; not using it")
-        return False
-    return True
+    return _int4_bf16_agrees_with_torch(layout, amx=False)
 
 
 @functools.cache
@@ -489,12 +483,18 @@ def int4_amx_available() -> bool:
     rounding of torch's kernel (checked once per process, as `int4_bf16_dot_available`)."""
     if not int4_bf16_dot_available() or not torch.ops.controlplane_cpu.amx_supported():
         return False
-    layout = _int4_layout()
+    return _int4_bf16_agrees_with_torch(_int4_layout(), amx=True)
+
+
+def _int4_bf16_agrees_with_torch(layout: tuple[int, bool], amx: bool) -> bool:
+    """Whether `int4_linear_bf16` (its tiles with `amx`) gives torch's kernel's results within
+    bf16 rounding on the start-up probe weight; warns when it does not."""
     x, packed, scales, group = _int4_probe(layout[0])
-    ours = torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, scales, group, *layout, True)
+    ours = torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, scales, group, *layout, amx)
     ref = torch._weight_int4pack_mm_for_cpu(x, packed, group, scales).float()
     if not torch.allclose(ours.float(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item()):
-        log.warning("our AMX int4 kernel disagrees with torch's on this CPU; not using it")
+        kind = "AMX" if amx else "bf16-dot"
+        log.warning("our %s int4 kernel disagrees with torch's on this CPU; not using it", kind)
         return False
     return True
 
