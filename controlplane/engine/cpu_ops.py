@@ -4,8 +4,8 @@ One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for 
 steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
 cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `int8_linear_bf16`,
 `w4a8_linear` and `w8a8_linear` (int4_linear.cpp, int4_linear_bf16.cpp, int8_linear.cpp,
-int8_activations.cpp, used by model/quant.py), `packed_linear` (packed_linear.cpp, used by
-model/linear.py).
+int8_activations.cpp, used by model/quant.py), `packed_linear` and `bf16_linear` with
+`bf16_pack_weight` (packed_linear.cpp, bf16_linear.cpp, used by model/linear.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
@@ -37,6 +37,7 @@ SOURCES = tuple(
         "int8_linear.cpp",
         "int8_activations.cpp",
         "packed_linear.cpp",
+        "bf16_linear.cpp",
     )
 )
 HEADERS = tuple(
@@ -121,6 +122,8 @@ def _build() -> bool:
             "w4a8_linear",
             "w8a8_linear",
             "packed_linear",
+            "bf16_linear",
+            "bf16_pack_weight",
         )
     ):
         _state["error"] = "the library loaded without its ops"
@@ -164,6 +167,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake("controlplane_cpu::packed_linear")
+    @torch.library.register_fake("controlplane_cpu::bf16_linear")
     def _(
         x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:

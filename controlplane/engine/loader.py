@@ -18,7 +18,7 @@ from safetensors import safe_open
 from controlplane.engine.errors import ModelLoadError
 from controlplane.engine.gguf.known import is_gguf
 from controlplane.engine.model.config import ModelConfig
-from controlplane.engine.model.linear import cpu_packing_supported, pack_linears
+from controlplane.engine.model.linear import PackedLinear, cpu_packing_supported, pack_linears
 from controlplane.engine.model.llama import CausalLM, RotaryEmbedding, fuse_projections
 from controlplane.engine.model.quant import QuantConfig, quantize_model
 from controlplane.engine.tokenizer import Tokenizer
@@ -75,7 +75,10 @@ def load_model(
     if device.type == "cpu" and cpu_weight_packing and cpu_packing_supported(dtype):
         # A tied lm_head stays unpacked: packing it would duplicate the embedding table.
         skip = ("lm_head",) if cfg.tie_word_embeddings else ()
-        log.info("packed %d linear layers for oneDNN", pack_linears(model, skip))
+        bf16_dot = quant is None or quant.bf16_dot
+        count = pack_linears(model, skip, bf16_dot)
+        kernels = sorted({m.kernel for m in model.modules() if isinstance(m, PackedLinear)})
+        log.info("packed %d linear layers (%s)", count, ", ".join(kernels) or "none")
     model.eval()
     return model
 
