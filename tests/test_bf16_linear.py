@@ -35,8 +35,8 @@ def test_the_kernel_serves_where_the_cpu_has_bf16_dot_products_and_no_tiles():
     [
         (64, 64, False),  # one block, one K chunk
         (130, 100, True),  # a partial block of outputs
-        (1000, 200, False),  # K in four chunks once a step has more than 6 rows
-        (2048, 576, True),
+        (2500, 200, False),  # K in three chunks once a step has more than 6 rows
+        (2048, 576, True),  # two chunks
     ],
 )
 def test_bf16_linear_is_batch_invariant_and_as_close_as_onednn(in_features, out_features, bias):

@@ -5,9 +5,9 @@
 // streamed a 1.1B Llama's weights at 20-25 GB/s on a 2-core Zen 4 whose memory reads at 33 GB/s,
 // 68-71% of the bandwidth limit for a token. Here a block of 64 outputs is one sequential stream
 // (all of K's pairs for those 64 outputs, 256 bytes a pair of K), a block after another, on 2 MB
-// pages. The 1.1B's five shapes, weights cycled through 1.5 GB, against oneDNN (same run): one
-// row 1.18-1.67x (27-37 GB/s against 18-25), 4 rows 1.01-1.10x, 16-64 rows 0.87-1.10x, 512 rows
-// 0.97-1.02x (both then bound by VDPBF16PS). Software prefetch ahead of the stream (as the int4
+// pages. The 1.1B's shapes, weights cycled through 1-1.5 GB, against oneDNN (same run): one row
+// 1.18-1.67x (27-37 GB/s against 18-25), 4 rows 1.01-1.10x, 16 rows 1.12-1.20x, 64 rows
+// 1.08-1.09x, 512 rows 1.00-1.03x (both then bound by VDPBF16PS). Software prefetch ahead of the stream (as the int4
 // kernels ask, whose weights come in three streams) measured no gain: one stream the hardware
 // prefetcher follows.
 //
@@ -42,9 +42,11 @@ constexpr int64_t kBlock = 64;  // outputs a block: four 16-lane vectors
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// Pairs of K a chunk: a chunk of one block (kChunk x 256 bytes) is read from L1/L2 by every row
-// tile of x after the first.
-constexpr int64_t kChunk = 128;
+// Pairs of K a chunk once a step has more rows than one tile: every row tile after the first
+// reads the block's chunk (kChunk x 256 bytes: 128 KB) from L2. Against oneDNN on the 1.1B's
+// shapes (one run, 16 / 64 / 512 rows): chunks of 64 pairs (L1) 0.91-1.03x, 128 0.95-1.10x, 256
+// 1.00-1.19x, 512 1.08-1.20x / 1.08-1.09x / 1.00-1.03x, 1024 about the same as 512.
+constexpr int64_t kChunk = 512;
 
 constexpr int kRowTile = 6;  // 6 rows x 4 vectors: 24 accumulators of the 32 registers
 
