@@ -66,11 +66,10 @@ def test_bf16_linear_is_batch_invariant_and_as_close_as_onednn(in_features, out_
 
 
 @needs_kernel
-def test_the_packed_weight_lies_on_2mb_pages_and_names_its_limits():
+def test_bf16_linear_names_its_limits():
     ops = torch.ops.controlplane_cpu
-    packed = ops.bf16_pack_weight(torch.randn(1024, 2048, dtype=torch.bfloat16))  # 4 MB
+    packed = ops.bf16_pack_weight(torch.randn(1024, 2048, dtype=torch.bfloat16))
     assert packed.shape == (16, 1024, 64)
-    assert packed.data_ptr() % (2 << 20) == 0  # transparent huge pages can back it
     x = torch.randn(2, 2046, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="x has 2046 features, the weight 2048"):
         ops.bf16_linear(x, packed, None, 1024)

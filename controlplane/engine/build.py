@@ -152,7 +152,16 @@ def build(s: EngineSettings) -> EngineParts:
     kind = quant.kind
     if s.quantization == "auto":
         log.info("quantization auto: %s (how the checkpoint stores its linear weights)", kind)
-    model = load_model(model_dir, cfg, dtype, device, max_model_len, s.cpu_weight_packing, quant)
+    model = load_model(
+        model_dir,
+        cfg,
+        dtype,
+        device,
+        max_model_len,
+        s.cpu_weight_packing,
+        quant,
+        huge_pages=s.huge_pages,
+    )
     log.info(
         "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
         model_dir,
@@ -200,7 +209,14 @@ def build(s: EngineSettings) -> EngineParts:
         t0 = time.perf_counter()
         draft_quant = quant_config(s.speculative_draft_quantization, s, draft_cfg)
         draft_model = load_model(
-            draft_dir, draft_cfg, dtype, device, max_model_len, s.cpu_weight_packing, draft_quant
+            draft_dir,
+            draft_cfg,
+            dtype,
+            device,
+            max_model_len,
+            s.cpu_weight_packing,
+            draft_quant,
+            huge_pages=s.huge_pages,
         )
         draft = DraftModel(draft_model, KVCache(draft_spec, num_blocks, 0, device), device)
         log.info(

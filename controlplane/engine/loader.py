@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from controlplane.engine.errors import ModelLoadError
 from controlplane.engine.gguf.known import is_gguf
+from controlplane.engine.model.arena import place_weights
 from controlplane.engine.model.config import ModelConfig
 from controlplane.engine.model.linear import PackedLinear, cpu_packing_supported, pack_linears
 from controlplane.engine.model.llama import CausalLM, RotaryEmbedding, fuse_projections
@@ -55,6 +56,7 @@ def load_model(
     cpu_weight_packing: bool = True,
     quant: QuantConfig | None = None,
     fuse: bool = True,
+    huge_pages: bool = True,
 ) -> CausalLM:
     model_dir = Path(model_dir)
     with torch.device("meta"):
@@ -79,6 +81,10 @@ def load_model(
         count = pack_linears(model, skip, bf16_dot)
         kernels = sorted({m.kernel for m in model.modules() if isinstance(m, PackedLinear)})
         log.info("packed %d linear layers (%s)", count, ", ".join(kernels) or "none")
+    if device.type == "cpu" and huge_pages:
+        moved = place_weights(model)
+        if moved:
+            log.info("%.1f MiB of weights placed in step order on 2 MB pages", moved / 2**20)
     model.eval()
     return model
 

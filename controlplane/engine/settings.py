@@ -111,6 +111,14 @@ class EngineSettings:
     cpu_weight_packing: bool = _restart(
         "On CPU, pre-pack linear weights for oneDNN (faster).", True
     )
+    huge_pages: bool = _restart(
+        "On CPU, the weights a decode step streams (quantized ones, and bf16 ones packed for "
+        "our kernel) are copied at load into one region, in the order a step reads them, on "
+        "2 MB pages where Linux grants them (transparent huge pages in madvise or always "
+        "mode): the hardware prefetcher stops at each page's end. Off: where the loader left "
+        "them, on 4 KB pages.",
+        True,
+    )
     quantization: str = _restart(
         "Weight-only quantization of the linear layers, done at load: auto (what a GGUF file "
         "stores quantized stays quantized: 4-bit linears as int4, 5- to 8-bit ones as int8, "
@@ -313,6 +321,7 @@ def check(settings: EngineSettings) -> EngineSettings:
         _ranged(s, "max_model_len")
     _ranged(s, "seed")
     _bool("cpu_weight_packing", s.cpu_weight_packing)
+    _bool("huge_pages", s.huge_pages)
     _bool("int4_dense_copy", s.int4_dense_copy)
     _bool("bf16_dot", s.bf16_dot)
     _bool("amx", s.amx)

@@ -4,8 +4,8 @@
 // Why not oneDNN's packed GEMV (model/linear.py's PackedLinear, the fallback): at one row it
 // streamed a 1.1B Llama's weights at 20-25 GB/s on a 2-core Zen 4 whose memory reads at 33 GB/s,
 // 68-71% of the bandwidth limit for a token. Here a block of 64 outputs is one sequential stream
-// (all of K's pairs for those 64 outputs, 256 bytes a pair of K), a block after another, on 2 MB
-// pages. The 1.1B's shapes, weights cycled through 1-1.5 GB, against oneDNN (same run): one row
+// (all of K's pairs for those 64 outputs, 256 bytes a pair of K), a block after another (on 2 MB
+// pages once model/arena.py has placed it). The 1.1B's shapes, weights cycled through 1-1.5 GB, against oneDNN (same run): one row
 // 1.18-1.67x (27-37 GB/s against 18-25), 4 rows 1.01-1.10x, 16 rows 1.12-1.20x, 64 rows
 // 1.08-1.09x, 512 rows 1.00-1.03x (both then bound by VDPBF16PS). Software prefetch ahead of the stream (as the int4
 // kernels ask, whose weights come in three streams) measured no gain: one stream the hardware
@@ -29,12 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace {
 
@@ -140,25 +135,6 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const std:
 #endif
 }
 
-// Memory for a packed weight on 2 MB pages where the kernel grants them (Linux, transparent
-// huge pages in `madvise` mode, as this machine's): the hardware prefetcher stops at a page's
-// end, and on 4 KB pages a decode step of a 1.1B Llama's linears took 1.07-1.21x the time
-// (median 1.12x, 9 rounds interleaved in one process; 2-core Zen 4). Elsewhere plain pages.
-at::Tensor huge_page_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-#if defined(__linux__)
-  int64_t numel = 1;
-  for (const int64_t s : sizes) numel *= s;
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = (static_cast<size_t>(numel) * options.dtype().itemsize() + kHuge - 1) / kHuge * kHuge;
-  void* mem = nullptr;
-  if (bytes >= kHuge && posix_memalign(&mem, kHuge, bytes) == 0) {
-    madvise(mem, bytes, MADV_HUGEPAGE);  // advice: refused, the pages are plain ones
-    return at::from_blob(mem, sizes, [](void* m) { free(m); }, options);
-  }
-#endif
-  return at::empty(sizes, options);
-}
-
 // A [N, K] bf16 weight (K even) as bf16_linear's panels: [ceil(N / 64), K / 2, 64] int32.
 at::Tensor bf16_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
@@ -167,7 +143,7 @@ at::Tensor bf16_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(K % 2 == 0, "bf16_pack_weight: in_features=", K, " is odd (the kernel reads pairs)");
   const int64_t blocks = (N + kBlock - 1) / kBlock, K2 = K / 2;
   const at::Tensor w = at::constant_pad_nd(weight, {0, 0, 0, blocks * kBlock - N});
-  at::Tensor packed = huge_page_empty({blocks, K2, kBlock}, weight.options().dtype(at::kInt));
+  at::Tensor packed = at::empty({blocks, K2, kBlock}, weight.options().dtype(at::kInt));
   // [blocks, 64, K2, 2] -> [blocks, K2, 64, 2]: each pair's two halves stay adjacent.
   packed.view(at::kBFloat16).view({blocks, K2, kBlock, 2}).copy_(w.view({blocks, kBlock, K2, 2}).permute({0, 2, 1, 3}));
   return packed;
