@@ -5,11 +5,11 @@
 // streamed a 1.1B Llama's weights at 20-25 GB/s on a 2-core Zen 4 whose memory reads at 33 GB/s,
 // 68-71% of the bandwidth limit for a token. Here a block of 64 outputs is one sequential stream
 // (all of K's pairs for those 64 outputs, 256 bytes a pair of K), a block after another (on 2 MB
-// pages once model/arena.py has placed it). The 1.1B's shapes, weights cycled through 1-1.5 GB, against oneDNN (same run): one row
-// 1.18-1.67x (27-37 GB/s against 18-25), 4 rows 1.01-1.10x, 16 rows 1.12-1.20x, 64 rows
-// 1.08-1.09x, 512 rows 1.00-1.03x (both then bound by VDPBF16PS). Software prefetch ahead of the stream (as the int4
-// kernels ask, whose weights come in three streams) measured no gain: one stream the hardware
-// prefetcher follows.
+// pages once model/arena.py has placed it). The 1.1B's shapes, weights cycled through 1-1.5 GB,
+// against oneDNN (same run): one row 1.18-1.67x (27-37 GB/s against 18-25), 4 rows 1.01-1.10x,
+// 16 rows 1.12-1.20x, 64 rows 1.08-1.09x, 512 rows 1.00-1.03x (both then bound by VDPBF16PS).
+// Software prefetch ahead of the stream (as the int4 kernels ask, whose weights come in three
+// streams) measured no gain: one stream the hardware prefetcher follows.
 //
 // Layout: packed[b][p][n] (uint32) = the bf16 pair (w[64 b + n][2 p], w[64 b + n][2 p + 1]),
 // N padded with zero rows to whole blocks of 64 (K even). Each output is

@@ -17,13 +17,10 @@ cache), oneDNN's opaque packed weights, anything on a GPU.
 
 from __future__ import annotations
 
-import logging
 import mmap
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # a cache line: each tensor starts on one
@@ -45,6 +42,14 @@ def _huge_region(nbytes: int) -> torch.Tensor:
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         buf.madvise(mmap.MADV_HUGEPAGE)
     return whole[start : start + nbytes]
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, tuple(t.shape)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _moved(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -72,28 +77,28 @@ def place_weights(model: nn.Module) -> int:
     returns the bytes moved (0: nothing to move). The results are the same bits; each old tensor
     is freed once its last holder has the new one (no second copy of the model at once)."""
     entries = _moved(model)
-    # A tensor is known by its address while every one of them is alive: a tied table (one
-    # tensor, two modules) gets one place.
-    offsets: dict[int, int] = {}
+    # A tensor is known by its address, dtype and shape while every one of them is alive: a
+    # tied table (one tensor, two modules) gets one place.
+    offsets: dict[tuple, int] = {}
     size = 0
     for module, name in entries:
-        t = getattr(module, name)
-        if t.data_ptr() not in offsets:
-            offsets[t.data_ptr()] = size
-            size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        key = _key(getattr(module, name))
+        if key not in offsets:
+            offsets[key] = size
+            size += -(-_nbytes(getattr(module, name)) // _ALIGN) * _ALIGN
     if not size:
         return 0
     region = _huge_region(size)
-    placed: dict[int, torch.Tensor] = {}
+    placed: dict[tuple, torch.Tensor] = {}
     for module, name in entries:
         t = getattr(module, name)
-        new = placed.get(t.data_ptr())
+        key = _key(t)
+        new = placed.get(key)
         if new is None:
-            start = offsets[t.data_ptr()]
-            nbytes = t.numel() * t.element_size()
-            new = region[start : start + nbytes].view(t.dtype).view(t.shape)
+            start = offsets[key]
+            new = region[start : start + _nbytes(t)].view(t.dtype).view(t.shape)
             new.copy_(t)
-            placed[t.data_ptr()] = new
+            placed[key] = new
         del t
         if name in module._buffers:
             module._buffers[name] = new
