@@ -42,6 +42,18 @@ def streamed_modules(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def _anon_huge_mb() -> float:
+    """This process's anonymous memory on transparent huge pages (Linux), MB; 0 if unknown."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory or GGUF (default: SmolLM2)")
@@ -76,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{model}: {len(plain)} modules, {nbytes / 1e6:.1f} MB streamed a step, {args.rows} row(s)"
     )
+    print(f"  anonymous memory on huge pages in this process: {_anon_huge_mb():.0f} MB")
     for name, ts in times.items():
         med = statistics.median(ts[1:])
         print(f"  {name}: median {med * 1e3:.3f} ms ({nbytes / med / 1e9:.1f} GB/s)")

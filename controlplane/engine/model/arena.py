@@ -36,7 +36,9 @@ _MOVED = {
 
 def _huge_region(nbytes: int) -> torch.Tensor:
     """nbytes of zeroed anonymous memory, 2 MB aligned, advised onto huge pages (uint8)."""
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE)
+    # Private: Python's default anonymous map is shared memory, which THP leaves on 4 KB pages
+    # unless shmem_enabled says otherwise (`never` here).
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
     start = -whole.data_ptr() % HUGE_PAGE
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
