@@ -2,12 +2,14 @@
 step reads them.
 
 A decode step reads every weight once, from memory. The hardware prefetcher follows a stream
-only to the end of a page: on 4 KB pages it stops every 4 KB, and our bf16 linears took
-1.07-1.21x the time there (a 1.1B Llama's 64 linears, 2-core Zen 4). SmolLM2's int4 weights are
+only to the end of a page, and each 4 KB page costs a TLB miss. SmolLM2's int4 weights are
 0.3-0.9 MB a linear, too small for a 2 MB page each, so the weights go into one region, one after
 the other as the layers use them: a step's whole read is then one near-sequential stream across
 its linears, on huge pages (transparent huge pages, in `madvise` or `always` mode; where the
-kernel refuses, the region is plain pages and only the order remains).
+kernel refuses, the region is plain pages and only the order remains). Measured on a 2-core Zen
+4, one row, interleaved rounds (benchmarks/weight_placement.py): SmolLM2's 121 streamed modules
+1.085x faster (21 rounds), a 1.1B Llama's bf16 linears 1.04-1.05x (9-15 rounds); SmolLM2's
+one-user decode 1.06-1.10x end to end (two runs, either order).
 
 Moved: the tensors our kernels and torch's quantized ones read (Int4Linear, Int8Linear,
 Int8Embedding buffers, PackedLinear's bf16 panels), which the loader built in private memory.
