@@ -27,7 +27,7 @@ from torch import nn
 
 from controlplane.engine import Engine
 from controlplane.engine.gguf.known import smollm2_path
-from controlplane.engine.model.arena import _MOVED, place_weights
+from controlplane.engine.model.arena import STREAMED, place_weights
 
 
 def streamed_modules(model: nn.Module) -> nn.ModuleList:
@@ -36,7 +36,7 @@ def streamed_modules(model: nn.Module) -> nn.ModuleList:
     return nn.ModuleList(
         m
         for m in model.modules()
-        if type(m).__name__ in _MOVED
+        if type(m).__name__ in STREAMED
         and type(m).__name__ != "Int8Embedding"
         and getattr(m, "kernel", "") != "onednn"
     )

@@ -28,7 +28,7 @@ HUGE_PAGE = 2 << 20
 _ALIGN = 64  # a cache line: each tensor starts on one
 
 # The buffers / attributes each module kind streams (a tied table is one tensor, moved once).
-_MOVED = {
+STREAMED = {
     "Int4Linear": ("packed", "scales_and_zeros", "scales", "mins"),
     "Int8Linear": ("qweight", "scales"),
     "Int8Embedding": ("qweight", "scales"),
@@ -64,7 +64,7 @@ def _moved(model: nn.Module) -> list[tuple[nn.Module, str]]:
         kind = type(module).__name__
         if kind == "PackedLinear" and module.kernel != "bf16_dot":
             continue  # oneDNN's opaque weight
-        for name in _MOVED.get(kind, ()):
+        for name in STREAMED.get(kind, ()):
             t = getattr(module, name, None)
             if (
                 isinstance(t, torch.Tensor)
