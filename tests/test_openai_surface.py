@@ -336,19 +336,21 @@ def streamed_calls(chunks: list[Any]) -> tuple[list[tuple[str, str]], str | None
     return [(names[i], "".join(calls[i])) for i in sorted(calls)], reason, content
 
 
+# Budgets well inside the call on any CPU's arithmetic: a named call's arguments are all it
+# generates, and on a Zen 4 SmolLM2 closed them within 14 tokens (finish "tool_calls").
 @pytest.mark.parametrize(
-    "choice",
-    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    "choice,max_tokens",
+    [("required", 14), ({"type": "function", "function": {"name": "get_weather"}}, 6)],
     ids=["required", "named"],
 )
-def test_forced_call_cut_by_max_tokens_is_the_same_both_ways(client, choice) -> None:
+def test_forced_call_cut_by_max_tokens_is_the_same_both_ways(client, choice, max_tokens) -> None:
     request = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
         "tools": [WEATHER],
         "tool_choice": choice,
         "temperature": 0,
-        "max_tokens": 14,
+        "max_tokens": max_tokens,
     }
     done = client.chat.completions.create(**request)
     message = done.choices[0].message

@@ -1009,13 +1009,19 @@ def test_auto_serves_the_gguf_q8_0_embedding_as_one_int8_table_shared_with_the_l
 
 @pytest.mark.slow
 def test_int8_lm_head_perplexity_within_half_a_percent_of_the_float_lm_head(smollm2_reference):
-    path, ids, _ = smollm2_reference
+    path, ids, ppl_float32 = smollm2_reference
     kw = {"model": str(path), "dtype": "bfloat16", "kv_cache_memory_bytes": 32 << 20}
     (quantized,) = _prefill_logits(Engine(**kw), [ids])  # auto: int8 lm_head and embedding
     (floating,) = _prefill_logits(Engine(quantization="int4", **kw), [ids])
     ppl_q, ppl_f = _perplexity(quantized, ids), _perplexity(floating, ids)
     print(f"SmolLM2 perplexity, int8 lm_head {ppl_q:.4f}, float lm_head {ppl_f:.4f}")
-    assert abs(ppl_q / ppl_f - 1) < 0.005
+    # Quantizing the lm_head costs at most 0.5% against the float (bf16) head, and the int8 head
+    # is within 0.5% of transformers' float32 model on the same file. Not a two-sided bound
+    # against the bf16 head: that head rounds its logits to bf16, and on a Zen 4 it measured
+    # 39.267 (+0.62% over float32's 39.024) where the int8 head, whose logits are float32,
+    # measured 39.064 (+0.10%): the bound failed on the int8 head's better figure.
+    assert ppl_q / ppl_f - 1 < 0.005
+    assert abs(ppl_q / ppl_float32 - 1) < 0.005
     # Per position, each side's top token is among the other's top 5.
     top5_q, top5_f = quantized.topk(5).indices, floating.topk(5).indices
     assert (top5_q == floating.argmax(-1, keepdim=True)).any(-1).all()
