@@ -27,19 +27,14 @@ from torch import nn
 
 from controlplane.engine import Engine
 from controlplane.engine.gguf.known import smollm2_path
-from controlplane.engine.model.arena import STREAMED, place_weights
+from controlplane.engine.model.arena import place_weights, streamed
 
 
 def streamed_modules(model: nn.Module) -> nn.ModuleList:
     """The modules place_weights moves tensors of, in step order (a tied table's embedding
     left out: a step gathers a few of its rows; its lm_head reads all of it)."""
-    return nn.ModuleList(
-        m
-        for m in model.modules()
-        if type(m).__name__ in STREAMED
-        and type(m).__name__ != "Int8Embedding"
-        and getattr(m, "kernel", "") != "onednn"
-    )
+    modules = dict.fromkeys(m for m, _ in streamed(model))  # each once, in order
+    return nn.ModuleList(m for m in modules if type(m).__name__ != "Int8Embedding")
 
 
 def _anon_huge_mb() -> float:

@@ -18,6 +18,7 @@ and the callers keep torch's kernels.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -55,6 +56,13 @@ def available() -> bool:
         if "ok" not in _state:
             _state["ok"] = _build()
         return bool(_state["ok"])
+
+
+@functools.cache
+def bf16_dot_available() -> bool:
+    """Whether our bf16 dot-product kernels (`int8_linear_bf16`, `int4_linear_bf16`,
+    `bf16_linear`) can run here: built for AVX512, on a CPU with AVX512-BF16."""
+    return available() and bool(torch.ops.controlplane_cpu.bf16_dot_supported())
 
 
 def build_error() -> str:

@@ -28,7 +28,7 @@ HUGE_PAGE = 2 << 20
 _ALIGN = 64  # a cache line: each tensor starts on one
 
 # The buffers / attributes each module kind streams (a tied table is one tensor, moved once).
-STREAMED = {
+_STREAMED = {
     "Int4Linear": ("packed", "scales_and_zeros", "scales", "mins"),
     "Int8Linear": ("qweight", "scales"),
     "Int8Embedding": ("qweight", "scales"),
@@ -56,18 +56,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _moved(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, attribute) of each streamed tensor, in the order the modules are registered,
-    i.e. as a step reads them."""
+def streamed(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of each tensor place_weights moves, in the order the modules are
+    registered, i.e. as a step reads them (oneDNN's opaque packed weights are left out)."""
     found = []
     for module in model.modules():
-        kind = type(module).__name__
-        if kind == "PackedLinear" and module.kernel != "bf16_dot":
-            continue  # oneDNN's opaque weight
-        for name in STREAMED.get(kind, ()):
+        for name in _STREAMED.get(type(module).__name__, ()):
             t = getattr(module, name, None)
             if (
                 isinstance(t, torch.Tensor)
+                and not t.is_mkldnn
                 and t.device.type == "cpu"
                 and t.numel()
                 and t.is_contiguous()
@@ -80,16 +78,17 @@ def place_weights(model: nn.Module) -> int:
     """Move the streamed weights of a CPU `model` into one region on huge pages, in step order;
     returns the bytes moved (0: nothing to move). The results are the same bits; each old tensor
     is freed once its last holder has the new one (no second copy of the model at once)."""
-    entries = _moved(model)
+    entries = streamed(model)
     # A tensor is known by its address, dtype and shape while every one of them is alive: a
     # tied table (one tensor, two modules) gets one place.
     offsets: dict[tuple, int] = {}
     size = 0
     for module, name in entries:
-        key = _key(getattr(module, name))
-        if key not in offsets:
-            offsets[key] = size
-            size += -(-_nbytes(getattr(module, name)) // _ALIGN) * _ALIGN
+        t = getattr(module, name)
+        if _key(t) not in offsets:
+            offsets[_key(t)] = size
+            size += -(-_nbytes(t) // _ALIGN) * _ALIGN
+        del t  # no reference kept past this loop: each old tensor is freed once replaced
     if not size:
         return 0
     region = _huge_region(size)

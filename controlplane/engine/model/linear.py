@@ -156,11 +156,7 @@ def bf16_linear_available() -> bool:
     kernels built, a CPU with AVX512-BF16, and no AMX tiles. Where the CPU has tiles oneDNN's
     bf16 matmul multiplies in them (prompts many times VDPBF16PS's rate), and one user's 1.1B
     decode already read 85% of the memory's bandwidth through it (a 2-core Xeon)."""
-    return (
-        cpu_ops.available()
-        and bool(torch.ops.controlplane_cpu.bf16_dot_supported())
-        and not torch.cpu._is_amx_tile_supported()
-    )
+    return cpu_ops.bf16_dot_available() and not torch.cpu._is_amx_tile_supported()
 
 
 class PackedLinear(nn.Module):
@@ -169,7 +165,7 @@ class PackedLinear(nn.Module):
     which).
 
     Our kernel's layout is 64 outputs a block, all of K's bf16 pairs in turn: one sequential
-    stream a block, on 2 MB pages. Each output is one VDPBF16PS chain over K from zero, whatever
+    stream a block (on 2 MB pages once model/arena.py has placed it). Each output is one VDPBF16PS chain over K from zero, whatever
     the rows beside it (batch invariant, as oneDNN is not promised to be), within bf16 rounding
     of oneDNN's: a 1.1B Llama's linears measured 1.18-1.67x oneDNN's speed at one row, 1.01-1.10x
     at 4, 1.08-1.20x at 16-64 and 1.00-1.03x at 512 rows (2-core Zen 4, weights from memory)."""

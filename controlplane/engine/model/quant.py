@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from controlplane.engine import cpu_ops
+from controlplane.engine.cpu_ops import bf16_dot_available
 from controlplane.engine.model.linear import cpu_packing_supported, packed_matmul
 from controlplane.engine.settings import QUANTIZATIONS
 from controlplane.engine.types import MemoryUse
@@ -456,13 +457,6 @@ def _int4_probe(block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     scales = q.scales_and_zeros.to(torch.bfloat16)
     x = torch.randn(7, k, generator=gen).to(torch.bfloat16)
     return x, packed, scales, group
-
-
-@functools.cache
-def bf16_dot_available() -> bool:
-    """Whether our bf16 dot-product kernels (`int8_linear_bf16`, `int4_linear_bf16`) can run
-    here: built for AVX512, on a CPU with AVX512-BF16."""
-    return cpu_ops.available() and torch.ops.controlplane_cpu.bf16_dot_supported()
 
 
 @functools.cache
