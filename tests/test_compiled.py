@@ -102,6 +102,32 @@ def test_compiled_decode_calls_the_backends_graph_op(dtype, kv_dtype, hf_model_d
     assert compiled.runner.compiled.steps > 0
 
 
+def test_cpp_wrapper_gives_the_eager_tokens(hf_model_dirs, monkeypatch):
+    """engine.compile_cpp_wrapper: the step's graph is driven by a C++ wrapper that inductor
+    really built and loaded, and gives the eager tokens under preemption and prefix hits."""
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    loaded = []
+    load = CppWrapperCodeCache.load_pybinding
+
+    def spy(*args, **kwargs):
+        loaded.append(kwargs.get("device_type"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", spy)
+    kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", **MIXED_ENGINE)
+    eager = Engine(compile="off", **kw)
+    compiled = Engine(compile="on", compile_cpp_wrapper=True, **kw)
+    assert compiled.runner.compiled.cpp_wrapper
+    assert loaded and set(loaded) == {"cpu"}  # one wrapper a graph (1 row, 2..max rows)
+    prompts, params = mixed_workload(eager.model_config.vocab_size, 3, 12)
+    assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
+    assert compiled.runner.compiled.steps > 0
+    assert compiled.scheduler.num_preemptions > 0
+    with pytest.raises(InvalidSettingError, match="compile_cpp_wrapper"):
+        Engine(model="unused", compile_cpp_wrapper="yes")
+
+
 def test_compiled_decode_with_speculation_and_structured_output(hf_model_dirs):
     kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", max_num_seqs=8)
     eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)

@@ -63,9 +63,14 @@ WARM_UP_SWITCH_INTERVAL_S = 1e-4
 
 class CompiledDecode:
     def __init__(
-        self, model: CausalLM, attention_op: object = None, max_rows: int = MAX_ROWS
+        self,
+        model: CausalLM,
+        attention_op: object = None,
+        max_rows: int = MAX_ROWS,
+        cpp_wrapper: bool = False,
     ) -> None:
-        """`attention_op`: the engine's backend's graph_op (default: the Python custom op)."""
+        """`attention_op`: the engine's backend's graph_op (default: the Python custom op).
+        `cpp_wrapper`: the graph's calls made from C++ (engine.compile_cpp_wrapper)."""
         self.model = model
         if attention_op is not None:
             set_graph_attention(model, attention_op)
@@ -86,6 +91,12 @@ class CompiledDecode:
             "size_asserts": False,
             "guard_filter_fn": _input_guards_only,
         }
+        # The Python wrapper's buffer bookkeeping and ~150 op calls cost ~0.7 ms of SmolLM2's
+        # 10 ms one-row step (2-core Xeon, interleaved rounds); the C++ one takes longer to
+        # build. Not on CUDA: the CUDA graphs replay the step without either wrapper.
+        self.cpp_wrapper = cpp_wrapper
+        if cpp_wrapper:
+            options["cpp_wrapper"] = True
         forward = _own_code(self._forward)
         self._code = forward.__code__
         self._fn = torch.compile(forward, dynamic=True, fullgraph=True, options=options)
@@ -204,10 +215,11 @@ class CompiledDecode:
         self.warmup_s = time.perf_counter() - t0
         self.state = "ready"
         log.info(
-            "compiled the decode step (%d graphs: 1 row, and 2..%d rows as dynamic shapes) "
+            "compiled the decode step (%d graphs: 1 row, and 2..%d rows as dynamic shapes%s) "
             "in %.1fs; other steps run eagerly",
             self.num_graphs,
             self.max_rows,
+            ", C++ wrapper" if self.cpp_wrapper else "",
             self.warmup_s,
         )
 

@@ -93,7 +93,10 @@ class Engine:
         # thread (the pool's only user) once the warm-up is over.
         self._warm_up_block: list[int] = []
         if mode != "off":
-            self.runner.compiled = CompiledDecode(self.model, backend.graph_op())
+            cpp_wrapper = s.compile_cpp_wrapper and self.device.type == "cpu"
+            self.runner.compiled = CompiledDecode(
+                self.model, backend.graph_op(), cpp_wrapper=cpp_wrapper
+            )
         if mode == "start":
             self.runner.compiled.warm_up(self.runner.backend, self.device)
         elif mode == "background":
