@@ -188,10 +188,11 @@ class EngineSettings:
     )
     compile_cpp_wrapper: bool = _restart(
         "On a CPU, the compiled decode step's graph calls its kernels and ops from C++ "
-        "(inductor's cpp_wrapper) instead of from Python: SmolLM2's one-user step 10.1 -> 9.4 "
-        "ms on a 2-core Xeon (1.08x), but its first warm-up compiles the wrapper too (198 s "
-        "cold against 30 s with inductor's cache warm). Off by default; ignored on CUDA, "
-        "where CUDA graphs take that cost away.",
+        "(inductor's cpp_wrapper) instead of from Python: SmolLM2's one-user step 9.86 -> "
+        "9.15 ms on a 2-core Xeon (1.08x; one user 1.13-1.39x llama.cpp there, 0.98-1.13x "
+        "without), but its first warm-up compiles the wrapper too (198 s cold against 30 s "
+        "with inductor's cache warm). Off by default; ignored on CUDA, where CUDA graphs "
+        "take that cost away.",
         False,
     )
     cuda_graphs: str = _restart(
