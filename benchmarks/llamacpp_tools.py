@@ -27,7 +27,9 @@ What is measured (each figure the same way on both sides):
   together, N * (ntg - 1) / time from the last sequence's first token to the last token).
 
 The engine runs in its default configuration (quantization auto, dtype auto) with torch's
-threads set to `--threads`. Medians of `--repeats`; ratios are engine / llama.cpp. Figures to
+threads set to `--threads`. Medians of `--repeats`; ratios are engine / llama.cpp.
+`--paired-rounds N` then takes batch-1 decode again in N rounds, llama-bench's and every
+engine's in turn, each ratio from figures a minute apart (on a VM whose speed drifts). Figures to
 read, never timed assertions.
 """
 
@@ -160,24 +162,26 @@ class Engine:
         return len(outs) * (new_tokens - 1) / (end - start)
 
 
+# Fresh prompts for every run: a repeated prompt would be served from the prefix cache.
+_SEEDS = iter(range(1, 1_000_000))
+
+
+def _prompts(eng: Engine, n: int, length: int) -> list[list[int]]:
+    return [make_prompt(eng.llm, length, next(_SEEDS)) for _ in range(n)]
+
+
 def measure_engine(
-    model: str, config: str, args: argparse.Namespace, npl: list[int], lb: dict, lbb: dict
+    eng: Engine, config: str, args: argparse.Namespace, npl: list[int], lb: dict, lbb: dict
 ) -> list[dict[str, Any]]:
-    """The engine's rows, for one configuration (`config`: settings overrides)."""
-    eng = Engine(model, max(npl), parse_overrides(config))
+    """The engine's rows, for one configuration (`config`: its settings overrides)."""
     label = f" [{config}]" if config else ""
-    # Fresh prompts for every run: a repeated prompt would be served from the prefix cache.
-    seeds = iter(range(1, 1_000_000))
-
-    def prompts(n: int, length: int) -> list[list[int]]:
-        return [make_prompt(eng.llm, length, next(seeds)) for _ in range(n)]
-
-    eng.decode(prompts(1, 32), 8)  # warm-up
+    eng.decode(_prompts(eng, 1, 32), 8)  # warm-up
     reps = range(args.repeats)
-    pp = statistics.median(eng.prefill(prompts(1, args.pp)[0]) for _ in reps)
-    tg = statistics.median(eng.decode(prompts(1, 1), args.tg) for _ in reps)
+    pp = statistics.median(eng.prefill(_prompts(eng, 1, args.pp)[0]) for _ in reps)
+    tg = statistics.median(eng.decode(_prompts(eng, 1, 1), args.tg) for _ in reps)
     agg = {
-        n: statistics.median(eng.decode(prompts(n, args.npp), args.ntg) for _ in reps) for n in npl
+        n: statistics.median(eng.decode(_prompts(eng, n, args.npp), args.ntg) for _ in reps)
+        for n in npl
     }
     return [
         {
@@ -218,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         help="engine settings overrides, e.g. compile=on (repeat to compare configurations; "
         "default: one engine on its defaults)",
     )
+    p.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=0,
+        help="then batch-1 decode in this many rounds of llama-bench and every engine in turn "
+        "(for a machine whose speed drifts; keeps every engine in memory)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -232,16 +243,47 @@ def main(argv: list[str] | None = None) -> int:
     lbb = llama_batched(args.llama_bin, model, args.threads, args.npp, args.ntg, npl)
 
     rows: list[dict[str, Any]] = []
+    engines: dict[str, Engine] = {}
     for config in args.engine or [""]:
-        rows += measure_engine(model, config, args, npl, lb, lbb)
+        engines[config] = eng = Engine(model, max(npl), parse_overrides(config))
+        rows += measure_engine(eng, config, args, npl, lb, lbb)
+        if not args.paired_rounds:
+            del engines[config], eng  # one engine in memory at a time
     log("")
     log(f"{'figure':<60} {'llama.cpp':>10} {'engine':>10} {'ratio':>7}   (tok/s)")
     for r in rows:
         r["ratio"] = r["engine"] / r["llama_cpp"]
         log(f"{r['figure']:<60} {r['llama_cpp']:>10.1f} {r['engine']:>10.1f} {r['ratio']:>6.2f}x")
+    paired = paired_rounds(engines, args, model) if args.paired_rounds else []
     if args.json:
-        args.json.write_text(json.dumps({"model": model, "rows": rows}, indent=2) + "\n")
+        out = {"model": model, "rows": rows, "paired_batch1": paired}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
+
+
+def paired_rounds(engines: dict[str, Engine], args: argparse.Namespace, model: str) -> list[dict]:
+    """Batch-1 decode in rounds: llama-bench's tg, then each engine's, so that every ratio
+    compares figures taken a minute apart. On a VM whose speed drifts (a 2-core Xeon's step
+    read 10 and 20 ms two minutes apart), llama.cpp's one figure taken first is no fair
+    baseline for engines measured minutes later."""
+    log(f"\nbatch-1 decode of {args.tg} tokens in {args.paired_rounds} paired rounds (tok/s):")
+    rounds = []
+    for i in range(args.paired_rounds):
+        lc = llama_bench(args.llama_bin, model, args.threads, 0, args.tg, 2)["tg"]
+        got = {
+            config: statistics.median(eng.decode(_prompts(eng, 1, 1), args.tg) for _ in range(2))
+            for config, eng in engines.items()
+        }
+        rounds.append({"llama_cpp": lc, "engine": got})
+        cells = " | ".join(f"{c or 'defaults'} {v:.1f} ({v / lc:.2f}x)" for c, v in got.items())
+        log(f"round {i + 1}: llama.cpp {lc:.1f} | {cells}")
+    for config in engines:
+        ratios = [r["engine"][config] / r["llama_cpp"] for r in rounds]
+        log(
+            f"{config or 'defaults'}: median {statistics.median(ratios):.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)"
+        )
+    return rounds
 
 
 if __name__ == "__main__":
