@@ -500,7 +500,7 @@ def test_int4_bf16_dot_serves_where_the_cpu_has_avx512_bf16():
     has = "avx512_bf16" in flags.read_text().split()
     avx512 = quant._int4_layout() == (64, True)
     assert torch.ops.controlplane_cpu.bf16_dot_supported() == (has and avx512)
-    assert quant.bf16_dot_available() == quant.int4_bf16_dot_available() == (has and avx512)
+    assert cpu_ops.bf16_dot_available() == quant.int4_bf16_dot_available() == (has and avx512)
 
 
 @needs_bf16_dot
@@ -650,11 +650,11 @@ def test_bf16_dot_follows_its_setting(tiny_model_dir, caplog):
     on, off, on_log, off_log = _on_and_off(caplog, kw, bf16_dot=False)  # on by default
     # The start-up log says which kernels serve.
     said = "bf16 dot products" in on_log
-    assert said == quant.bf16_dot_available() and "bf16 dot products" not in off_log
+    assert said == cpu_ops.bf16_dot_available() and "bf16 dot products" not in off_log
     int4 = [m for m in on.model.modules() if isinstance(m, quant.Int4Linear)]
     assert int4 and all(m.bf16_dot == quant.int4_bf16_dot_available() for m in int4)
     assert isinstance(on.model.lm_head, quant.Int8Linear)
-    assert on.model.lm_head.bf16_dot == quant.bf16_dot_available()
+    assert on.model.lm_head.bf16_dot == cpu_ops.bf16_dot_available()
     kinds = (quant.Int4Linear, quant.Int8Linear)
     assert not any(m.bf16_dot for m in off.model.modules() if isinstance(m, kinds))
     if cpu_ops.available():  # and the decode attention kernel (cpu_attention)

@@ -85,8 +85,9 @@ def place_weights(model: nn.Module) -> int:
     size = 0
     for module, name in entries:
         t = getattr(module, name)
-        if _key(t) not in offsets:
-            offsets[_key(t)] = size
+        key = _key(t)
+        if key not in offsets:
+            offsets[key] = size
             size += -(-_nbytes(t) // _ALIGN) * _ALIGN
         del t  # no reference kept past this loop: each old tensor is freed once replaced
     if not size:

@@ -165,7 +165,8 @@ class PackedLinear(nn.Module):
     which).
 
     Our kernel's layout is 64 outputs a block, all of K's bf16 pairs in turn: one sequential
-    stream a block (on 2 MB pages once model/arena.py has placed it). Each output is one VDPBF16PS chain over K from zero, whatever
+    stream a block (on 2 MB pages once model/arena.py has placed it). Each output is one
+    VDPBF16PS chain over K from zero, whatever
     the rows beside it (batch invariant, as oneDNN is not promised to be), within bf16 rounding
     of oneDNN's: a 1.1B Llama's linears measured 1.18-1.67x oneDNN's speed at one row, 1.01-1.10x
     at 4, 1.08-1.20x at 16-64 and 1.00-1.03x at 512 rows (2-core Zen 4, weights from memory)."""

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from controlplane.engine import cpu_ops
-from controlplane.engine.cpu_ops import bf16_dot_available
 from controlplane.engine.model.linear import cpu_packing_supported, packed_matmul
 from controlplane.engine.settings import QUANTIZATIONS
 from controlplane.engine.types import MemoryUse
@@ -178,7 +177,7 @@ class Int8Linear(nn.Module):
         self.kernel = kernel or _int8_kernel(device, self.in_features)
         ours = self.kernel in ("int8_cpu", "w8a8_cpu")
         # bf16 activations through VDPBF16PS where the CPU has it (int8_linear_bf16).
-        self.bf16_dot = bf16_dot and self.kernel == "int8_cpu" and bf16_dot_available()
+        self.bf16_dot = bf16_dot and self.kernel == "int8_cpu" and cpu_ops.bf16_dot_available()
         # Ours takes the model's activations as they are (float32 sums either way).
         keep = ours or self.kernel == "dequant"
         self.act_dtype = dtype if keep else kernel_dtype(device, dtype)
@@ -465,7 +464,7 @@ def int4_bf16_dot_available() -> bool:
     AVX512-BF16, and its results within bf16 rounding of torch's kernel (checked once per
     process, on the weight `_int4_layout` checks)."""
     layout = _int4_layout()
-    if layout is None or layout[0] != 64 or not bf16_dot_available():
+    if layout is None or layout[0] != 64 or not cpu_ops.bf16_dot_available():
         return False
     return _int4_bf16_agrees_with_torch(layout, amx=False)
 
