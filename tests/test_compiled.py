@@ -103,8 +103,9 @@ def test_compiled_decode_calls_the_backends_graph_op(dtype, kv_dtype, hf_model_d
 
 
 def test_cpp_wrapper_gives_the_eager_tokens(hf_model_dirs, monkeypatch):
-    """engine.compile_cpp_wrapper: the step's graph is driven by a C++ wrapper that inductor
-    really built and loaded, and gives the eager tokens under preemption and prefix hits."""
+    """engine.compile_cpp_wrapper = on: the step's graph is driven by a C++ wrapper that
+    inductor really built and loaded, and gives the eager tokens under preemption and prefix
+    hits."""
     from torch._inductor.codecache import CppWrapperCodeCache
 
     loaded = []
@@ -117,15 +118,16 @@ def test_cpp_wrapper_gives_the_eager_tokens(hf_model_dirs, monkeypatch):
     monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", spy)
     kw = dict(model=str(hf_model_dirs["llama"]), dtype="float32", **MIXED_ENGINE)
     eager = Engine(compile="off", **kw)
-    compiled = Engine(compile="on", compile_cpp_wrapper=True, **kw)
+    compiled = Engine(compile="on", compile_cpp_wrapper="on", **kw)
     assert compiled.runner.compiled.cpp_wrapper
     assert loaded and set(loaded) == {"cpu"}  # one wrapper a graph (1 row, 2..max rows)
     prompts, params = mixed_workload(eager.model_config.vocab_size, 3, 12)
     assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
     assert compiled.runner.compiled.steps > 0
     assert compiled.scheduler.num_preemptions > 0
-    with pytest.raises(InvalidSettingError, match="compile_cpp_wrapper"):
-        Engine(model="unused", compile_cpp_wrapper="yes")
+    for wrong in ("yes", True):  # a bool from an older config file is named, not coerced
+        with pytest.raises(InvalidSettingError, match="compile_cpp_wrapper.*auto, on, off"):
+            Engine(model="unused", compile_cpp_wrapper=wrong)
 
 
 def test_compiled_decode_with_speculation_and_structured_output(hf_model_dirs):
@@ -232,6 +234,7 @@ def test_background_warm_up_serves_eagerly_then_takes_over(hf_model_dirs, monkey
     interval = sys.getswitchinterval()
     eng = Engine(compile="auto", long_running=True, **kw)
     assert eng.compile_state == "warming"
+    assert eng.runner.compiled.cpp_wrapper  # compile_cpp_wrapper = auto: C++ in the background
     assert eng.block_pool.num_used == 1  # held for the warm-up's dummy K/V
     assert run_to_end(eng, prompts, params) == want  # served while warming: eagerly
     assert eng.compile_state == "warming" and eng.runner.compiled.steps == 0
@@ -256,6 +259,7 @@ def test_a_recompile_on_the_step_thread_runs_eagerly(hf_model_dirs):
     eng = Engine(model=str(hf_model_dirs["llama"]), dtype="float32", compile="on", max_num_seqs=4)
     compiled, backend = eng.runner.compiled, eng.runner.backend
     assert compiled.num_graphs == 2
+    assert not compiled.cpp_wrapper  # compile_cpp_wrapper = auto: not under compile = on
     block = eng.block_pool.allocate(1)
     out: dict[str, torch.Tensor] = {}
 

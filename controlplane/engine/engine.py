@@ -93,7 +93,10 @@ class Engine:
         # thread (the pool's only user) once the warm-up is over.
         self._warm_up_block: list[int] = []
         if mode != "off":
-            cpp_wrapper = s.compile_cpp_wrapper and self.device.type == "cpu"
+            cpp_wrapper = self.device.type == "cpu" and (
+                s.compile_cpp_wrapper == "on"
+                or (s.compile_cpp_wrapper == "auto" and mode == "background")
+            )
             self.runner.compiled = CompiledDecode(
                 self.model, backend.graph_op(), cpp_wrapper=cpp_wrapper
             )

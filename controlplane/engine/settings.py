@@ -57,6 +57,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": DEVICES,
     "quantization": QUANTIZATIONS,
     "compile": COMPILE_MODES,
+    "compile_cpp_wrapper": COMPILE_MODES,
     "cuda_graphs": CUDA_GRAPH_MODES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
@@ -186,14 +187,16 @@ class EngineSettings:
         "Later steps never compile.",
         "auto",
     )
-    compile_cpp_wrapper: bool = _restart(
+    compile_cpp_wrapper: str = _restart(
         "On a CPU, the compiled decode step's graph calls its kernels and ops from C++ "
-        "(inductor's cpp_wrapper) instead of from Python: SmolLM2's one-user step 9.86 -> "
-        "9.15 ms on a 2-core Xeon (1.08x; one user 1.13-1.39x llama.cpp there, 0.98-1.13x "
-        "without), but its first warm-up compiles the wrapper too (198 s cold against 30 s "
-        "with inductor's cache warm). Off by default; ignored on CUDA, where CUDA graphs "
-        "take that cost away.",
-        False,
+        "(inductor's cpp_wrapper) instead of from Python: one user's step 1.08x faster on a "
+        "2-core Xeon, 1.12x on a 2-core Zen 5 (SmolLM2 one user 1.45x llama.cpp there, 1.29x "
+        "without), but its first warm-up also builds the wrapper (99-198 s cold against "
+        "23-30 s; later starts read inductor's cache). auto (the C++ wrapper where the step "
+        "compiles in the background, the daemon's default on a CPU, which serves eagerly "
+        "meanwhile; not under compile = on, whose warm-up delays serving), on, or off. "
+        "Ignored on CUDA, where CUDA graphs take that cost away.",
+        "auto",
     )
     cuda_graphs: str = _restart(
         "CUDA graphs for decode steps: auto (captured once at start on CUDA when "
@@ -345,7 +348,7 @@ def check(settings: EngineSettings) -> EngineSettings:
         )
     _bool("quantize_lm_head", s.quantize_lm_head)
     _one_of(s, "compile")
-    _bool("compile_cpp_wrapper", s.compile_cpp_wrapper)
+    _one_of(s, "compile_cpp_wrapper")
     _bool("quantize_activations", s.quantize_activations)
     _one_of(s, "cuda_graphs")
     _ranged(s, "cuda_graph_max_rows")
