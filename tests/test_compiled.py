@@ -126,7 +126,7 @@ def test_cpp_wrapper_gives_the_eager_tokens(hf_model_dirs, monkeypatch):
     assert compiled.runner.compiled.steps > 0
     assert compiled.scheduler.num_preemptions > 0
     for wrong in ("yes", True):  # a bool from an older config file is named, not coerced
-        with pytest.raises(InvalidSettingError, match="compile_cpp_wrapper.*auto, on, off"):
+        with pytest.raises(InvalidSettingError, match=r"compile_cpp_wrapper.*auto, on, off"):
             Engine(model="unused", compile_cpp_wrapper=wrong)
 
 
