@@ -190,9 +190,10 @@ class EngineSettings:
     compile_cpp_wrapper: str = _restart(
         "On a CPU, the compiled decode step's graph calls its kernels and ops from C++ "
         "(inductor's cpp_wrapper) instead of from Python: one user's step 1.08x faster on a "
-        "2-core Xeon, 1.12x on a 2-core Zen 5 (SmolLM2 one user 1.45x llama.cpp there, 1.29x "
-        "without), but its first warm-up also builds the wrapper (99-198 s cold against "
-        "23-30 s; later starts read inductor's cache). auto (the C++ wrapper where the step "
+        "2-core Xeon, 1.12-1.14x on a 2-core Zen 5 (SmolLM2 one user 1.39-1.45x llama.cpp "
+        "there, 1.22-1.29x without), but its first warm-up also builds the wrapper (100-198 s "
+        "cold against 53-162 s; 12-30 s either way once inductor's cache is warm). auto (the "
+        "C++ wrapper where the step "
         "compiles in the background, the daemon's default on a CPU, which serves eagerly "
         "meanwhile; not under compile = on, whose warm-up delays serving), on, or off. "
         "Ignored on CUDA, where CUDA graphs take that cost away.",
