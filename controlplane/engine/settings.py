@@ -193,10 +193,9 @@ class EngineSettings:
         "2-core Xeon, 1.12-1.14x on a 2-core Zen 5 (SmolLM2 one user 1.39-1.45x llama.cpp "
         "there, 1.22-1.29x without), but its first warm-up also builds the wrapper (100-198 s "
         "cold against 53-162 s; 12-30 s either way once inductor's cache is warm). auto (the "
-        "C++ wrapper where the step "
-        "compiles in the background, the daemon's default on a CPU, which serves eagerly "
-        "meanwhile; not under compile = on, whose warm-up delays serving), on, or off. "
-        "Ignored on CUDA, where CUDA graphs take that cost away.",
+        "C++ wrapper where the step compiles in the background, the daemon's default on a "
+        "CPU, which serves eagerly meanwhile; not under compile = on, whose warm-up delays "
+        "serving), on, or off. Ignored on CUDA, where CUDA graphs take that cost away.",
         "auto",
     )
     cuda_graphs: str = _restart(
