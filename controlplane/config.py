@@ -757,3 +757,16 @@ def default_model(cfg: Config) -> str:
         SMOLLM2_INSTALL,
     )
     return str(write_demo_model(path, size="small"))
+
+
+def served_model_name_of(cfg: Config) -> str:
+    """The name the model is served under, known before it loads: `server.model_name`, else
+    derived from `engine.model` (or from what an empty one serves, as `default_model` picks it,
+    without writing the demo model). The metrics carry it from the start: a placeholder while
+    the model loads would list a phantom model in every dashboard's Model dropdown."""
+    from controlplane.engine.gguf.known import SMOLLM2_ALIAS, served_model_name, smollm2_path
+
+    if cfg.server.model_name:
+        return cfg.server.model_name
+    model = cfg.engine.model or (SMOLLM2_ALIAS if smollm2_path() else demo_model_path(cfg))
+    return served_model_name(model)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from controlplane.config import Config, default_model
+from controlplane.config import Config, default_model, served_model_name_of
 from controlplane.http.auth import AdminAuth, resolve_tokens
 from controlplane.runtime.config_file import ConfigFile
 from controlplane.runtime.live_config import FieldChange, LiveConfig
@@ -79,7 +79,8 @@ class Daemon:
         env = dict(os.environ if env is None else env)
         live = LiveConfig(cfg, file_raw or {}, env)
         tokens, token_file = resolve_tokens(cfg, env)
-        self.runtime = Runtime(live, instance_id(cfg), AdminAuth(tokens), cfg.server.model_name)
+        # The served name from the start: the metrics carry it while the model loads.
+        self.runtime = Runtime(live, instance_id(cfg), AdminAuth(tokens), served_model_name_of(cfg))
         from controlplane.autopilot.runner import Autopilot
 
         self.runtime.autopilot = Autopilot(self.runtime)

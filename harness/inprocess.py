@@ -47,11 +47,19 @@ class InProcessDaemon:
 
         self.exit_code = self.loop.run_until_complete(main())
 
-    def start(self, timeout: float = 120) -> InProcessDaemon:
+    def start(self, timeout: float = 120, wait_ready: bool = True) -> InProcessDaemon:
+        """Start and wait until the model has loaded; `wait_ready=False`: only until the HTTP
+        server listens (the model may still be loading)."""
         self._thread.start()
         self._started.wait(timeout)
         deadline = time.monotonic() + timeout
-        while self.daemon is None or not self.daemon.ready.is_set():
+
+        def waiting() -> bool:
+            if self.daemon is None:
+                return True
+            return not self.daemon.ready.is_set() if wait_ready else not self.daemon.url
+
+        while waiting():
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("in-process daemon did not become ready")
             time.sleep(0.02)
