@@ -13,7 +13,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.css.query import NoMatches
-from textual.widgets import DataTable, Footer, Input
+from textual.widgets import DataTable, Footer, Input, Static
 
 from controlplane.client.admin import AdminClient, APIError, ClientError
 from controlplane.tui.commands import CommandError
@@ -97,10 +97,16 @@ class PromptInput(Input):
     """The one-line prompt under the panels: `/` filters the requests table as you type, `:`
     runs a command on Enter; Escape closes it (a filter edit is undone)."""
 
-    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "cancel", "Close", show=False)]
+    # Shown in the footer while the prompt is open: the way out, not the dashboard's keys.
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "cancel", "Close")]
 
     def action_cancel(self) -> None:
         self.app.close_prompt(cancel=True)  # type: ignore[attr-defined]
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        # Textual finds no character for the key named "slash", so the footer went on offering
+        # `/ Filter` while `/` was being typed into the prompt.
+        return key == "slash" or super().check_consume_key(key, character)
 
 
 class _Gone:
@@ -213,7 +219,11 @@ class DashboardApp(App[None]):
                 yield KVPanel("KV cache", id="kv")
                 yield LatencyPanel("Latency", id="latency")
                 yield CostPanel("Cost", id="cost")
-        yield PromptInput(id="prompt", classes="-hidden")
+        # The prompt's row, between the panels and the footer while open: the mode (`:` or
+        # `/`), then what is typed, as in vi or less.
+        with Horizontal(id="prompt-bar", classes="-hidden"):
+            yield Static(id="prompt-mode")
+            yield PromptInput(id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -660,18 +670,18 @@ class DashboardApp(App[None]):
         prompt.placeholder = (
             "filter: key:NAME user:NAME state:waiting or any word (enter keeps, esc undoes)"
             if mode == "filter"
-            else "command: drain, resume, tune, abort-key KEY, suspend KEY, cost 10m, save, help"
+            else "drain, resume, tune, abort-key KEY, suspend KEY, cost 10m, save, help (enter)"
         )
         prompt.value = value
-        prompt.remove_class("-hidden")
+        self.query_one("#prompt-mode", Static).update("/" if mode == "filter" else ":")
+        self.query_one("#prompt-bar").remove_class("-hidden")
         prompt.focus()
 
     def close_prompt(self, cancel: bool = False) -> None:
         if cancel and self.prompt_mode == "filter":
             self.w(RequestsTable).set_filter(self._filter_before)
         self.prompt_mode = ""
-        prompt = self.query_one("#prompt", PromptInput)
-        prompt.add_class("-hidden")
+        self.query_one("#prompt-bar").add_class("-hidden")
         self.w(RequestsTable).focus()
 
     def action_filter(self) -> None:
