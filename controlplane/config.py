@@ -48,6 +48,18 @@ class ServerSettings:
     max_choices_share: float = 0.5
     # On SIGTERM/SIGINT: how long running requests may finish before they are aborted.
     drain_timeout_s: float = 30.0
+    # A start not ready this many seconds after the daemon began (a model load or a CPU kernel
+    # build that cannot finish) is reported `dead` by /health and /health/live and the daemon
+    # exits with status 1, so an orchestrator restarts it; 0: no deadline. It must cover a cold
+    # kernel build (and kernel_build_wait_s) plus the model's load on the slowest host: too
+    # short, and a slow start is killed and begins again; too long, and a stuck one waits.
+    start_timeout_s: float = 1800.0
+    # How long a start waits for another live process's build of the CPU kernels (daemons
+    # starting at once on one host share TORCH_EXTENSIONS_DIR) before it serves on torch's
+    # slower kernels, with a warning and /admin/stats `cpu_kernels`; a build lock whose process
+    # died is removed at once, whatever this is. Longer waits out a slow build; shorter serves
+    # sooner, slower until the next restart.
+    kernel_build_wait_s: float = 300.0
     log_format: str = "text"  # text | json
     log_level: str = "info"
     # One log line per finished request (logger controlplane.access, at info).
@@ -280,6 +292,8 @@ RANGES: dict[str, Range] = {
     "server.max_n": Range(1, MAX_N),
     "server.max_choices_share": Range(0.01, 1),
     "server.drain_timeout_s": Range(0, MAX_INTERVAL_S),
+    "server.start_timeout_s": Range(0, MAX_INTERVAL_S),
+    "server.kernel_build_wait_s": Range(0, MAX_INTERVAL_S),
     # The range GET /admin/events accepts for its `interval` (the default must be one).
     "server.events_interval_s": Range(0.1, 60),
     "server.config_watch_interval_s": Range(0.05, MAX_INTERVAL_S),

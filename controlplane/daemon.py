@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -30,6 +31,7 @@ from controlplane.http.auth import AdminAuth, resolve_tokens
 from controlplane.runtime.config_file import ConfigFile
 from controlplane.runtime.live_config import FieldChange, LiveConfig
 from controlplane.runtime.runtime import Runtime
+from controlplane.runtime.start import DEADLINE, LoadThread, StartStopped, exit_now, time_left
 from controlplane.runtime.state import DaemonState
 from controlplane.telemetry.metrics import Metrics
 
@@ -40,6 +42,13 @@ if TYPE_CHECKING:
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")
+
+# A start stopped while the model loads (SIGTERM, or server.start_timeout_s): how long the
+# daemon waits for a CPU kernel build in progress to stop (ninja and its compilers get SIGTERM,
+# torch removes its lock) before it exits anyway; and, past the deadline, how long /health and
+# /health/live answer `dead` before the exit (a probe or curl in flight sees why).
+STOP_BUILD_WAIT_S = 10.0
+DEAD_REPORT_S = 1.0
 
 
 class _Server(uvicorn.Server):
@@ -106,6 +115,7 @@ class Daemon:
         self.jobs: Jobs | None = None  # once the engine is ready
         self.fleet: FleetMember | None = None  # this daemon's fleet row, once listening
         self._tasks: set[asyncio.Task] = set()  # reloads started by SIGHUP (kept referenced)
+        self._stop_loading = threading.Event()  # abandons a CPU kernel build (cpu_ops)
         live.subscribe(self._on_config_change)
 
     # Read-only views of the runtime, for the CLI and tests.
@@ -273,8 +283,13 @@ class Daemon:
             log.error("restart: could not audit the dropped live values: %s", exc)
 
     def _load_engine(self) -> AsyncEngine:
-        from controlplane.engine import AsyncEngine, Engine
+        from controlplane.engine import AsyncEngine, Engine, cpu_ops
         from controlplane.engine.gguf.known import served_model_name
+
+        # A build of the CPU kernels waits this long for another process's; a stopped start
+        # abandons it. /admin/stats reports what came of it (cpu_kernels).
+        cpu_ops.configure(self.cfg.server.kernel_build_wait_s, self._stop_loading)
+        self.runtime.cpu_kernels = cpu_ops.state
 
         settings = self.cfg.engine
         if not settings.model:  # SmolLM2 if installed, else the generated demo model
@@ -323,8 +338,15 @@ class Daemon:
         self.fleet = FleetMember(self.runtime, self.advertise_url())
         await self.fleet.beat_now()  # registers (state loading); never stops the start
         background.append(asyncio.create_task(self.fleet.run_forever()))
+        load = LoadThread(self._load_engine)
         try:
-            self.runtime.engine.aengine = await asyncio.to_thread(self._load_engine)
+            timeout = time_left(self.cfg.server.start_timeout_s, self.runtime.started_at)
+            self.runtime.engine.aengine = await load.result(self._shutdown, timeout)
+        except StartStopped as stopped:
+            code = await self._abandon_start(stopped.reason, server, server_task)
+            if load.running and self.install_signals:  # this process is the daemon's own
+                exit_now(code)
+            return code
         except Exception as exc:
             log.error("model failed to load: %s", exc)
             self.runtime.state = DaemonState.DEAD
@@ -368,6 +390,40 @@ class Daemon:
             task.cancel()
         await self._stop(server, server_task)
         return 0
+
+    async def _abandon_start(self, reason: str, server: _Server, server_task: asyncio.Task) -> int:
+        """The model was still loading at SIGTERM (exit 0) or at the start deadline (`dead`,
+        exit 1): stop a kernel build in progress, so that no lock is left, then stop."""
+        code = 0
+        if reason == DEADLINE:
+            limit = self.cfg.server.start_timeout_s
+            log.error(
+                "start: not ready within server.start_timeout_s = %g s (the model is still "
+                "loading); reporting dead and exiting with status 1",
+                limit,
+                extra={"event": "dead"},
+            )
+            self.runtime.state = DaemonState.DEAD
+            self.runtime.events.broadcast({"type": "state", "state": DaemonState.DEAD})
+            code = 1
+        else:
+            log.info("start: stopped while the model was loading")
+        self._stop_loading.set()
+        if not await asyncio.to_thread(self._wait_build_stopped):
+            log.error(
+                "the CPU kernel build did not stop within %g s; exiting anyway",
+                STOP_BUILD_WAIT_S,
+            )
+        if reason == DEADLINE:
+            await asyncio.sleep(DEAD_REPORT_S)
+        await self._stop(server, server_task)
+        return code
+
+    @staticmethod
+    def _wait_build_stopped() -> bool:
+        from controlplane.engine import cpu_ops
+
+        return cpu_ops.wait_idle(STOP_BUILD_WAIT_S)
 
     def request_shutdown(self, reason: str = "request") -> None:
         if not self._shutdown.is_set():

@@ -14,15 +14,29 @@ per source and flags (their hash is in the name): the first build takes 45-55 s 
 later process loads the cached library in well under a second. Building needs a C++
 compiler and ninja, which `engine.compile` needs too; without them `available()` is False
 and the callers keep torch's kernels.
+
+torch's builder takes a `lock` file in the build directory and makes every other process wait
+for it with no timeout, even when the process that took it is long dead. So a builder here also
+holds an advisory `flock` on `lock.owner` beside it for the whole build, which the kernel drops
+when that process dies (SIGKILL included): a `lock` with no live holder of `lock.owner` is
+stale and removed at once; a live one is waited for at most `configure(lock_wait_s=...)`
+(server.kernel_build_wait_s), then this process keeps torch's kernels (`state()` says why). The
+`stop` event of `configure` abandons a build in progress (the daemon sets it on SIGTERM or at
+its start deadline): ninja gets SIGTERM, stops its compilers, and torch removes its lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
+import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,8 +60,35 @@ HEADERS = tuple(
     for name in ("prefetch.h", "tiles.h", "bf16_dot.h", "int4_common.h")
 )
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "error": str once tried
+# How long a process waits for another live process's build of the same kernels (two daemons
+# starting at once on one host) before it keeps torch's kernels; the daemon sets it from
+# server.kernel_build_wait_s. A cold build takes about a minute on 2 cores.
+LOCK_WAIT_S = 300.0
+LOCK_LOG_EVERY_S = 10.0  # the "waiting for the kernel build lock" line, repeated this often
+OWNER_FILE = "lock.owner"  # beside torch's `lock`: flocked by the process that builds
+POLL_S = 0.1  # how often a wait for the lock, or a build, looks at the stop event
+
+_lock = threading.Lock()  # held for the whole first `available()`: the build, or the wait
+_state: dict[str, object] = {}  # "ok": bool, "error": str, "state": str once tried
+_settings: dict[str, object] = {"lock_wait_s": LOCK_WAIT_S, "stop": threading.Event()}
+
+
+class _Stopped(Exception):
+    """The stop event was set: the build (or the wait for another one) was abandoned."""
+
+
+class _LockHeld(Exception):
+    """A live process held the build lock for longer than the wait allows."""
+
+
+def configure(lock_wait_s: float | None = None, stop: threading.Event | None = None) -> None:
+    """Before the first `available()`: how long to wait for another live process's build
+    (seconds), and an event that, once set, abandons a build or a wait in progress (and any
+    later one), leaving no lock behind."""
+    if lock_wait_s is not None:
+        _settings["lock_wait_s"] = float(lock_wait_s)
+    if stop is not None:
+        _settings["stop"] = stop
 
 
 def available() -> bool:
@@ -56,6 +97,25 @@ def available() -> bool:
         if "ok" not in _state:
             _state["ok"] = _build()
         return bool(_state["ok"])
+
+
+def wait_idle(timeout: float) -> bool:
+    """Wait up to `timeout` seconds for a build (or a wait for one) in progress to end: after
+    the stop event is set, the daemon waits here so that it exits with no lock left. True
+    when none is in progress any more."""
+    if not _lock.acquire(timeout=max(0.0, timeout)):
+        return False
+    _lock.release()
+    return True
+
+
+def state() -> dict[str, str]:
+    """What this process's kernels are, for /admin/stats: `state` is `unused` (never asked
+    for: not on a CPU, or not yet), `building` (or loading the cached build), `waiting` (for
+    another process's build), `ready`, `failed` (no compiler or ninja, a build error),
+    `lock_timeout` (another live process was building them for longer than the wait), or
+    `stopped` (the start was stopped during the build); `reason` says why (build_error)."""
+    return {"state": str(_state.get("state", "unused")), "reason": build_error()}
 
 
 @functools.cache
@@ -96,24 +156,30 @@ def build_spec() -> tuple[str, list[str]]:
 
 
 def _build() -> bool:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     started = time.perf_counter()
+    _state["state"] = "building"
+    stop = _settings["stop"]
+    assert isinstance(stop, threading.Event)
     try:
         name, flags = build_spec()
-        _clear_stale_lock(name)
-        load(
-            name,
-            [str(source) for source in SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir = Path(_get_build_directory(name, False))
+        with _owner(build_dir, stop), _stoppable(stop):
+            load(
+                name,
+                [str(source) for source in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+    except _LockHeld as exc:
+        return _fail("lock_timeout", str(exc))
     except Exception as exc:  # no compiler or ninja, a build error: keep torch's kernels
-        _state["error"] = f"{type(exc).__name__}: {exc}".strip()[:2000]
-        log.warning("CPU kernels not built (%s); using torch's kernels", _state["error"][:300])
-        return False
+        if stop.is_set():
+            return _fail("stopped", "the start was stopped during the kernel build")
+        return _fail("failed", f"{type(exc).__name__}: {exc}".strip()[:2000])
     ops = torch.ops.controlplane_cpu
     if not all(
         hasattr(ops, op)
@@ -134,9 +200,9 @@ def _build() -> bool:
             "bf16_pack_weight",
         )
     ):
-        _state["error"] = "the library loaded without its ops"
-        return False
+        return _fail("failed", "the library loaded without its ops")
     _register_fakes()
+    _state["state"] = "ready"
     log.info(
         "CPU kernels (%s, %s) ready in %.1f s", name, " ".join(flags), time.perf_counter() - started
     )
@@ -187,20 +253,97 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-# A build takes under a minute; a lock this much older was left by a process killed mid-build.
-STALE_LOCK_S = 600.0
+def _fail(state: str, error: str) -> bool:
+    _state["state"], _state["error"] = state, error
+    log.warning("CPU kernels not built (%s); using torch's kernels", error[:300])
+    return False
 
 
-def _clear_stale_lock(name: str) -> None:
-    """torch's builder waits, forever, for the lock file of a build in progress: a daemon killed
-    during its first build would leave every later start waiting. An old lock is removed."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(name, False)) / "lock"
+@contextlib.contextmanager
+def _owner(build_dir: Path, stop: threading.Event) -> Iterator[None]:
+    """Hold `lock.owner`'s flock (waiting for a live holder at most lock_wait_s), and remove a
+    torch `lock` that no live process owns: every builder holds that flock for its whole
+    build, so once it is ours, a `lock` there was left by a process that died mid-build."""
+    lock = build_dir / "lock"
+    fd = os.open(build_dir / OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age)
-        lock.unlink(missing_ok=True)
+        wait_s = float(_settings["lock_wait_s"])  # type: ignore[arg-type]
+        started = time.monotonic()
+        logged = -LOCK_LOG_EVERY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            waited = time.monotonic() - started
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if waited >= wait_s:
+                raise _LockHeld(
+                    f"the kernel build lock {lock} was held by a live build (pid {holder}) for "
+                    f"{waited:.0f} s, longer than the wait allows (server.kernel_build_wait_s = "
+                    f"{wait_s:g} s)"
+                )
+            if waited - logged >= LOCK_LOG_EVERY_S:
+                _state["state"] = "waiting"
+                log.warning(
+                    "waiting for the kernel build lock %s (pid %s is building; up to %.0f s more)",
+                    lock,
+                    holder,
+                    wait_s - waited,
+                )
+                logged = waited
+            if stop.wait(POLL_S):
+                raise _Stopped()
+        if stop.is_set():
+            raise _Stopped()
+        _state["state"] = "building"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the builder to a waiter's log
+        if lock.exists():
+            log.warning(
+                "removing %s, left by a build that never finished (no live process owns it)", lock
+            )
+            lock.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # drops the flock
+
+
+@contextlib.contextmanager
+def _stoppable(stop: threading.Event) -> Iterator[None]:
+    """While torch builds: once `stop` is set, SIGTERM this process's ninja (torch runs it as a
+    child), which stops its compilers and exits; torch's load then raises and removes its
+    lock on the way out (FileBaton.release in a finally)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(POLL_S):
+            if stop.is_set():
+                _signal_children("ninja", signal.SIGTERM)
+
+    watcher = threading.Thread(target=watch, name="kernel-build-stop", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _signal_children(command: str, sig: int) -> None:
+    """Send `sig` to this process's children named `command` (read from /proc: Linux)."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split at the last.
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == me and comm == command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), sig)

@@ -116,6 +116,8 @@ class Runtime:
         # dropped ({"field", "live", "file"}: controlplane.runtime.persist).
         self.config_path: Path | None = None
         self.dropped_at_restart: list[dict[str, Any]] = []
+        # The CPU kernels' state for /admin/stats (cpu_ops.state; set by the daemon's load).
+        self.cpu_kernels: Callable[[], dict[str, str]] | None = None
 
     @property
     def metrics_prefix(self) -> str:
@@ -259,6 +261,7 @@ class Runtime:
             max_queue_len=self.cfg.server.max_queue_len,
             memory=self.engine.memory(),
             compiled_step=self.engine.compile_state(),
+            cpu_kernels=self.cpu_kernels() if self.cpu_kernels is not None else None,
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
         self._incident_signals(body, now, recent)
