@@ -321,10 +321,10 @@ def test_grafana_dashboard_queries_series_the_daemon_exposes(daemon, served) -> 
     ):
         assert P + name in seen, name
     # Cost comes from the store (hourly rollups by model and key), not from /metrics: the SQL
-    # panels read columns cost_rollups has.
+    # panels read the view over cost_rollups (migration 0012), summed columns of the same names.
     assert sql
     columns = set(CostRollupRow.__table__.columns.keys())
     for query in sql:
-        assert "FROM cost_rollups" in query
+        assert "FROM hourly_cost_by_model_key" in query
         used = set(re.findall(r"\b[a-z_]+(?:_usd|_tokens|_bucket|_name)\b", query))
         assert used and used <= columns, used - columns
