@@ -91,8 +91,12 @@ def test_config_reference_names_every_field_and_environment_variable(site):
     for table in tables:
         title, _, body = table.partition("\n")
         name = "" if title == "Top level" else title.strip("[]")
-        keys = re.findall(r"^\| <code>([^<]+)</code> \|", body, re.M)
-        found[name] = {html.unescape(key) for key in keys}
+        keys = re.findall(r"^### <code>([^<]+)</code> \{ #([^ ]+) \}$", body, re.M)
+        found[name] = {html.unescape(key) for key, _ in keys}
+        # Each key's anchor is its dotted name, unique on the page.
+        assert [a for _, a in keys] == [
+            f"{name}.{html.unescape(k)}" if name else html.unescape(k) for k, _ in keys
+        ]
     assert found == model_sections()
     built = text_of(site / "config-reference" / "index.html")
     for name in config.env_names():
@@ -100,6 +104,27 @@ def test_config_reference_names_every_field_and_environment_variable(site):
     for section, keys in model_sections().items():
         for key in keys:
             assert key in built, f"{section}.{key}"
+
+
+def test_config_reference_is_one_block_per_key(site):
+    """No six-column table (it broke environment names mid-word and cut the descriptions at
+    1400 px): each key is a heading with its dotted name as anchor, followed by its type,
+    default, live or restart, environment variable and description, before the next key."""
+    page = (site / "config-reference" / "index.html").read_text()
+    assert "<table" not in page
+    rows = {(s.name, r.key): r for s in load_hook().sections() for r in s.rows}
+    for section, keys in model_sections().items():
+        for key in keys:
+            anchor = f"{section}.{key}" if section else key
+            start = page.index(f'id="{anchor}"')
+            end = page.find("<h", page.index("</h3>", start))
+            block = html.unescape(re.sub(r"<[^>]+>", "", page[start:end]))
+            row = rows[section, key]
+            assert f"type {row.type}" in block and f"default {row.default}" in block, anchor
+            assert ("live" if row.live else "restart") in block, anchor
+            assert row.env in block, anchor
+            doc = " ".join(row.doc.replace("`", "").split())
+            assert doc[:80] in " ".join(block.split()), anchor
 
 
 def test_config_reference_reads_comments_from_the_source():

@@ -3,7 +3,8 @@
 The model is the dataclasses of `controlplane/config.py` (`Config` and its sections) and
 `controlplane/engine/settings.py` (`EngineSettings`). For every field the page gives its key,
 type, default, whether it is live, its environment variable and its explanation, which is read
-from the source, never copied by hand:
+from the source, never copied by hand (one block per key: a heading with the key, a line of its
+type, default, live or restart and environment variable, then its explanation):
 
 - an engine field's `doc` (the first argument of `_live(...)` / `_restart(...)`);
 - otherwise the `#` comment block right above the field, and a comment at the end of its line
@@ -298,6 +299,12 @@ def _code(text: str) -> str:
     return f"<code>{_cell(text)}</code>" if text else "—"
 
 
+def _anchor(section: Section, key: str) -> str:
+    """A key's anchor: its dotted name (`server.max_queue_len`, `data_dir`), so a link to it
+    reads as the key; keys repeated across tables (`enabled`) stay distinct."""
+    return f"{section.name}.{key}" if section.name else key
+
+
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -307,10 +314,11 @@ def render() -> str:
             Generated when the site is built from the config model (`controlplane/config.py` and
             `controlplane/engine/settings.py`), so it cannot drift from the code: every key of
             the configuration file, its type, default, whether it can change on a running daemon
-            (*live*: `PATCH /admin/config`, the TUI, a config reload), its environment variable
-            and the comment written with it. [Configuration](configuration.md) says how the file,
-            the environment and the `serve` flags combine; `config/controlplane.toml` is a
-            commented file with every default.
+            (*live*: `PATCH /admin/config`, the TUI, a config reload; otherwise it takes a
+            restart), its environment variable and the comment written with it. Each key is a
+            heading with its own link (`#server.max_queue_len`). [Configuration](configuration.md)
+            says how the file, the environment and the `serve` flags combine;
+            `config/controlplane.toml` is a commented file with every default.
 
             Descriptions marked † come from `config/controlplane.toml`, for fields whose
             definition carries no comment of its own."""
@@ -327,16 +335,24 @@ def render() -> str:
         lines += ["", f"## {title}", ""]
         if section.intro:
             lines += [_cell(section.intro), ""]
-        lines += [
-            "| key | type | default | live | environment variable | description |",
-            "|---|---|---|---|---|---|",
-        ]
+        # One block per key, not a table row: a six-column table left the environment
+        # variables broken mid-word and the descriptions cut at the page's edge.
         for r in section.rows:
-            lines.append(
-                f"| <code>{_cell(r.key)}</code> | {_code(r.type)} | {_code(r.default)} "
-                f"| {'yes' if r.live else 'no'} | {_code(r.env)} | {_cell(r.doc)} |"
-            )
-    return "\n".join(lines) + "\n"
+            facts = [
+                f"type {_code(r.type)}",
+                f"default {_code(r.default)}",
+                "**live**" if r.live else "restart",
+            ]
+            if r.env:
+                facts.append(f"env {_code(r.env)}")
+            lines += [
+                f"### <code>{_cell(r.key)}</code> {{ #{_anchor(section, r.key)} }}",
+                "",
+                " · ".join(facts),
+                "",
+                *([_cell(r.doc), ""] if r.doc else []),
+            ]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 # -- MkDocs -------------------------------------------------------------------------------------
