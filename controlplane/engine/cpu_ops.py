@@ -94,9 +94,14 @@ def configure(lock_wait_s: float | None = None, stop: threading.Event | None = N
 def available() -> bool:
     """Build (or load the cached build of) the kernels once per process; False if that fails."""
     with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _build()
-        return bool(_state["ok"])
+        if "ok" in _state:
+            return bool(_state["ok"])
+        ok = _build()
+        # A stopped build is not this process's answer for good: an engine built later (a
+        # daemon in a test process, with its own stop event) tries again.
+        if ok or _state["state"] != "stopped":
+            _state["ok"] = ok
+        return ok
 
 
 def wait_idle(timeout: float) -> bool:
@@ -114,7 +119,8 @@ def state() -> dict[str, str]:
     for: not on a CPU, or not yet), `building` (or loading the cached build), `waiting` (for
     another process's build), `ready`, `failed` (no compiler or ninja, a build error),
     `lock_timeout` (another live process was building them for longer than the wait), or
-    `stopped` (the start was stopped during the build); `reason` says why (build_error)."""
+    `stopped` (the start was stopped before or during the build); `reason` says why
+    (build_error)."""
     return {"state": str(_state.get("state", "unused")), "reason": build_error()}
 
 
@@ -159,9 +165,13 @@ def _build() -> bool:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     started = time.perf_counter()
-    _state["state"] = "building"
     stop = _settings["stop"]
     assert isinstance(stop, threading.Event)
+    if stop.is_set():  # said once already, or the start was stopped before any build
+        _state["state"] = "stopped"
+        _state.setdefault("error", "the start was stopped before the kernel build")
+        return False
+    _state["state"] = "building"
     try:
         name, flags = build_spec()
         build_dir = Path(_get_build_directory(name, False))
@@ -203,6 +213,7 @@ def _build() -> bool:
         return _fail("failed", "the library loaded without its ops")
     _register_fakes()
     _state["state"] = "ready"
+    _state.pop("error", None)  # an earlier, stopped try's
     log.info(
         "CPU kernels (%s, %s) ready in %.1f s", name, " ".join(flags), time.perf_counter() - started
     )
