@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.http.errors import invalid, printable
+from controlplane.runtime import memory
 
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
 # (the chat template, config flattening) far from Python's recursion limit.
@@ -23,6 +24,8 @@ def load_json(raw: bytes) -> Any:
     MAX_JSON_DEPTH, integers of more than 4300 digits (Python refuses to convert them) and
     strings or field names with lone surrogates (not encodable as UTF-8). Errors name the
     field, as `invalid` does."""
+    if len(raw) >= memory.LARGE_BODY_BYTES:  # its parse leaves freed heap: arm the idle trim
+        memory.note_large_work()
     try:
         body = json.loads(raw)
     except RecursionError:

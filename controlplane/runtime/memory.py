@@ -8,6 +8,10 @@ request bodies) are freed into them rather than unmapped. `malloc_trim(0)` hands
 of every arena back; it costs a few milliseconds, so it runs only after the engine has had no
 request for a while, never while serving.
 
+Engine steps are not the only such work: a large request served without the engine (POST
+/tokenize of a long text, a large admin body) leaves its buffers too. `note_large_work()`
+counts it, and the idle wait follows it as it follows engine steps.
+
 Off where the C library has no `malloc_trim` (not glibc). `CONTROLPLANE_MALLOC_TRIM_IDLE_S`
 sets the idle time before a trim (default 5 s; 0 turns it off).
 """
@@ -26,6 +30,18 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "CONTROLPLANE_MALLOC_TRIM_IDLE_S"
 DEFAULT_IDLE_S = 5.0
+# A request body at least this large counts as large work (controlplane.http.body).
+LARGE_BODY_BYTES = 1 << 20
+
+# Large requests served outside the engine, this process's count (only its changes matter: a
+# lost update between threads costs nothing).
+_large_work = 0
+
+
+def note_large_work() -> None:
+    """A large request was served outside the engine: arm the next idle trim."""
+    global _large_work
+    _large_work += 1
 
 
 def _libc_trim() -> Callable[[int], int] | None:
@@ -57,17 +73,22 @@ def idle_seconds(env: Mapping[str, str]) -> float:
 
 
 async def trim_when_idle(activity: Callable[[], int], idle_s: float, poll_s: float = 1.0) -> None:
-    """Forever: once `activity()` (a counter of work done, e.g. engine steps) has not moved for
-    `idle_s`, trim the C heap; once per idle spell (the next trim waits for more work)."""
+    """Forever: once `activity()` (a counter of work done, e.g. engine steps) and the large work
+    noted outside it have not moved for `idle_s`, trim the C heap; once per idle spell (the
+    next trim waits for more work)."""
     trim = _libc_trim()
     if trim is None or idle_s <= 0:
         return
-    last = activity()
+
+    def work() -> tuple[int, int]:
+        return activity(), _large_work
+
+    last = work()
     idle_since = time.monotonic()
     trimmed = True  # nothing to give back before the first request
     while True:
         await asyncio.sleep(poll_s)
-        now, seen = time.monotonic(), activity()
+        now, seen = time.monotonic(), work()
         if seen != last:
             last, idle_since, trimmed = seen, now, False
             continue
