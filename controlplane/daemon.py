@@ -107,6 +107,7 @@ class Daemon:
             if self.config_path is not None
             else None
         )
+        self.runtime.config_file = self.config_file  # saves: the same safe read
         self.install_signals = install_signals
         self.admin_token_file = token_file
         self.url = ""

@@ -22,6 +22,15 @@ What a reload may meet at the path, and what it does (issue 24, item 8):
   on a timer: a writer that died mid-file leaves its file truncated for good.
 - SIGHUP is the operator saying "the file is ready": it reads once (same safe read, no settle
   time) and applies the file even if it drops keys, with a warning naming them.
+- A save (POST /admin/config/save, issue 52) reads with the same safe read, before it takes the
+  config lock (a stuck read never holds up PATCHes, key suspensions or the autopilot), and
+  writes the live values back only over the file the daemon last applied: a file that drops
+  keys the applied file set (a truncated write: no [[api_keys]], no [[admin_tokens]]) or that
+  was edited since (the watcher has not applied it yet) is refused (SaveError, naming why).
+  The write runs in a thread of its own too, bounded by the same timeout.
+- The threads are daemon threads, never the event loop's default executor: a read stuck for
+  good does not keep the process alive after SIGTERM (the interpreter joins executor threads at
+  exit, not daemon threads).
 - Every rejection and hold is logged (error / warning) and sent on `GET /admin/events` as a
   `{"type": "config_reload", "status": "rejected" | "held", ...}` event. Logging repeats only
   when the file changes again, so a file left broken logs once.
@@ -47,6 +56,7 @@ from typing import Any
 from controlplane.config import ServerSettings
 from controlplane.errors import FieldError
 from controlplane.runtime.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
+from controlplane.runtime.persist import SaveError, write_file
 
 log = logging.getLogger("controlplane.daemon")
 
@@ -63,6 +73,7 @@ class Snapshot:
     digest: str  # SHA-256 of the bytes read ("" when nothing was read)
     raw: dict[str, Any] | None
     error: str | None  # why it cannot be applied
+    text: str = ""  # the file as read (a save keeps its comments and layout)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -151,7 +162,7 @@ def read_snapshot(path: Path) -> Snapshot:
     except tomllib.TOMLDecodeError as exc:
         return failed(f"invalid TOML: {exc}", st, digest)
     stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-    return Snapshot(stamp, poll, digest, raw, None)
+    return Snapshot(stamp, poll, digest, raw, None, text)
 
 
 class OffLoopReader:
@@ -162,12 +173,13 @@ class OffLoopReader:
         self.timeout_s = timeout_s
         self._stuck: threading.Thread | None = None
 
-    async def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """fn()'s result; TimeoutError(message) if it takes longer than the timeout or an
-        earlier call is still stuck."""
+    async def call(
+        self, what: str, fn: Callable[[], Any], then: str = "the running values stay"
+    ) -> Any:
+        """fn()'s result; TimeoutError(message, ending with `then`) if it takes longer than the
+        timeout or an earlier call is still stuck."""
         blocked = (
-            f"{what}: did not finish within {self.timeout_s:g}s (a hung network mount?); "
-            "the running values stay"
+            f"{what}: did not finish within {self.timeout_s:g}s (a hung network mount?); {then}"
         )
         if self._stuck is not None:
             if self._stuck.is_alive():
@@ -246,6 +258,68 @@ class ConfigFile:
             if now.key == before.key:
                 return now
             before = now
+
+    # -- saving -------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> Any:
+        """No reload (SIGHUP, the watcher) applies the file while this is held: a save holds
+        it from its read to its write (reads and writes are bounded by the reader's timeout)."""
+        async with self._lock:
+            yield
+
+    async def read_for_save(self) -> Snapshot:
+        """The file as a save may overwrite it: read like a reload (see the module docstring),
+        writable, setting every key the applied file set and nothing else than it (it is the
+        file last applied). SaveError naming why not; call it under `exclusive()`."""
+        path = self.path
+
+        def read() -> tuple[Snapshot, bool]:
+            snap = read_snapshot(path)
+            return snap, snap.error is None and os.access(path, os.W_OK)
+
+        try:
+            snap, writable = await self.reader.call(str(path), read, "not saved")
+        except TimeoutError as exc:
+            raise SaveError(f"config file {exc}") from None
+        if snap.error is not None or snap.raw is None:
+            raise SaveError(f"config file {snap.error or path}; not saved")
+        if not writable:
+            raise SaveError(f"config file {path} is not writable by uid {os.geteuid()}")
+        dropped = sorted(self.live.file_keys() - set(flatten_raw(snap.raw)))
+        if dropped:
+            raise SaveError(
+                f"config file {path} no longer sets {', '.join(dropped)} (the file last applied "
+                "set them): a truncated or unfinished write? Not saved (writing it back would "
+                "drop them for good); finish the file, or send SIGHUP to apply it as it is, "
+                "then save again"
+            )
+        edited = self.live.file_differs(snap.raw)
+        if edited:
+            raise SaveError(
+                f"config file {path} was edited since it was last applied ({', '.join(edited)} "
+                "differ): not saved; the daemon applies it once it has settled "
+                "(server.config_settle_s) or on SIGHUP, then save again"
+            )
+        return snap
+
+    async def write(self, text: str, read: Snapshot) -> None:
+        """Replace the file with `text` (persist.write_file: atomic where it can be) unless it
+        changed since `read`; in the reader's thread, bounded by its timeout. SaveError."""
+        path = self.path
+
+        def write() -> None:
+            real = Path(os.path.realpath(path))
+            st = real.stat()
+            if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) != read.stamp:
+                raise SaveError(f"config file {path} changed while saving; not written, save again")
+            write_file(path, text)
+
+        try:
+            await self.reader.call(f"writing {path}", write, "it may be written later")
+        except TimeoutError as exc:
+            raise SaveError(f"config file {exc}") from None
+        except OSError as exc:
+            raise SaveError(f"could not write {path}: {exc.strerror or exc}") from None
 
     # -- applying -----------------------------------------------------------------------------
     def _refuse(self, status: str, reason: str, message: str, **extra: Any) -> None:

@@ -278,6 +278,12 @@ class LiveConfig:
         """The dotted keys the last applied config file set."""
         return set(flatten_raw(self._file_raw))
 
+    def file_differs(self, raw: Mapping[str, Any]) -> list[str]:
+        """The dotted keys whose value in `raw` (the file as read now) is not the one in the
+        file last applied: an edit a reload has not applied (yet)."""
+        old, new = flatten_raw(self._file_raw), flatten_raw(raw)
+        return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
     def file_read(self, raw: Mapping[str, Any]) -> None:
         """Remember `raw` as the file's content once its changes are applied."""
         self._file_raw = dict(raw)

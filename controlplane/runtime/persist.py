@@ -135,21 +135,16 @@ def _toml_value(field: str, value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def plan_save(path: Path, effective: Config) -> SavePlan:
-    """The config file at `path` with every live field whose effective value differs from
-    what the file gives set to the effective value (comments and layout kept); SaveError when
-    the file cannot be read, parsed or written."""
+def plan_save(path: Path, text: str, effective: Config) -> SavePlan:
+    """The config file at `path`, read as `text` (controlplane.runtime.config_file reads it:
+    only a regular file, bounded, off the config lock), with every live field whose effective
+    value differs from what the file gives set to the effective value (comments and layout
+    kept); SaveError when the file is invalid or the result would be."""
     import tomlkit
 
-    if not os.access(path, os.W_OK):
-        why = "does not exist" if not path.exists() else f"is not writable by uid {os.geteuid()}"
-        raise SaveError(f"config file {path} {why}")
     try:
-        text = path.read_text(encoding="utf-8")
         doc = tomlkit.parse(text)
         given = flatten(build_config(doc.unwrap(), env={}))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SaveError(f"config file {path}: cannot read it: {exc}") from None
     except (tomlkit.exceptions.ParseError, FieldError) as exc:
         raise SaveError(f"config file {path} is invalid now, not overwritten: {exc}") from None
     live = flatten(effective)

@@ -49,6 +49,7 @@ from controlplane.telemetry.traffic import Traffic
 
 if TYPE_CHECKING:
     from controlplane.engine.types import StepStats
+    from controlplane.runtime.config_file import ConfigFile
 
 log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
 
@@ -115,6 +116,8 @@ class Runtime:
         # POST /admin/config/save writes the live values; and the live values the last start
         # dropped ({"field", "live", "file"}: controlplane.runtime.persist).
         self.config_path: Path | None = None
+        # Its reads and writes (controlplane.runtime.config_file.ConfigFile; set by the daemon).
+        self.config_file: ConfigFile | None = None
         self.dropped_at_restart: list[dict[str, Any]] = []
         # The CPU kernels' state for /admin/stats (cpu_ops.state; set by the daemon's load).
         self.cpu_kernels: Callable[[], dict[str, str]] | None = None
@@ -453,33 +456,35 @@ class Runtime:
         """Write every live value that differs from the config file into it (POST
         /admin/config/save; controlplane.runtime.persist), audited first (field `config_file`,
         new value the fields saved; ConfigAuditError: nothing written). SaveError when there
-        is no file (embedded defaults) or it cannot be written."""
-        from controlplane.runtime.persist import SaveError, plan_save, write_file
+        is no file (embedded defaults), it cannot be read or written, or it is not the file
+        last applied (config_file.ConfigFile.read_for_save). The file is read before the config
+        lock is taken: a stuck read never holds up other changes."""
+        from controlplane.runtime.persist import SaveError, plan_save
 
-        path = self.config_path
-        if path is None:
+        file = self.config_file
+        if file is None:
             raise SaveError(
                 "the daemon runs on embedded defaults (started without --config): "
                 "there is no config file to save to"
             )
-        async with self._config_lock:  # no change applied between the plan and the write
-            plan = await asyncio.to_thread(plan_save, path, self.cfg)
-            fields = [field for field, _ in plan.saved]
-            if fields:
-                change = FieldChange("config_file", None, fields)
-                await asyncio.to_thread(
-                    self._write_audit,
-                    self.cfg,
-                    [change],
-                    source,
-                    actor,
-                    uuid.uuid4().hex,
-                    f"written to {path}",
-                )
-                try:
-                    await asyncio.to_thread(write_file, path, plan.text)
-                except OSError as exc:
-                    raise SaveError(f"could not write {path}: {exc.strerror or exc}") from None
-                self.live.file_saved(plan.raw, fields)
-                log.info("live values saved to %s by %s (%s): %s", path, actor, source, fields)
+        path = file.path
+        async with file.exclusive():  # no reload applies the file between the read and the write
+            read = await file.read_for_save()
+            async with self._config_lock:  # no change applied between the plan and the write
+                plan = plan_save(path, read.text, self.cfg)
+                fields = [field for field, _ in plan.saved]
+                if fields:
+                    change = FieldChange("config_file", None, fields)
+                    await asyncio.to_thread(
+                        self._write_audit,
+                        self.cfg,
+                        [change],
+                        source,
+                        actor,
+                        uuid.uuid4().hex,
+                        f"written to {path}",
+                    )
+                    await file.write(plan.text, read)
+                    self.live.file_saved(plan.raw, fields)
+                    log.info("live values saved to %s by %s (%s): %s", path, actor, source, fields)
         return {"path": str(path), "saved": [{"field": f, "value": v} for f, v in plan.saved]}
