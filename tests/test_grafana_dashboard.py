@@ -219,10 +219,29 @@ def load(d: InProcessDaemon, seconds: float) -> None:
             i += 1
 
 
-@pytest.fixture(scope="module")
-def scraped(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Prometheus, InProcessDaemon]]:
-    """A daemon (autopilot and speculative decoding off: the defaults) under load, scraped by
-    a real Prometheus that scrapes itself as well (the process panel must not draw it)."""
+# The features the panels in FEATURE_OFF draw: speculative decoding with the tiny model as its
+# own draft (it proposes every step), and an autopilot whose TTFT target every request misses,
+# deciding every second on a few seconds of requests.
+FEATURES_ON = {
+    "engine": {"speculative_method": "draft", "speculative_num_tokens": 2},
+    "autopilot": {
+        "enabled": True,
+        "ttft_p99_ms": 0.01,
+        "interval_s": 1,
+        "window_s": 3,
+        "max_window_s": 6,
+        "min_requests": 2,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=["features off", "features on"])
+def scraped(
+    request, tiny_model_dir, tmp_path_factory
+) -> Iterator[tuple[Prometheus, InProcessDaemon, bool]]:
+    """A daemon under load, scraped by a real Prometheus that scrapes itself as well (the
+    process panel must not draw it): autopilot and speculative decoding off (the defaults),
+    then on."""
     if PROMETHEUS is None:
         why = (
             "no prometheus binary on PATH (Debian: apt-get install prometheus; .ci/run "
@@ -232,7 +251,12 @@ def scraped(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Prometheus, InPr
             pytest.fail(why)
         pytest.skip(why)
     tmp = tmp_path_factory.mktemp("grafana")
-    path = admin_cfg(tmp, tiny_model_dir, engine={"max_num_seqs": 4, "max_model_len": 256})
+    on = request.param == "features on"
+    engine = {"max_num_seqs": 4, "max_model_len": 256}
+    if on:
+        engine |= FEATURES_ON["engine"] | {"speculative_draft_model": str(tiny_model_dir)}
+    extra = {"autopilot": FEATURES_ON["autopilot"]} if on else {}
+    path = admin_cfg(tmp, tiny_model_dir, engine=engine, **extra)
     d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
     host = d.url.removeprefix("http://")
     prom = None
@@ -242,7 +266,7 @@ def scraped(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Prometheus, InPr
         load(d, 6)
         d.daemon.runtime.pump_metrics()
         prom.wait_scraped_after(time.time(), JOB)
-        yield prom, d
+        yield prom, d, on
     finally:
         if prom is not None:
             prom.stop()
@@ -250,7 +274,7 @@ def scraped(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Prometheus, InPr
 
 
 def test_every_promql_query_returns_data_from_a_live_scrape(scraped) -> None:
-    prom, d = scraped
+    prom, d, features_on = scraped
     b = board()
     queries = promql(b)
     instance = d.url.removeprefix("http://")
@@ -271,7 +295,7 @@ def test_every_promql_query_returns_data_from_a_live_scrape(scraped) -> None:
             for series in result:
                 assert series["metric"].get("job", JOB) == JOB, (title, ref, series)
     # Only the panels of features that are off draw nothing, and they say why (see above).
-    assert {title for title, _ in empty} <= set(FEATURE_OFF), empty
+    assert {title for title, _ in empty} <= (set() if features_on else set(FEATURE_OFF)), empty
     # The variables' own queries list this daemon (and no placeholder model).
     for v in b["templating"]["list"]:
         if v.get("type") != "query":
