@@ -563,3 +563,26 @@ def test_fuzzed_bodies_never_5xx(fuzz_daemon, mode) -> None:
             assert set(error) == {"message", "type", "param", "code"}, context
 
     check()
+
+
+def test_stream_cut_by_max_output_tokens_final_response_is_in_the_incomplete_event(
+    served, client
+) -> None:
+    """What docs/openai-api.md tells a client: the SDK's get_final_response() raises on a
+    stream that ends with response.incomplete, and that event carries the final response."""
+    with client.responses.stream(
+        model=MODEL, input="Tell me a long story.", max_output_tokens=4, temperature=0
+    ) as stream:
+        final = None
+        events = []
+        for event in stream:  # the workaround, as the docs write it
+            events.append(event)
+            if event.type in ("response.completed", "response.incomplete", "response.failed"):
+                final = event.response
+        with pytest.raises(RuntimeError, match=r"response\.completed"):
+            stream.get_final_response()
+    assert events[-1].type == "response.incomplete" and final is events[-1].response
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and final.output_text == deltas
+    assert final.usage.output_tokens == 4 and final.id == events[0].response.id
