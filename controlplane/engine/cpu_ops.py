@@ -274,7 +274,9 @@ def _fail(state: str, error: str) -> bool:
 def _owner(build_dir: Path, stop: threading.Event) -> Iterator[None]:
     """Hold `lock.owner`'s flock (waiting for a live holder at most lock_wait_s), and remove a
     torch `lock` that no live process owns: every builder holds that flock for its whole
-    build, so once it is ours, a `lock` there was left by a process that died mid-build."""
+    build, so once it is ours, a `lock` there was left by a process that died mid-build. Its
+    ninja may outlive it (a SIGKILL reaches only the daemon): a process still working in the
+    build directory is waited for too, so that two builds never write the same objects."""
     lock = build_dir / "lock"
     fd = os.open(build_dir / OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -284,23 +286,29 @@ def _owner(build_dir: Path, stop: threading.Event) -> Iterator[None]:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
-                pass
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                who = f"pid {holder} is building"
+            else:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the builder to waiters
+                left = _processes_in(build_dir.resolve()) if lock.exists() else []
+                if not left:
+                    break
+                who = f"pid {left[0]}, of a build whose process died, is still running"
             waited = time.monotonic() - started
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             if waited >= wait_s:
                 raise _LockHeld(
-                    f"the kernel build lock {lock} was held by a live build (pid {holder}) for "
+                    f"the kernel build lock {lock} was held by a live build ({who}) for "
                     f"{waited:.0f} s, longer than the wait allows (server.kernel_build_wait_s = "
                     f"{wait_s:g} s)"
                 )
             if waited - logged >= LOCK_LOG_EVERY_S:
                 _state["state"] = "waiting"
                 log.warning(
-                    "waiting for the kernel build lock %s (pid %s is building; up to %.0f s more)",
+                    "waiting for the kernel build lock %s (%s; up to %.0f s more)",
                     lock,
-                    holder,
+                    who,
                     wait_s - waited,
                 )
                 logged = waited
@@ -309,8 +317,6 @@ def _owner(build_dir: Path, stop: threading.Event) -> Iterator[None]:
         if stop.is_set():
             raise _Stopped()
         _state["state"] = "building"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the builder to a waiter's log
         if lock.exists():
             log.warning(
                 "removing %s, left by a build that never finished (no live process owns it)", lock
@@ -319,6 +325,20 @@ def _owner(build_dir: Path, stop: threading.Event) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the flock
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Processes whose working directory is `directory` (ninja and its compilers run in the
+    build directory), read from /proc (Linux; elsewhere none are found)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if Path(os.readlink(entry / "cwd")) == directory:
+                    found.append(int(entry.name))
+            except OSError:  # gone, or another user's
+                continue
+    return sorted(found)
 
 
 @contextlib.contextmanager
