@@ -157,6 +157,70 @@ def test_patch_invalid_and_restart_only_change_nothing(admin):
     assert d.daemon.aengine.engine.settings.max_num_seqs == before["engine.max_num_seqs"]["value"]
 
 
+def test_patch_wrong_shapes_are_422_naming_the_field(admin):
+    """Issue 52, item 4: an empty or partial price entry, numbers sent as strings, a key given
+    twice and an invalid value of a restart-only key: 422 naming the field, nothing changed."""
+    d, _ = admin
+    c = api(d)
+    before = c.get("/admin/config").json()["fields"]
+    price = {
+        "model": "*",
+        "effective_from": "2026-02-01T00:00:00+00:00",
+        "prompt_per_mtok": 1,
+        "cached_prompt_per_mtok": 0.5,
+        "completion_per_mtok": 2.0,
+    }
+    partial = {k: v for k, v in price.items() if k != "cached_prompt_per_mtok"}
+    cases = [
+        ({"prices": [{}]}, "prices[0].model", "is required"),
+        ({"prices": [partial]}, "prices[0].cached_prompt_per_mtok", "is required"),
+        ({"prices": [{**price, "prompt_per_mtok": "1"}]}, "prices[0].prompt_per_mtok", "number"),
+        ({"prices": "free"}, "prices", "must be an array"),
+        ({"engine": {"max_num_seqs": "8"}}, "engine.max_num_seqs", 'integer, got "8"'),
+        ({"engine": {"max_num_seqs": True}}, "engine.max_num_seqs", "integer, got true"),
+        ({"engine.max_num_seqs": 8.0}, "engine.max_num_seqs", "integer, got 8.0"),
+        ({"server": {"max_choices_share": "0.5"}}, "server.max_choices_share", "a number"),
+        ({"autopilot": {"enabled": 1}}, "autopilot.enabled", "true or false, got 1"),
+        ({"server": {"suspended_keys": "a,b"}}, "server.suspended_keys", "array of strings"),
+        # Restart-only keys: validated first (422); only a valid value is "restart needed".
+        ({"engine": {"block_size": "16"}}, "engine.block_size", "integer"),
+        ({"engine": {"block_size": 0}}, "engine.block_size", "must be"),
+        ({"engine": {"dtype": "float7"}}, "engine.dtype", "float7"),
+        (
+            {"engine.max_num_seqs": 8, "engine": {"max_num_seqs": 9}},
+            "engine.max_num_seqs",
+            "given twice",
+        ),
+    ]
+    for body, param, needle in cases:
+        r = c.patch("/admin/config", json=body)
+        assert r.status_code == 422, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and needle in err["message"], (body, err)
+        assert err["message"].startswith(param + ": "), err
+    for raw, param in [
+        (b'{"engine": {"max_num_seqs": 8, "max_num_seqs": 9}}', "engine.max_num_seqs"),
+        (b'{"prices": [{"model": "*", "model": "x"}]}', "prices[0].model"),
+        (b'{"engine": {"max_num_seqs": 8}, "engine": {"max_num_seqs": 9}}', "engine"),
+    ]:
+        r = c.patch("/admin/config", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 422, (raw, r.text)
+        assert r.json()["error"]["param"] == param
+        assert "given twice in one JSON object" in r.json()["error"]["message"]
+    r = c.patch("/admin/autopilot", json={"enabled": "true"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "autopilot.enabled", r.text
+    # The valid shapes still pass: a whole price entry (dry run), a restart-only key at a valid
+    # value (409), numbers given as integers for float fields.
+    r = c.patch("/admin/config", params={"dry_run": "true"}, json={"prices": [price]})
+    assert r.status_code == 200, r.text
+    assert r.json()["changed"][0]["new"][0]["cached_prompt_per_mtok"] == 0.5
+    r = c.patch("/admin/config", json={"engine": {"block_size": 32}})
+    assert r.status_code == 409 and "restart needed" in r.json()["error"]["message"]
+    r = c.patch("/admin/config", params={"dry_run": "true"}, json={"jobs": {"gpu_hourly_usd": 2}})
+    assert r.status_code == 200, r.text
+    assert c.get("/admin/config").json()["fields"] == before
+
+
 def test_dry_run_validates_without_applying_and_change_ids_group_audit_rows(admin):
     d, _ = admin
     c = api(d)

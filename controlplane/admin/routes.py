@@ -120,15 +120,20 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         # `scope` is litestar's name for the ASGI scope: the query parameter gets another.
         where: Annotated[str, QueryParameter(name="scope")] = "instance",
     ) -> Any:
-        # 400 naming the field for malformed JSON, too deep, huge integers, lone surrogates.
-        body = load_json(await request.body())
+        # 400 naming the field for malformed JSON, too deep, huge integers, lone surrogates;
+        # 422 for a key given twice.
+        body = load_json(await request.body(), unique_keys=True)
         if not isinstance(body, dict) or not body:
             raise _unprocessable("body", "must be a non-empty JSON object of fields to change", 400)
         if where not in ("instance", "fleet"):
             raise _unprocessable("scope", f"must be instance or fleet, got {where!r}", 400)
-        from controlplane.runtime.live_config import flatten_raw
+        from controlplane.runtime.live_config import check_json_types, flatten_body
 
-        changes = flatten_raw(body)
+        try:  # before the fan-out too: every instance would refuse it alike
+            changes = flatten_body(body)
+            check_json_types(changes)
+        except ConfigChangeError as exc:
+            raise _unprocessable(exc.field, exc.message, exc.status) from None
         if where == "fleet":
             if FLEET_STATE in request.state:  # the fleet signature allows no such route either
                 raise APIError(
@@ -383,13 +388,16 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
         ),
     )
     async def patch_autopilot(request: Request) -> dict[str, Any]:
-        body = load_json(await request.body())
+        body = load_json(await request.body(), unique_keys=True)
         if not isinstance(body, dict) or not body:
             raise _unprocessable("body", "must be a non-empty JSON object of [autopilot] keys", 400)
         if runtime.autopilot is None:
             raise APIError(503, "the autopilot is not running yet", type="unavailable")
+        from controlplane.runtime.live_config import check_json_types
+
         changes = {f"autopilot.{k}": v for k, v in body.items()}
         try:
+            check_json_types(changes)
             await runtime.change_config(changes, _source(request), request.state.actor)
         except ConfigChangeError as exc:
             raise _unprocessable(exc.field, exc.message, exc.status) from None

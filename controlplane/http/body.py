@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.http.errors import invalid, printable
+from controlplane.http.errors import APIError, invalid, printable
 from controlplane.runtime import memory
 
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
@@ -19,15 +19,32 @@ MAX_JSON_DEPTH = 32
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def load_json(raw: bytes) -> Any:
+class _Object(dict):
+    """A JSON object that named some keys more than once (json.loads keeps the last value)."""
+
+    __slots__ = ("duplicates",)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    out = _Object(obj)
+    out.duplicates = tuple(dict.fromkeys(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
+def load_json(raw: bytes, unique_keys: bool = False) -> Any:
     """Parse a request body, refusing what would fail later: nesting deeper than
     MAX_JSON_DEPTH, integers of more than 4300 digits (Python refuses to convert them) and
     strings or field names with lone surrogates (not encodable as UTF-8). Errors name the
-    field, as `invalid` does."""
+    field, as `invalid` does. `unique_keys`: a key given twice in one object is a 422 naming
+    it (the admin API's changes: which of two values was meant cannot be known)."""
     if len(raw) >= memory.LARGE_BODY_BYTES:  # its parse leaves freed heap: arm the idle trim
         memory.note_large_work()
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_unique_pairs if unique_keys else None)
     except RecursionError:
         raise invalid("body", f"is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except UnicodeDecodeError as exc:
@@ -59,6 +76,9 @@ def check_json(body: Any, where: str = "body", max_depth: int = MAX_JSON_DEPTH) 
         if isinstance(value, list):
             todo.extend((v, f"{path}[{i}]", top, depth + 1) for i, v in enumerate(value))
             continue
+        for key in getattr(value, "duplicates", ()):
+            name = printable(key if depth == 0 and where == "body" else f"{path}.{key}")
+            raise APIError(422, f"{name}: given twice in one JSON object", param=name)
         for key, v in value.items():
             name = key if depth == 0 and where == "body" else f"{path}.{key}"
             if _SURROGATE.search(key):

@@ -11,6 +11,8 @@ whose audit row cannot be written is never applied.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from controlplane.config import (
     Price,
     build_config,
     env_overrides,
+    field_limits,
 )
 from controlplane.engine.settings import EngineSettings
 from controlplane.errors import FieldError
@@ -125,6 +128,93 @@ def flatten_raw(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def flatten_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """flatten_raw for a JSON body (PATCH /admin/config): a field given twice, dotted and
+    nested (`{"engine.max_num_seqs": 8, "engine": {"max_num_seqs": 9}}`), is refused (422)
+    rather than one value silently winning."""
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        pairs = (
+            [(f"{key}.{sub}", v) for sub, v in value.items()]
+            if isinstance(value, Mapping)
+            else [(key, value)]
+        )
+        for name, v in pairs:
+            if name in out:
+                raise ConfigChangeError(name, "given twice in the body (dotted and nested)")
+            out[name] = v
+    return out
+
+
+# What a JSON body must send for each kind of field (GET /admin/config's "type").
+_JSON_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+PRICE_FIELDS = tuple(f.name for f in dataclasses.fields(Price))
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return flatten(Config())
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_kind_ok(kind: str, value: Any) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # a JSON true is no number
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, int | float)
+    return isinstance(value, str)
+
+
+def _check_prices(value: Any) -> None:
+    if not isinstance(value, list):
+        raise ConfigChangeError("prices", f"must be an array of price objects, got {_shown(value)}")
+    for i, entry in enumerate(value):
+        where = f"prices[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigChangeError(where, f"must be an object, got {_shown(entry)}")
+        for name in PRICE_FIELDS:  # no defaults: a missing price would silently be $0
+            if name not in entry:
+                raise ConfigChangeError(
+                    f"{where}.{name}",
+                    f"is required (every price entry gives all of {', '.join(PRICE_FIELDS)})",
+                )
+            kind = "str" if name in ("model", "effective_from") else "float"
+            if not _json_kind_ok(kind, entry[name]):
+                raise ConfigChangeError(
+                    f"{where}.{name}", f"must be {_JSON_KINDS[kind]}, got {_shown(entry[name])}"
+                )
+
+
+def check_json_types(changes: Mapping[str, Any]) -> None:
+    """The values of a JSON body (PATCH /admin/config, /admin/autopilot; dotted fields) have
+    the field's own type: `"8"` is no integer and `1` no boolean (only the environment, where
+    every value is text, has its values parsed), and every field of a price entry is given.
+    ConfigChangeError (422) naming the field; unknown fields are left to `plan`."""
+    limits, defaults = field_limits(), _defaults()
+    for key, value in changes.items():
+        if key == "prices":
+            _check_prices(value)
+            continue
+        default = defaults.get(key)
+        if isinstance(default, list) and key not in ("api_keys", "admin_tokens"):
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ConfigChangeError(key, f"must be an array of strings, got {_shown(value)}")
+            continue
+        kind = "str" if key == "data_dir" else limits.get(key, {}).get("type")
+        if kind is None or (value is None and default is None):  # null: unset
+            continue
+        if not _json_kind_ok(kind, value):
+            raise ConfigChangeError(key, f"must be {_JSON_KINDS[kind]}, got {_shown(value)}")
+
+
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flat.items():
@@ -181,26 +271,31 @@ class LiveConfig:
                 if k not in ("api_keys", "admin_tokens") and v is not None
             }
         )
+        # The keys themselves, so that server.suspended_keys is checked against them.
+        raw["api_keys"] = [dataclasses.asdict(k) for k in self.effective.api_keys]
+        restart = []
         for key, value in changes.items():
             if key not in known:
                 raise ConfigChangeError(key, "unknown field; GET /admin/config lists them")
             if key not in LIVE_FIELDS:
-                if value != known[key]:
-                    raise ConfigChangeError(
-                        key, "cannot change on a running daemon; restart needed", 409
-                    )
-                continue
-            if "." in key:
-                section, sub = key.split(".", 1)
-                raw[section][sub] = value
+                if value == known[key]:
+                    continue
+                # Validated like the rest first: an invalid value is 422, a valid one 409.
+                restart.append(key)
+            section, _, name = key.rpartition(".")
+            table = raw.setdefault(section, {}) if section else raw
+            if value is None and _defaults().get(key) is None:
+                table.pop(name, None)  # null: unset (engine.num_kv_blocks), as `known` has it
             else:
-                raw[key] = value
-        # The keys themselves, so that server.suspended_keys is checked against them.
-        raw["api_keys"] = [dataclasses.asdict(k) for k in self.effective.api_keys]
+                table[name] = value
         try:
             new = build_config(raw, env={})
         except FieldError as exc:
             raise ConfigChangeError(exc.field, exc.message) from None
+        if restart:
+            raise ConfigChangeError(
+                restart[0], "cannot change on a running daemon; restart needed", 409
+            )
         return dataclasses.replace(
             new, api_keys=self.effective.api_keys, admin_tokens=self.effective.admin_tokens
         )
