@@ -19,7 +19,8 @@ torch's builder takes a `lock` file in the build directory and makes every other
 for it with no timeout, even when the process that took it is long dead. So a builder here also
 holds an advisory `flock` on `lock.owner` beside it for the whole build, which the kernel drops
 when that process dies (SIGKILL included): a `lock` with no live holder of `lock.owner` is
-stale and removed at once; a live one is waited for at most `configure(lock_wait_s=...)`
+stale and removed at once (once no orphaned ninja works in the directory); a live holder is
+waited for at most `configure(lock_wait_s=...)`
 (server.kernel_build_wait_s), then this process keeps torch's kernels (`state()` says why). The
 `stop` event of `configure` abandons a build in progress (the daemon sets it on SIGTERM or at
 its start deadline): ninja gets SIGTERM, stops its compilers, and torch removes its lock.
