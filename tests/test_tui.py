@@ -14,13 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
+from textual.geometry import Region
 from textual.widgets import Input
 
 from controlplane.config import load_config
 from controlplane.tui import add_tui_parser, resolve_token
 from controlplane.tui.app import DashboardApp
 from controlplane.tui.screens import ConfirmScreen, TuneScreen
-from controlplane.tui.widgets import RequestsTable, short_id
+from controlplane.tui.widgets import ChangesTable, RequestsTable, short_id
 from harness import InProcessDaemon, free_port
 from tests.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
 
@@ -236,7 +237,14 @@ def test_abort_selected_request_after_confirmation(daemon, monkeypatch):
             assert httpx.get(daemon.url + "/health").json().get("status") != "draining"
             await pilot.press("d")
             await pilot.press("y")
-            await wait_until(pilot, lambda: "draining" in screen_text(app), 10, "draining")
+            # The aborted request was the only one: nothing is in flight, so the header says
+            # "drained: safe to stop". This waited for "draining", on screen only while the
+            # dashboard's last snapshot still counted the aborted request: under load (a press
+            # waits for the process to idle, up to 2 s a key) the wait found the later words.
+            await wait_until(
+                pilot, lambda: "drained: safe to stop" in screen_text(app), 10, "drained"
+            )
+            assert httpx.get(daemon.url + "/health").json().get("status") == "draining"
             await pilot.press("r")
             await pilot.press("y")
             await wait_until(pilot, lambda: "serving" in screen_text(app), 10, "serving")
@@ -548,6 +556,33 @@ def test_an_answer_arriving_during_shutdown_does_not_crash_the_app():
 
     asyncio.run(main())  # a worker's NoMatches would fail the app, and this, with WorkerFailed
     assert client.answered_late >= 1  # the map came back after the app stopped running
+
+
+def test_a_table_painted_before_it_measured_its_rows_widens_its_columns():
+    # Under load the screen can paint a table between add_row and the table's idle handler
+    # (which measures the new rows): Textual cached the cells cut at the header labels' widths
+    # ("11:0  tui  ops  engin") until the next change, and a suite run failed waiting for
+    # "engine.max_num_seqs" on screen. Here the paint is made to come first.
+    class NoHistory(FakeClient):
+        async def history(self, limit: int = 50) -> dict[str, Any]:
+            return {"changes": []}  # no row yet: the columns are as wide as their labels
+
+    app = DashboardApp("http://x", "t", client=NoHistory(), clock=lambda: T0)
+
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.stats_received and app.costs, 10, "fake data")
+            table = app.query_one(ChangesTable)
+            change = {"time": T0, "source": "tui", "actor": "ops",
+                      "field": "engine.max_num_seqs", "old": 8, "new": 5}  # fmt: skip
+            table.show([change])
+            table.render_lines(Region(0, 0, table.size.width, table.size.height))  # the paint
+            await wait_until(
+                pilot, lambda: "engine.max_num_seqs" in screen_text(app), 5, "the field in full"
+            )
+            assert "8 → 5" in screen_text(app)
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(

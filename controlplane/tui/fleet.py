@@ -24,7 +24,7 @@ from textual.widgets import DataTable, Footer, Static
 from controlplane.client.admin import ClientError
 from controlplane.fleet.order import WORST_FIRST, slo_missed, worst_first_key
 from controlplane.tui.history import fmt_age, fmt_ms, fmt_num, fmt_usd
-from controlplane.tui.widgets import STATE_STYLE
+from controlplane.tui.widgets import STATE_STYLE, MeasuredTable
 
 # (payload key, header); "worst" is controlplane.fleet.order's (WORST_FIRST says it in words),
 # the server's order too.
@@ -137,7 +137,7 @@ def drift_text(drift: dict[str, Any]) -> Text:
     return out
 
 
-class FleetTable(DataTable):
+class FleetTable(MeasuredTable):
     """The instances; sortable by column (click a header or press `o`)."""
 
     def __init__(self, **kwargs: Any) -> None:

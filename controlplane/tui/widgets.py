@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -443,7 +444,24 @@ def group_rows(
     return list(groups.values())
 
 
-class RequestsTable(DataTable):
+class MeasuredTable(DataTable):
+    """A DataTable whose columns widen on screen as soon as its new rows are measured.
+
+    Textual measures new rows when the table is next idle, and its render caches are not keyed
+    on the column widths: a paint in between (a loaded machine) cached the rows cut at the
+    header labels' widths ("engin" for engine.max_num_seqs), and they stayed so until the next
+    change. Textual calls this handler before DataTable's own: it measures first, then drops
+    the caches and repaints when anything was measured."""
+
+    async def _on_idle(self, event: events.Idle) -> None:
+        measuring = self._require_update_dimensions or bool(self._updated_cells)
+        await DataTable._on_idle(self, event)  # the base's own call then finds nothing to do
+        if measuring:
+            self._clear_caches()
+            self.refresh()
+
+
+class RequestsTable(MeasuredTable):
     """Live requests: sortable (click a header or `o`), filtered (`/`), grouped by key or end
     user (`v`). A refresh or a re-sort keeps the cursor on the request it was on; when that
     request is gone, the cursor goes to the top row, never silently onto another request."""
@@ -596,7 +614,7 @@ class RequestsTable(DataTable):
         return (row or {}).get(field)
 
 
-class ChangesTable(DataTable):
+class ChangesTable(MeasuredTable):
     """Recent config changes, newest first: history at start, then SSE config events."""
 
     MAX_ROWS = 200
