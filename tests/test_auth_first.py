@@ -157,3 +157,51 @@ def test_schema_depth_bound_in_the_parser():
             with pytest.raises(APIError) as err:
                 protocol.structured_output(body)
             assert err.value.status == 400 and err.value.param == field
+
+
+# -- issue 52, item 5: authentication before the body, on every route ---------------------------
+
+# Each kind of route: the fleet-signed ones (the guard verifies a signature over the body), the
+# other admin writes (a bearer token only) and /v1 (an API key).
+OVER_LIMIT_ROUTES = [
+    ("PATCH", "/admin/config"),
+    ("POST", "/admin/drain"),
+    ("POST", "/admin/resume"),
+    ("POST", "/admin/config/save"),
+    ("PATCH", "/admin/autopilot"),
+    ("POST", "/admin/keys/tenant-a/suspend"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+]
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.parametrize("instance", ["made up", "this daemon's"])
+def test_anonymous_over_limit_body_with_made_up_fleet_headers_is_401_not_413(
+    daemon, instance, framing
+):
+    """No credentials, fleet-signature headers that look right (the current time; the
+    daemon's own instance id, or another), a body over server.max_body_bytes: 401 on every
+    route, never a 413 that tells the limit to whoever asks."""
+    import secrets
+    import time
+    from urllib.parse import quote
+
+    from controlplane.http import signing
+
+    limit = daemon.daemon.cfg.server.max_body_bytes
+    body = b"x" * (limit + 1)
+    target = daemon.daemon.instance_id if instance == "this daemon's" else "cp-somewhere-else"
+    for method, path in OVER_LIMIT_ROUTES:
+        headers = {
+            signing.INSTANCE_HEADER: quote(target, safe=""),
+            signing.TIME_HEADER: f"{time.time():.3f}",
+            signing.NONCE_HEADER: secrets.token_hex(16),
+            signing.SIGNATURE_HEADER: secrets.token_hex(32),
+            "Content-Type": "application/json",
+        }
+        # chunked: no Content-Length to refuse early by; the limit is met while reading.
+        content = body if framing == "content-length" else iter([body[: limit // 2], body])
+        r = httpx.request(method, daemon.url + path, content=content, headers=headers, timeout=60)
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+        assert str(limit) not in r.text

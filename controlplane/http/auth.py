@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from litestar.connection import ASGIConnection, Request
-from litestar.exceptions import NotAuthorizedException
+from litestar.exceptions import HTTPException, NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
+from litestar.status_codes import HTTP_413_REQUEST_ENTITY_TOO_LARGE
 
 from controlplane.config import AdminToken, Config
 from controlplane.http.signing import Verified, Verifier, is_signed, sign_response
@@ -110,9 +111,22 @@ class AdminAuth:
             path = scope["path"]
             if scope.get("query_string"):
                 path += "?" + scope["query_string"].decode("latin-1")
-            body = await Request(scope, connection.receive).body()
-            await asyncio.to_thread(lambda: verifier.keys)  # PBKDF2, once: off the event loop
-            found = verifier.verify(scope["method"], path, connection.headers, body)
+            # Authentication before the body (issue 52): what needs no body is checked first,
+            # and a body over server.max_body_bytes is never verified, so an unauthenticated
+            # request is 401 whatever its size, never told the limit (413).
+            found: Verified | str | None = verifier.check_headers(
+                scope["method"], path, connection.headers
+            )
+            if found is None:
+                try:
+                    body = await Request(scope, connection.receive).body()
+                except HTTPException as exc:
+                    if exc.status_code != HTTP_413_REQUEST_ENTITY_TOO_LARGE:
+                        raise
+                    found = "body over server.max_body_bytes: its signature cannot be checked"
+                else:
+                    await asyncio.to_thread(lambda: verifier.keys)  # PBKDF2, once: off the loop
+                    found = verifier.verify(scope["method"], path, connection.headers, body)
             if not isinstance(found, Verified):
                 log.warning("fleet request refused: %s", found)
                 raise NotAuthorizedException(

@@ -150,8 +150,10 @@ class Verifier:
             self._keys = [fleet_key(t) for t in self._tokens]
         return self._keys
 
-    def verify(self, method: str, path: str, headers, body: bytes) -> Verified | str:
-        """The signer, or why the request is refused (for the log, never the answer)."""
+    def check_headers(self, method: str, path: str, headers) -> str | None:
+        """Why the request is refused by what needs no body (route, header shapes, time,
+        instance), or None: checked before the body is read, so a made-up signature is
+        refused without reading anything (the guard: controlplane.http.auth)."""
         if (method.upper(), path.split("?", 1)[0]) not in SIGNED_ROUTES:
             return f"{method} {path} does not take fleet signatures"
         instance = unquote(str(headers.get(INSTANCE_HEADER, "")))
@@ -163,9 +165,21 @@ class Verifier:
             when = float(at)
         except ValueError:
             return "malformed fleet time"
-        now = time.time()
-        if not math.isfinite(when) or abs(now - when) > self.max_skew_s:
+        if not math.isfinite(when) or abs(time.time() - when) > self.max_skew_s:
             return f"fleet time {at} is more than {self.max_skew_s:g} s from this clock"
+        if not hmac.compare_digest(instance.encode(), self.instance.encode()):
+            return f"signed for instance {instance!r}, this is {self.instance!r}"
+        return None
+
+    def verify(self, method: str, path: str, headers, body: bytes) -> Verified | str:
+        """The signer, or why the request is refused (for the log, never the answer)."""
+        early = self.check_headers(method, path, headers)
+        if early is not None:
+            return early
+        instance = unquote(str(headers.get(INSTANCE_HEADER, "")))
+        at, nonce = str(headers.get(TIME_HEADER, "")), str(headers.get(NONCE_HEADER, ""))
+        given = str(headers.get(SIGNATURE_HEADER, ""))
+        now = time.time()
         message = request_message(
             instance=instance, method=method, path=path, body=body, at=at, nonce=nonce,
             source=str(headers.get(SOURCE_HEADER, "")),
@@ -177,8 +191,6 @@ class Verifier:
                 found = i
         if found is None:
             return "fleet signature matches no admin token"
-        if not hmac.compare_digest(instance.encode(), self.instance.encode()):
-            return f"signed for instance {instance!r}, this is {self.instance!r}"
         with self._lock:
             while self._seen and next(iter(self._seen.values())) < now:
                 self._seen.popitem(last=False)
