@@ -134,12 +134,15 @@ PATCH_CASES = [
     ('{"jobs": {"peak_flops": -Infinity}}', "jobs.peak_flops"),
     ('{"jobs": {"rollup_interval_s": NaN}}', "jobs.rollup_interval_s"),
     ('{"jobs": {"utilization_interval_s": 1' + "0" * 400 + "}}", "jobs.utilization_interval_s"),
+    # Whole price entries: every field of one is required (issue 52).
     (
-        '{"prices": [{"model": "*", "effective_from": "2027-01-01", "prompt_per_mtok": NaN}]}',
+        '{"prices": [{"model": "*", "effective_from": "2027-01-01", "prompt_per_mtok": NaN, '
+        '"cached_prompt_per_mtok": 0, "completion_per_mtok": 0}]}',
         "prices[0].prompt_per_mtok",
     ),
     (
-        '{"prices": [{"model": "*", "effective_from": "2027-01-01", "completion_per_mtok": 1e999}]}',
+        '{"prices": [{"model": "*", "effective_from": "2027-01-01", "prompt_per_mtok": 0, '
+        '"cached_prompt_per_mtok": 0, "completion_per_mtok": 1e999}]}',
         "prices[0].completion_per_mtok",
     ),
 ]
@@ -188,13 +191,23 @@ def test_patch_and_reload_refuse_non_finite_values(tiny_model_dir, tmp_path):
 # -- audit atomicity ----------------------------------------------------------------------------
 
 
+# A whole price entry (every field of one is required).
+PRICE = {
+    "model": "*",
+    "effective_from": "2027-01-01",
+    "prompt_per_mtok": 0.5,
+    "cached_prompt_per_mtok": 0.25,
+    "completion_per_mtok": 2.0,
+}
+
+
 def _patch_fails_with_nothing_changed(c: httpx.Client, count_prices) -> None:
     before = c.get("/admin/config").json()["fields"]
     prices_before = count_prices()
     for body in (
         {"engine": {"max_num_seqs": 4}},
         {"server": {"drain_timeout_s": 7}, "jobs": {"gpu_hourly_usd": 3.5}},
-        {"prices": [{"model": "*", "effective_from": "2027-01-01", "prompt_per_mtok": 1.0}]},
+        {"prices": [{**PRICE, "prompt_per_mtok": 1.0}]},
     ):
         r = c.patch("/admin/config", json=body)
         assert r.status_code == 503, r.text
