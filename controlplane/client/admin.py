@@ -263,8 +263,11 @@ class AdminClient:
 
     async def save_config(self) -> dict[str, Any]:
         """Write the live values into the daemon's config file: {"path", "saved": [{"field",
-        "value"}]}; APIError 409 (with the reason) when there is no file or it is not writable."""
-        return await self._request("POST", "/admin/config/save", headers=self._source)
+        "value"}]}; APIError 409 (with the reason) when there is no file, it cannot be read
+        or written, or it is not the file the daemon last applied. A longer timeout than other
+        calls: the daemon bounds each read and write of the file (5 s; a hung mount), and may
+        first wait for a reload's."""
+        return await self._request("POST", "/admin/config/save", headers=self._source, timeout=30.0)
 
 
 def _segment(name: str) -> str:
