@@ -14,7 +14,6 @@ import functools
 import logging
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.common import check_url, parse_time
+from controlplane.config_read import read_snapshot
 from controlplane.engine import settings as engine_settings
 from controlplane.engine.sampling_params import MAX_N
 from controlplane.engine.settings import EngineSettings, check
@@ -681,13 +681,12 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        return tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise FieldError("config", f"{p}: file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise FieldError("config", f"{p}: invalid TOML: {exc}") from None
+    """The config file's table, read as the running daemon reads it (config_read: a regular
+    file only, never a blocking open, a size cap); FieldError naming the path and why not."""
+    snap = read_snapshot(Path(path))
+    if snap.raw is None:
+        raise FieldError("config", snap.error or str(path))
+    return snap.raw
 
 
 def _fleet(raw: Mapping[str, Any]) -> FleetSettings:

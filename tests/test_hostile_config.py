@@ -123,6 +123,21 @@ def test_config_file_non_finite_stops_the_start(tmp_path):
     assert done.stderr.strip() == f"controlplane: error: server.drain_timeout_s: {FINITE}, got nan"
 
 
+def test_start_refuses_a_config_path_that_is_not_a_regular_file(tmp_path):
+    """The start reads the file as the watcher and a save do (config_read): a FIFO nobody
+    writes to is refused at once, naming what it is, never an open that blocks for good."""
+    fifo = tmp_path / "cp.toml"
+    os.mkfifo(fifo)
+    done = serve(fifo, {})  # 60 s timeout: the old plain read blocked here for good
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == f"controlplane: error: config: {fifo}: a FIFO, not a regular file"
+    big = tmp_path / "big.toml"
+    big.write_text("# " + "x" * (4 * 1024 * 1024) + "\n")
+    done = serve(big, {})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{big}: larger than 4194304 bytes" in done.stderr
+
+
 # -- PATCH /admin/config and reloads through a running daemon -----------------------------------
 
 # Python's json (and so the admin API) parses NaN, Infinity and -Infinity, and 1e999 as inf.

@@ -6,10 +6,9 @@ What a reload may meet at the path, and what it does (issue 24, item 8):
   a hung network mount costs the watcher that long, never the HTTP server (health probes
   included). While such a read is still stuck, no other is started (the threads cannot be
   killed; this keeps them to one).
-- Only a regular file is opened (`os.stat` + `S_ISREG` first, then `O_NONBLOCK` and an
-  `fstat` of what was opened, in case it was swapped in between): a FIFO, a directory (or a
-  symlink to one), a device or a socket is an error naming what it is. Symlinks to a regular
-  file are followed.
+- Only a regular file is opened, never with a blocking open (controlplane/config_read.py, the
+  one read the start takes too): a FIFO, a directory (or a symlink to one), a device or a
+  socket is an error naming what it is. Symlinks to a regular file are followed.
 - Bytes that are not UTF-8, invalid TOML, an invalid value, a file over `MAX_CONFIG_BYTES`, a
   missing file: an error naming the path (and the offset or the field). The running values
   stay; the next change of the file (or SIGHUP) is read again.
@@ -42,18 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import stat
 import threading
-import tomllib
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from controlplane.config import ServerSettings
+from controlplane.config_read import Snapshot, read_snapshot, stat_stamp
 from controlplane.errors import FieldError
 from controlplane.runtime.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
 from controlplane.runtime.persist import SaveError, write_file
@@ -61,108 +57,6 @@ from controlplane.runtime.persist import SaveError, write_file
 log = logging.getLogger("controlplane.daemon")
 
 READ_TIMEOUT_S = 5.0  # one read (or stat) of the config file, in its thread
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """One read of the file: its identity and content, and the parsed table or why not."""
-
-    stamp: tuple[int, ...] | None  # (dev, inode, mtime_ns, size) of what was read
-    poll: tuple[int, ...] | str  # stat_stamp() as it was before the read
-    digest: str  # SHA-256 of the bytes read ("" when nothing was read)
-    raw: dict[str, Any] | None
-    error: str | None  # why it cannot be applied
-    text: str = ""  # the file as read (a save keeps its comments and layout)
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return (self.stamp, self.digest, self.error)
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
-def _poll_stamp(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
-
-
-def _stat_error(exc: OSError) -> str:
-    return f"{type(exc).__name__}: {exc.strerror or exc}"
-
-
-def stat_stamp(path: Path) -> tuple[int, ...] | str:
-    """What the watcher polls: (dev, inode, mtime_ns, size, mode), or the error as text."""
-    try:
-        return _poll_stamp(os.stat(path))
-    except OSError as exc:
-        return _stat_error(exc)
-
-
-def read_snapshot(path: Path) -> Snapshot:
-    """Read and parse the config file, refusing anything but a regular file; never raises
-    for what is at the path (blocking is the caller's concern: see `OffLoopReader`)."""
-
-    poll: tuple[int, ...] | str = ""
-
-    def failed(message: str, st: os.stat_result | None = None, digest: str = "") -> Snapshot:
-        stamp = None if st is None else (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        return Snapshot(stamp, poll, digest, None, f"{path}: {message}")
-
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        poll = _stat_error(exc)
-        if isinstance(exc, FileNotFoundError):
-            return failed("file not found")
-        return failed(f"cannot stat: {exc.strerror or exc}")
-    poll = _poll_stamp(st)
-    if not stat.S_ISREG(st.st_mode):
-        return failed(f"{_kind(st.st_mode)}, not a regular file", st)
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        return failed(f"cannot open: {exc.strerror or exc}", st)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped between the stat and the open
-            return failed(f"{_kind(st.st_mode)}, not a regular file", st)
-        chunks, size = [], 0
-        while size <= MAX_CONFIG_BYTES:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        return failed(f"cannot read: {exc.strerror or exc}", st)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    digest = hashlib.sha256(data).hexdigest()
-    if len(data) > MAX_CONFIG_BYTES:
-        return failed(f"larger than {MAX_CONFIG_BYTES} bytes", st, digest)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        bad = data[exc.start : exc.start + 1].hex()
-        return failed(f"not UTF-8 (byte 0x{bad} at offset {exc.start})", st, digest)
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        return failed(f"invalid TOML: {exc}", st, digest)
-    stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-    return Snapshot(stamp, poll, digest, raw, None, text)
 
 
 class OffLoopReader:
