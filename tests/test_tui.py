@@ -91,11 +91,16 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
     c = api(daemon.url)
 
     async def main() -> None:
+        # The first data comes on connecting, not a period later: with a 30 s period it is
+        # on screen within 5 s. (A wall-clock bound on the default period measured this
+        # machine's load instead: 3.25-4.0 s under loadgen on 2 busy cores.)
+        slow = DashboardApp(daemon.url, TOKEN, events_interval=30, reconnect_max_s=0.5)
+        async with slow.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: slow.stats_received, 5, "first stats")
+            assert slow.stats_received == 1 and "serving" in screen_text(slow)
         app = make_app(daemon.url)
-        started = time.monotonic()
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(pilot, lambda: app.stats_received, 5, "first stats")
-            assert time.monotonic() - started < 3  # first data well within a second of connecting
             await wait_until(
                 pilot, lambda: (app.stats or {}).get("num_running", 0) > 0, 30, "running > 0"
             )
