@@ -50,6 +50,12 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """A read file's identity (dev, inode, mtime_ns, size): Snapshot.stamp, and what a save
+    compares before it writes over the file it read."""
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def _poll_stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
 
@@ -73,7 +79,7 @@ def read_snapshot(path: Path) -> Snapshot:
     poll: tuple[int, ...] | str = ""
 
     def failed(message: str, st: os.stat_result | None = None, digest: str = "") -> Snapshot:
-        stamp = None if st is None else (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        stamp = None if st is None else file_stamp(st)
         return Snapshot(stamp, poll, digest, None, f"{path}: {message}")
 
     try:
@@ -119,5 +125,4 @@ def read_snapshot(path: Path) -> Snapshot:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         return failed(f"invalid TOML: {exc}", st, digest)
-    stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-    return Snapshot(stamp, poll, digest, raw, None, text)
+    return Snapshot(file_stamp(st), poll, digest, raw, None, text)

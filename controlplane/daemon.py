@@ -94,7 +94,6 @@ class Daemon:
 
         self.runtime.autopilot = Autopilot(self.runtime)
         self.config_path = Path(config_path) if config_path else None
-        self.runtime.config_path = self.config_path  # POST /admin/config/save writes it
         # Reloads (SIGHUP, the watcher): read off the loop, only a complete regular file.
         self.config_file = (
             ConfigFile(

@@ -41,8 +41,7 @@ def load_json(raw: bytes, unique_keys: bool = False) -> Any:
     strings or field names with lone surrogates (not encodable as UTF-8). Errors name the
     field, as `invalid` does. `unique_keys`: a key given twice in one object is a 422 naming
     it (the admin API's changes: which of two values was meant cannot be known)."""
-    if len(raw) >= memory.LARGE_BODY_BYTES:  # its parse leaves freed heap: arm the idle trim
-        memory.note_large_work()
+    memory.note_body(len(raw))  # its parse leaves freed heap: arm the idle trim
     try:
         body = json.loads(raw, object_pairs_hook=_unique_pairs if unique_keys else None)
     except RecursionError:

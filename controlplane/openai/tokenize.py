@@ -91,8 +91,7 @@ def _limit_text(max_model_len: int) -> str:
 
 def _check_size(raw: bytes, api: InferenceAPI) -> None:
     """Refuse, unparsed, a body too large to hold an admitted input."""
-    if len(raw) >= memory.LARGE_BODY_BYTES:  # refused or not, its buffers were large
-        memory.note_large_work()
+    memory.note_body(len(raw))  # refused unparsed or not
     mml = api.runtime.engine.max_model_len
     cap = _JSON_BYTES_PER_UNIT * input_limit(mml) + _JSON_OTHER_FIELDS
     if len(raw) > cap:

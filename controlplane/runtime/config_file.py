@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.config import ServerSettings
-from controlplane.config_read import Snapshot, read_snapshot, stat_stamp
+from controlplane.config_read import Snapshot, file_stamp, read_snapshot, stat_stamp
 from controlplane.errors import FieldError
 from controlplane.runtime.live_config import ConfigChangeError, FieldChange, LiveConfig, flatten_raw
 from controlplane.runtime.persist import SaveError, write_file
@@ -202,9 +202,7 @@ class ConfigFile:
         path = self.path
 
         def write() -> None:
-            real = Path(os.path.realpath(path))
-            st = real.stat()
-            if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) != read.stamp:
+            if file_stamp(Path(os.path.realpath(path)).stat()) != read.stamp:
                 raise SaveError(f"config file {path} changed while saving; not written, save again")
             write_file(path, text)
 

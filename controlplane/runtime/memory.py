@@ -44,6 +44,13 @@ def note_large_work() -> None:
     _large_work += 1
 
 
+def note_body(size: int) -> None:
+    """A request body of `size` bytes was read: a large one arms the idle trim (its buffers
+    are freed into the heap whether it is parsed, refused or served)."""
+    if size >= LARGE_BODY_BYTES:
+        note_large_work()
+
+
 def _libc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     try:

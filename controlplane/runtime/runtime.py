@@ -27,7 +27,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.common import percentile
@@ -113,10 +112,9 @@ class Runtime:
         self._config_lock = asyncio.Lock()
         self._stats_json: tuple[float, str] = (-1.0, "")  # (monotonic time, serialized)
         # The file the daemon was started with (--config; None: embedded defaults), where
-        # POST /admin/config/save writes the live values; and the live values the last start
-        # dropped ({"field", "live", "file"}: controlplane.runtime.persist).
-        self.config_path: Path | None = None
-        # Its reads and writes (controlplane.runtime.config_file.ConfigFile; set by the daemon).
+        # POST /admin/config/save writes the live values, with its safe reads and writes
+        # (controlplane.runtime.config_file.ConfigFile; set by the daemon); and the live values
+        # the last start dropped ({"field", "live", "file"}: controlplane.runtime.persist).
         self.config_file: ConfigFile | None = None
         self.dropped_at_restart: list[dict[str, Any]] = []
         # The CPU kernels' state for /admin/stats (cpu_ops.state; set by the daemon's load).
@@ -471,7 +469,8 @@ class Runtime:
         async with file.exclusive():  # no reload applies the file between the read and the write
             read = await file.read_for_save()
             async with self._config_lock:  # no change applied between the plan and the write
-                plan = plan_save(path, read.text, self.cfg)
+                # tomlkit's parse of up to 4 MiB: off the event loop.
+                plan = await asyncio.to_thread(plan_save, path, read.text, self.cfg)
                 fields = [field for field, _ in plan.saved]
                 if fields:
                     change = FieldChange("config_file", None, fields)

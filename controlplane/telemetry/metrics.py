@@ -196,11 +196,11 @@ class Metrics:
         device: str = "cpu",
         http: HttpMetrics | None = None,
     ) -> None:
-        """`model_name` labels every model series; the daemon passes the served name, known before
-        the model loads (controlplane.config.served_model_name_of): a placeholder while loading
-        would be listed as a model by a dashboard's Model dropdown. `max_model_len` sets the top of the
-        request-token-count buckets (1-2-5 series, as
-        vLLM); without it they go up to 131072. `prefix`: every series' name starts with it
+        """`model_name` labels every model series; the daemon passes the served name, known
+        before the model loads (controlplane.config.served_model_name_of): a placeholder while
+        loading would be listed as a model by a dashboard's Model dropdown. `max_model_len` sets
+        the top of the request-token-count buckets (1-2-5 series, as vLLM); without it they go
+        up to 131072. `prefix`: every series' name starts with it
         (``controlplane:`` or ``vllm:``, server.metrics_prefix). `device`: the engine's
         (``cuda...`` sets ``gpu_cache_usage_perc``, anything else ``cpu_cache_usage_perc``).
         `http`: the HTTP middleware's series (kept by the runtime across the registry swap
