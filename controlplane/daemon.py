@@ -369,7 +369,7 @@ class Daemon:
 
         self.jobs = Jobs(self.runtime)
         self.jobs.start()
-        from controlplane.runtime.memory import configured_idle_s, trim_when_idle
+        from controlplane.memory import configured_idle_s, trim_when_idle
 
         # Storms leave freed C-heap memory cached: give it back once the engine is idle.
         aeng = self.aengine

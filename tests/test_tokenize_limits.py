@@ -1,7 +1,7 @@
 """POST /tokenize and /detokenize have an input bound of their own, tied to max_model_len: over
 it, a 400 in OpenAI's error shape naming the field and the limit; at it, the answer is built off
 the event loop (/health keeps answering) and the idle memory trim is armed, as after engine
-work (controlplane.runtime.memory).
+work (controlplane.memory).
 
 A real in-process daemon on the tiny demo model, httpx on loopback; the trim is observed by
 the memory module's own log line, on a real glibc `malloc_trim`."""
@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from controlplane import memory
 from controlplane.config import load_config
 from controlplane.openai.tokenize import LIMIT_PER_CONTEXT_TOKEN
-from controlplane.runtime import memory
 from harness import InProcessDaemon, write_config
 
 MAX_MODEL_LEN = 2048

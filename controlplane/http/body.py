@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane import memory
 from controlplane.http.errors import APIError, invalid, printable
-from controlplane.runtime import memory
 
 # Deeper than any real request (chat content parts are 4 levels); also keeps recursive code
 # (the chat template, config flattening) far from Python's recursion limit.

@@ -22,7 +22,7 @@ prompts must not let one request take gigabytes. A `prompt` longer than the limi
 characters, a `tokens` list longer than it in ids, or a `messages` body longer than it in bytes
 is a 400 naming the field and the limit, before anything is tokenized. Parsing, tokenizing and
 the answer's JSON run in a worker thread once the input is large (as a prompt's tokenization
-does), and a large one arms the idle memory trim (controlplane.runtime.memory), as an engine
+does), and a large one arms the idle memory trim (controlplane.memory), as an engine
 request does.
 """
 
@@ -34,12 +34,12 @@ import msgspec
 from litestar import MediaType, Request, Response, get, post
 from litestar.handlers import HTTPRouteHandler
 
+from controlplane import memory
 from controlplane.http.body import load_json, openapi_body
 from controlplane.http.errors import APIError, invalid, unavailable
 from controlplane.openai import protocol
 from controlplane.openai.serving import OFF_LOOP_CHARS
 from controlplane.openai.tools import parse_tools
-from controlplane.runtime import memory
 
 if TYPE_CHECKING:
     from controlplane.openai.serving import InferenceAPI
