@@ -17,7 +17,7 @@ Neither is a generation request: nothing is queued, counted in the traffic or re
 
 Their input has a bound of its own, tied to the model's context (`input_limit`): tokenizing
 costs many times the body in memory (the token ids, their strings, the tokenizer's own
-encoding; docs/openai-api.md has the figures), and the body limit an operator raises for long
+encoding; docs/benchmarks.md has the figures), and the body limit an operator raises for long
 prompts must not let one request take gigabytes. A `prompt` longer than the limit in
 characters, a `tokens` list longer than it in ids, or a `messages` body longer than it in bytes
 is a 400 naming the field and the limit, before anything is tokenized. Parsing, tokenizing and
