@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from controlplane.engine import cpu_ops
-from controlplane.engine.attention import AttentionBackend, SeqSpan, TorchPagedAttention
+from controlplane.engine.attention.backend import AttentionBackend, SeqSpan, TorchPagedAttention
+from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 
 BLOCK = 16
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if not cpu_ops.available():
         raise SystemExit(f"our CPU kernels did not build: {cpu_ops.build_error()}")
-    from controlplane.engine.cpu_attention import CpuPagedAttention
+    from controlplane.engine.attention.cpu import CpuPagedAttention
 
     print(f"{args.threads} threads; us per layer call, best of {args.reps}")
     print(f"{'model':<11} {'cache':<9} {'rows':>4} {'context':>7} {'torch':>9} {'ours':>9} ratio")

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from controlplane.engine import cpu_ops
+from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.model import quant
 
 SHAPES = {

@@ -148,7 +148,7 @@ class FleetSettings:
 @dataclass(frozen=True, slots=True)
 class AutopilotSettings:
     """[autopilot] (every key live): hold latency targets at the most goodput by moving the
-    engine's live knobs within bounds (controlplane/autopilot/policy.py decides, autopilot/runner.py
+    engine's live knobs within bounds (controlplane/autopilot/policy.py decides, autopilot/pilot.py
     applies, audited as source "autopilot")."""
 
     enabled: bool = False
@@ -182,7 +182,7 @@ class AutopilotSettings:
 
     def bounds(self) -> dict[str, tuple[int, int]]:
         """Each knob's (min, max): every `<knob>_min` field with its `<knob>_max` (the knobs are
-        controlplane.autopilot.policy.KNOBS; tests/test_autopilot_decide.py checks they agree)."""
+        controlplane.autopilot.policy.KNOBS; tests/autopilot/test_autopilot_decide.py checks they agree)."""
         knobs = [f.name[:-4] for f in dataclasses.fields(self) if f.name.endswith("_min")]
         return {k: (getattr(self, f"{k}_min"), getattr(self, f"{k}_max")) for k in knobs}
 

@@ -38,7 +38,7 @@ from controlplane.telemetry.metrics import Metrics
 if TYPE_CHECKING:
     from controlplane.engine import AsyncEngine
     from controlplane.fleet.heartbeat import FleetMember
-    from controlplane.jobs.scheduler import Jobs
+    from controlplane.jobs.periodic import Jobs
     from controlplane.store.recorder import Recorder
 
 log = logging.getLogger("controlplane.daemon")
@@ -90,7 +90,7 @@ class Daemon:
         tokens, token_file = resolve_tokens(cfg, env)
         # The served name from the start: the metrics carry it while the model loads.
         self.runtime = Runtime(live, instance_id(cfg), AdminAuth(tokens), served_model_name_of(cfg))
-        from controlplane.autopilot.runner import Autopilot
+        from controlplane.autopilot.pilot import Autopilot
 
         self.runtime.autopilot = Autopilot(self.runtime)
         self.config_path = Path(config_path) if config_path else None
@@ -154,7 +154,7 @@ class Daemon:
         if engine_changes:
             self.runtime.engine.update_settings(**engine_changes)
         if self.jobs is not None:
-            from controlplane.jobs.scheduler import AUTOPILOT_JOB, ROLLUP_JOB, SAMPLE_JOB
+            from controlplane.jobs.periodic import AUTOPILOT_JOB, ROLLUP_JOB, SAMPLE_JOB
 
             intervals = {
                 "jobs.utilization_interval_s": SAMPLE_JOB,
@@ -283,8 +283,9 @@ class Daemon:
             log.error("restart: could not audit the dropped live values: %s", exc)
 
     def _load_engine(self) -> AsyncEngine:
-        from controlplane.engine import AsyncEngine, Engine, cpu_ops
+        from controlplane.engine import AsyncEngine, Engine
         from controlplane.engine.gguf.known import served_model_name
+        from controlplane.engine.kernels import cpu_ops
 
         # A build of the CPU kernels waits this long for another process's; a stopped start
         # abandons it. /admin/stats reports what came of it (cpu_kernels).
@@ -310,7 +311,7 @@ class Daemon:
         background = [asyncio.create_task(self._pump_metrics_forever())]
         if self.config_path is not None:
             background.append(asyncio.create_task(self._watch_config()))
-        from controlplane.app import create_app
+        from controlplane.asgi import create_app
 
         self.app = create_app(self.runtime)
         server = _Server(
@@ -365,7 +366,7 @@ class Daemon:
         if self.recorder is not None:
             rec = self.recorder
             self.runtime.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
-        from controlplane.jobs.scheduler import Jobs
+        from controlplane.jobs.periodic import Jobs
 
         self.jobs = Jobs(self.runtime)
         self.jobs.start()
@@ -421,7 +422,7 @@ class Daemon:
 
     @staticmethod
     def _wait_build_stopped() -> bool:
-        from controlplane.engine import cpu_ops
+        from controlplane.engine.kernels import cpu_ops
 
         return cpu_ops.wait_idle(STOP_BUILD_WAIT_S)
 

@@ -4,7 +4,7 @@ request rows, and the PASS/FAIL report.
 
 Drills print what they measure and end with one PASS/FAIL line per check; the exit status is
 1 when a check failed. They are run by hand (`python -m drills.<name>` from the repository
-root) and by CI's drill step (tests/test_drills.py).
+root) and by CI's drill step (tests/daemon/test_drills.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 # `engine.compile = auto` compiles the decode step in the background in a daemon on a CPU: the
 # suite's dozens of short-lived daemons would each spend 10-160 s of its two cores on it.
 # Off here (in-process engines, and daemons started as processes, through their environment);
-# tests/test_compiled.py runs the background path, CI's quickstart and drills the default.
+# tests/engine/test_compiled.py runs the background path, CI's quickstart and drills the default.
 compiled.CPU_AUTO = "off"
 os.environ.setdefault("CONTROLPLANE_ENGINE__COMPILE", "off")
 

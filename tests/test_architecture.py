@@ -128,9 +128,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read() -> None:
     # A parser that found nothing would pass every rule below.
     assert "controlplane.runtime.runtime" in GRAPH["controlplane.daemon"]
-    assert "controlplane.app" in GRAPH["controlplane.daemon"]
-    assert "controlplane.admin.routes" in GRAPH["controlplane.app"]
-    assert "controlplane.runtime.runtime" in GRAPH["controlplane.openai.app"]  # TYPE_CHECKING
+    assert "controlplane.asgi" in GRAPH["controlplane.daemon"]
+    assert "controlplane.admin.routes" in GRAPH["controlplane.asgi"]
+    assert "controlplane.runtime.runtime" in GRAPH["controlplane.openai.routes"]  # TYPE_CHECKING
 
 
 def test_no_import_cycles_between_modules() -> None:
@@ -185,7 +185,7 @@ def test_nothing_below_the_apis_imports_an_api_package() -> None:
 
 
 def test_the_two_apis_import_neither_each_other() -> None:
-    # They meet only in controlplane.app, the daemon's HTTP surface, which mounts both.
+    # They meet only in controlplane.asgi, the daemon's HTTP surface, which mounts both.
     bad = {
         module: sorted(
             d

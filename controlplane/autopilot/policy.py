@@ -1,6 +1,6 @@
 """The SLO autopilot's decision: a pure function of what the last window measured, the knobs'
 current values, their bounds and the targets (torch-free, no I/O; the daemon's runner in
-controlplane/autopilot/runner.py gathers the figures and applies the decision).
+controlplane/autopilot/pilot.py gathers the figures and applies the decision).
 
 What each knob trades (the seeds' reasoning, and what the branches below act on):
   * max_num_seqs: more sequences per step is more throughput, but every decode step takes

@@ -41,7 +41,7 @@ from types import FunctionType, MethodType
 
 import torch
 
-from controlplane.engine.attention import (
+from controlplane.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     SeqSpan,
@@ -262,7 +262,7 @@ def _input_guards_only(entries: list) -> list[bool]:
 
 # What `auto` does on a CPU in a long-running engine: "background" or "off". tests/conftest.py
 # sets "off" for the suite, whose dozens of short-lived daemons would each compile for 10-160 s
-# on two cores; tests/test_compiled.py runs the background path itself.
+# on two cores; tests/engine/test_compiled.py runs the background path itself.
 CPU_AUTO = "background"
 
 

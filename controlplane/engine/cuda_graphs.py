@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from controlplane.engine.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from controlplane.engine.attention.backend import AttentionBackend, AttentionMetadata, SeqSpan
 from controlplane.engine.model.llama import CausalLM
 
 if TYPE_CHECKING:  # loaded only where Triton attention runs: the CPU engine never loads it
-    from controlplane.engine.triton_attention import TritonAttentionMetadata, TritonPagedAttention
+    from controlplane.engine.attention.triton import TritonAttentionMetadata, TritonPagedAttention
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def graphs_enabled(
     is compiled."""
     if mode != "auto" or device.type != "cuda" or not compiled:
         return False
-    from controlplane.engine.triton_attention import TritonPagedAttention
+    from controlplane.engine.attention.triton import TritonPagedAttention
 
     return isinstance(backend, TritonPagedAttention)
 

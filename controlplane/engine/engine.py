@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from controlplane.engine.build import build, make_backend
 from controlplane.engine.compiled import CompiledDecode, compile_mode
 from controlplane.engine.cuda_graphs import (
     CudaGraphDecode,
@@ -29,9 +28,10 @@ from controlplane.engine.cuda_graphs import (
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
+from controlplane.engine.model_runner import ModelRunner
 from controlplane.engine.output import finish_text, make_output, merge, take_token
+from controlplane.engine.parts import build, make_backend
 from controlplane.engine.prompt_logprobs import score as score_prompt
-from controlplane.engine.runner import ModelRunner
 from controlplane.engine.sampler import Sampler
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.scheduler import Scheduler, SchedulerOutput

@@ -18,13 +18,22 @@ from safetensors import safe_open
 from controlplane.engine.errors import ModelLoadError
 from controlplane.engine.gguf.known import is_gguf
 from controlplane.engine.model.arena import place_weights
-from controlplane.engine.model.config import ModelConfig
+from controlplane.engine.model.config import ModelConfig, config_from_hf_dir
 from controlplane.engine.model.linear import PackedLinear, cpu_packing_supported, pack_linears
 from controlplane.engine.model.llama import CausalLM, RotaryEmbedding, fuse_projections
 from controlplane.engine.model.quant import QuantConfig, quantize_model
 from controlplane.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """Hyper-parameters from a model directory's config.json, or from a `.gguf` file's metadata."""
+    if is_gguf(model):
+        from controlplane.engine.gguf.config import config_from_gguf
+
+        return config_from_gguf(model)
+    return config_from_hf_dir(model)
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:

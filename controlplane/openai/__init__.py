@@ -4,4 +4,4 @@ fields each endpoint reads), `protocol` (the hand parser: every field checked an
 forced calls, auto-parsed calls, streaming), `serving` (admission, validation, queueing, the
 completion and chat flows), `flight` (the fan-out of prompts and choices into engine requests),
 `render` (envelopes, SSE, tool calls in messages and chunks) and `app` (the /v1 routes; the
-daemon's whole app is controlplane.app)."""
+daemon's whole app is controlplane.asgi)."""

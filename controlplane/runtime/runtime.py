@@ -97,7 +97,7 @@ class Runtime:
         self.events = Events()
         # /v1 arrivals, rejections and ends (counted by InferenceAPI.serve) for /admin/stats.
         self.traffic = Traffic(self.started_at)
-        # The daemon's SLO autopilot (controlplane.autopilot.runner.Autopilot; not imported
+        # The daemon's SLO autopilot (controlplane.autopilot.pilot.Autopilot; not imported
         # here, even for typing: it is built on this module, not the other way round).
         self.autopilot: Any = None
         self.store = StoreHandle()

@@ -23,7 +23,7 @@ from textual.widgets import Static
 
 from controlplane.client.admin import APIError, ClientError
 
-# Who pins a knob: the sources the autopilot counts as an operator's (autopilot/runner.py).
+# Who pins a knob: the sources the autopilot counts as an operator's (autopilot/pilot.py).
 OPERATOR_SOURCES = ("api", "tui", "file", "env", "fleet")
 HISTORY_LIMIT = 200  # audit entries read to find who set a pinned knob
 

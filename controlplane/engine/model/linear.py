@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from controlplane.engine import cpu_ops
+from controlplane.engine.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from controlplane.engine.attention import AttentionBackend, AttentionMetadata
+from controlplane.engine.attention.backend import AttentionBackend, AttentionMetadata
 from controlplane.engine.model.config import ModelConfig
 
 

@@ -19,7 +19,7 @@ activations stay in the model dtype. Each module picks its kernel once, at const
   and the int8 lm_head take our `w4a8_linear` / `w8a8_linear` instead
   (csrc/int8_activations.cpp): int8 activations, integer sums.
 * CUDA: `torch._weight_int8pack_mm` and tinygemm's `torch._weight_int4pack_mm` (bf16
-  activations): correct on an H100 (tests/test_quant_gpu.py), slower than bf16 there
+  activations): correct on an H100 (tests/engine/test_quant_gpu.py), slower than bf16 there
   (docs/models.md).
 * Anywhere else, or where a kernel rejects the shape or dtype: dequantize, then `F.linear`.
 
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from controlplane.engine import cpu_ops
+from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.model.linear import cpu_packing_supported, packed_matmul
 from controlplane.engine.settings import QUANTIZATIONS
 from controlplane.engine.types import MemoryUse
