@@ -9,7 +9,12 @@
   output in a log file, ready once /health/ready answers 200; `stop()` (SIGTERM, wait, then
   SIGKILL), `kill()` (SIGKILL), `rss()`, `log_tail()`, `lines`, `wait_for(needle)`.
   `DaemonError` when it exits or is not ready in time, with the log's tail.
-- `InProcessDaemon(cfg)`: the real daemon and HTTP server in a thread of this process.
+- `admin_sections(**sections)`: config sections over the tests' usual daemon (an admin token,
+  ADMIN_TOKEN; records, events and config-file checks at short intervals).
+- `InProcessDaemon(cfg)`: the real daemon and HTTP server in a thread of this process; a
+  context manager (start, then stop and `assert_stopped_clean`). `InProcessDaemon.configured(
+  folder, model, **sections)` writes its config; `from_file(path)` reads one.
+- `drain(engine)`: an engine stepped to the end; `assert_no_leaks(engine)`: nothing left held.
 - `rows(url)`, `wait_rows(url, predicate)`: the request rows in SQL.
 
 Run from the repository root: `python -m pytest`, `python -m drills.<name>`,
@@ -18,18 +23,31 @@ Run from the repository root: `python -m pytest`, `python -m drills.<name>`,
 
 from __future__ import annotations
 
-from harness.config import REPO_ROOT, clean_env, free_port, toml_value, write_config
+from harness.config import (
+    ADMIN_TOKEN,
+    REPO_ROOT,
+    admin_sections,
+    clean_env,
+    free_port,
+    toml_value,
+    write_config,
+)
+from harness.engine import assert_no_leaks, drain
 from harness.inprocess import InProcessDaemon
 from harness.process import STARTED, DaemonError, DaemonProcess
 from harness.store import rows, wait_rows
 
 __all__ = [
+    "ADMIN_TOKEN",
     "REPO_ROOT",
     "STARTED",
     "DaemonError",
     "DaemonProcess",
     "InProcessDaemon",
+    "admin_sections",
+    "assert_no_leaks",
     "clean_env",
+    "drain",
     "free_port",
     "rows",
     "toml_value",

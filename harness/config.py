@@ -57,6 +57,24 @@ def write_config(
     return path
 
 
+# The admin token of `admin_sections`: tests send it as their bearer token.
+ADMIN_TOKEN = "ops-token-0123456789abcdef"
+
+
+def admin_sections(**sections: Any) -> dict[str, Any]:
+    """`sections` over the tests' usual daemon: an admin token `ops` (ADMIN_TOKEN) unless
+    `admin_tokens` is given, records written every 0.1 s, and events and config-file checks
+    every 0.2 s (so a test sees them soon)."""
+    sections.setdefault("admin_tokens", [{"name": "ops", "token": ADMIN_TOKEN}])
+    store = {"flush_interval_s": 0.1, **sections.pop("store", {})}
+    server = {
+        "events_interval_s": 0.2,
+        "config_watch_interval_s": 0.2,
+        **sections.pop("server", {}),
+    }
+    return {**sections, "store": store, "server": server}
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without the scrubbed variables, plus `extra` (say, the
     CONTROLPLANE_* variables a test sets on purpose), with unbuffered Python output."""

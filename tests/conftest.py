@@ -1,11 +1,12 @@
-"""Shared fixtures: tiny random-weight models built locally (no downloads)."""
+"""Shared fixtures: tiny random-weight models built locally (no downloads), databases, and
+in-process daemons (`make_daemon`, `make_module_daemon`, `client`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
 from controlplane.engine import compiled
+from harness import InProcessDaemon, drain
 
 # Triton kernels run on a CPU only under its interpreter, chosen when triton is first
 # imported, and torch.compile imports triton whenever it is installed: so the whole session
@@ -58,12 +60,8 @@ def run_to_end(engine: Any, prompts: list[list[int]], params: list[Any]) -> list
     """Token ids of every prompt's output (one SamplingParams each), the engine stepped until
     all are finished."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[i] for i in ids]
+    done = drain(engine)
+    return [done[i].token_ids for i in ids]
 
 
 def traced_logits(
@@ -165,17 +163,11 @@ def require_smollm2(found: Path | None = None) -> Path:
     return path
 
 
-def start_smollm2_float32(tmp: Path, **server: Any) -> Any:
-    """An in-process daemon on SmolLM2 with float32 weights and activations (the scoring
-    references compare against transformers' float32 forward of the same GGUF), served as
-    `smol`; `server` adds [server] keys."""
-    from controlplane.config import load_config
-    from harness import InProcessDaemon, write_config
-
-    cfg_path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        require_smollm2(),
+def smollm2_float32(**server: Any) -> dict[str, Any]:
+    """Config sections for a daemon on SmolLM2 with float32 weights and activations (the
+    scoring references compare against transformers' float32 forward of the same GGUF),
+    served as `smol`; `server` adds [server] keys. For `make_daemon(require_smollm2(), ...)`."""
+    return dict(
         engine={
             "dtype": "float32",
             "quantization": "none",
@@ -185,7 +177,6 @@ def start_smollm2_float32(tmp: Path, **server: Any) -> Any:
         server={"model_name": "smol", **server},
         store={"flush_interval_s": 0.05},
     )
-    return InProcessDaemon(load_config(cfg_path, env={}), config_path=cfg_path).start()
 
 
 @pytest.fixture(scope="session")
@@ -279,17 +270,90 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Any]:
-    """A migrated SQLAlchemy engine on each kind of database (store tests).
-
-    test_engine_behaviour.py defines its own `engine` (the inference engine) for its module.
-    """
+def db_engine(db_url: str) -> Iterator[Any]:
+    """A migrated SQLAlchemy engine on each kind of database (store tests)."""
     from controlplane.store import make_engine, upgrade
 
     upgrade(db_url)
     eng = make_engine(db_url)
     yield eng
     eng.dispose()
+
+
+class DaemonFactory:
+    """In-process daemons from a model and config sections, each with its own folder (cp.toml,
+    data/); `close()` stops them all and checks each stopped clean (no request, no KV block
+    left), as leaving `with InProcessDaemon(...)` does."""
+
+    def __init__(self, folder: Callable[[], Path], default_model: Callable[[], Path]) -> None:
+        self._folder = folder
+        self._default_model = default_model
+        self.daemons: list[InProcessDaemon] = []
+
+    def __call__(
+        self,
+        model: Path | str | None = None,
+        *,
+        admin: bool = False,
+        env: dict[str, str] | None = None,
+        with_file: bool = True,
+        start: bool = True,
+        wait_ready: bool = True,
+        **sections: Any,
+    ) -> InProcessDaemon:
+        """A daemon on `model` (default: the tiny demo model) with `sections` as `write_config`
+        takes them (over `admin_sections` with `admin`), started and ready unless told not to
+        (`start=False`: the test starts it; `wait_ready=False`: until it listens)."""
+        d = InProcessDaemon.configured(
+            self._folder(),
+            model if model is not None else self._default_model(),
+            admin=admin,
+            env=env,
+            with_file=with_file,
+            **sections,
+        )
+        self.daemons.append(d)
+        return d.start(wait_ready=wait_ready) if start else d
+
+    def close(self) -> None:
+        for d in self.daemons:
+            d.stop()
+        for d in self.daemons:
+            d.assert_stopped_clean()
+
+
+@pytest.fixture
+def make_daemon(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonFactory]:
+    """Daemons for this test: `make_daemon(engine={...}, server={...}, store={...})`, stopped
+    (and checked clean) when the test ends."""
+    factory = DaemonFactory(
+        lambda: tmp_path_factory.mktemp("daemon"),
+        lambda: request.getfixturevalue("tiny_model_dir"),
+    )
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def make_module_daemon(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonFactory]:
+    """`make_daemon` for a module's shared daemon (a module-scoped `served` fixture): stopped
+    when the module's tests are done."""
+    factory = DaemonFactory(
+        lambda: tmp_path_factory.mktemp("daemon"),
+        lambda: request.getfixturevalue("tiny_model_dir"),
+    )
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def client(served: InProcessDaemon) -> Any:
+    """The openai library's client on the module's `served` daemon."""
+    return served.openai()
 
 
 @pytest.fixture(autouse=True)

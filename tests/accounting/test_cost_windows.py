@@ -155,12 +155,12 @@ def assert_matches(report, expected: dict) -> None:
 
 
 @pytest.mark.parametrize("groups", [["api_key", "model", "end_user"], ["api_key"], ["end_user"]])
-def test_ten_minute_window_equals_sql(engine: Engine, groups: list[str]) -> None:
-    seed_window(engine)
-    report = cost_report(engine, since=T, until=T + TEN, group_by=groups, source="auto")
+def test_ten_minute_window_equals_sql(db_engine: Engine, groups: list[str]) -> None:
+    seed_window(db_engine)
+    report = cost_report(db_engine, since=T, until=T + TEN, group_by=groups, source="auto")
     assert report.source == "requests" and report.scope == "fleet"
     assert (report.since, report.until) == (T.isoformat(), (T + TEN).isoformat())  # exact
-    expected = sql_sums(engine, T, T + TEN, report.group_by)
+    expected = sql_sums(db_engine, T, T + TEN, report.group_by)
     assert_matches(report, expected)
     # Six final rows of inst-a and one of inst-b; the running row and the rows at T - 1 s,
     # T + 10 min and after are out.
@@ -181,35 +181,35 @@ def test_ten_minute_window_equals_sql(engine: Engine, groups: list[str]) -> None
     assert report.totals["cache_savings_usd"] == pytest.approx(saved, rel=1e-12)
 
 
-def test_instance_scope_counts_one_instance(engine: Engine) -> None:
-    seed_window(engine)
+def test_instance_scope_counts_one_instance(db_engine: Engine) -> None:
+    seed_window(db_engine)
     groups = ["api_key", "end_user"]
-    mine = cost_report(engine, since=T, until=T + TEN, group_by=groups, source="auto", instance_id="inst-a")  # fmt: skip
+    mine = cost_report(db_engine, since=T, until=T + TEN, group_by=groups, source="auto", instance_id="inst-a")  # fmt: skip
     assert (mine.scope, mine.instance_id) == ("instance", "inst-a")
-    assert_matches(mine, sql_sums(engine, T, T + TEN, groups, instance="inst-a"))
-    fleet = cost_report(engine, since=T, until=T + TEN, group_by=groups, source="auto")
+    assert_matches(mine, sql_sums(db_engine, T, T + TEN, groups, instance="inst-a"))
+    fleet = cost_report(db_engine, since=T, until=T + TEN, group_by=groups, source="auto")
     assert fleet.totals["requests"] == mine.totals["requests"] + 1  # inst-b's row
     assert fleet.to_dict()["scope"] == "fleet" and mine.to_dict()["instance_id"] == "inst-a"
 
 
-def test_whole_hours_agree_between_rows_and_rollups(engine: Engine) -> None:
-    pid = price_id(engine)
+def test_whole_hours_agree_between_rows_and_rollups(db_engine: Engine) -> None:
+    pid = price_id(db_engine)
     start = datetime(2026, 3, 1, 11, tzinfo=UTC)
     n = 0
     for minute in (0, 7, 59, 60, 61, 95, 119, 120, 150, 179):
         for inst, key, user in (("inst-a", "alice", "u1"), ("inst-b", "bob", None)):
             n += 1
-            add(engine, f"r{n}", start + timedelta(minutes=minute), pid=pid, instance=inst,
+            add(db_engine, f"r{n}", start + timedelta(minutes=minute), pid=pid, instance=inst,
                 key=key, user=user, model="m" if minute % 2 else "m2", prompt=100 + n,
                 cached=n % 3 * 10, completion=n, status="error" if n % 5 == 0 else "success")  # fmt: skip
-    add(engine, "late", start + timedelta(minutes=180), pid=pid)  # 14:00: outside
+    add(db_engine, "late", start + timedelta(minutes=180), pid=pid)  # 14:00: outside
     later = start + timedelta(hours=3, minutes=10)
     for inst in ("inst-a", "inst-b"):
-        run_rollup(engine, inst, now=later, gpu_hourly_usd=0.0, num_gpus=1, peak_flops=0.0)
+        run_rollup(db_engine, inst, now=later, gpu_hourly_usd=0.0, num_gpus=1, peak_flops=0.0)
     since, until = start, start + timedelta(hours=3)
     for groups in (["hour", "model", "api_key"], ["api_key"], []):
-        rows = cost_report(engine, since=since, until=until, group_by=groups, source="requests")
-        rolled = cost_report(engine, since=since, until=until, group_by=groups, source="rollups")
+        rows = cost_report(db_engine, since=since, until=until, group_by=groups, source="requests")
+        rolled = cost_report(db_engine, since=since, until=until, group_by=groups, source="rollups")
         assert (rows.source, rolled.source) == ("requests", "rollups")
         assert (rows.since, rows.until) == (rolled.since, rolled.until)
         assert rolled.totals["provisional"] is False
@@ -231,9 +231,9 @@ def test_whole_hours_agree_between_rows_and_rollups(engine: Engine) -> None:
             for k in money:
                 assert a[k] == pytest.approx(b[k], rel=1e-12), k
     # Over whole hours "auto" reads the rollups, unless it groups by end user.
-    auto = cost_report(engine, since=since, until=until, group_by="api_key", source="auto")
+    auto = cost_report(db_engine, since=since, until=until, group_by="api_key", source="auto")
     assert auto.source == "rollups" and auto.totals["requests"] == 20
-    by_user = cost_report(engine, since=since, until=until, group_by="end_user", source="auto")
+    by_user = cost_report(db_engine, since=since, until=until, group_by="end_user", source="auto")
     assert by_user.source == "requests"
     assert {r["end_user"]: r["requests"] for r in by_user.rows} == {"": 10, "u1": 10}
 
@@ -277,19 +277,19 @@ def cli(*argv: str) -> int:
     return args.func(args)
 
 
-def test_cli_since_10m_states_the_window_and_matches_sql(engine: Engine, db_url: str, capsys) -> None:  # fmt: skip
-    pid = price_id(engine)
+def test_cli_since_10m_states_the_window_and_matches_sql(db_engine: Engine, db_url: str, capsys) -> None:  # fmt: skip
+    pid = price_id(db_engine)
     now = datetime.now(UTC)
-    add(engine, "new-a", now - timedelta(minutes=3), pid=pid, completion=20)
-    add(engine, "new-b", now - timedelta(minutes=4), pid=pid, key="bob", user="u2", completion=5)
-    add(engine, "new-c", now - timedelta(minutes=5), pid=pid, key="bob", prompt=300)
-    add(engine, "old", now - timedelta(minutes=11), pid=pid, prompt=5000)  # outside 10 minutes
+    add(db_engine, "new-a", now - timedelta(minutes=3), pid=pid, completion=20)
+    add(db_engine, "new-b", now - timedelta(minutes=4), pid=pid, key="bob", user="u2", completion=5)
+    add(db_engine, "new-c", now - timedelta(minutes=5), pid=pid, key="bob", prompt=300)
+    add(db_engine, "old", now - timedelta(minutes=11), pid=pid, prompt=5000)  # outside 10 minutes
     assert cli("--url", db_url, "--since", "10m", "--group-by", "api_key", "--format", "json") == 0  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
     since, until = (datetime.fromisoformat(doc[k]) for k in ("since", "until"))
     assert until - since == TEN  # exactly ten minutes, not widened to whole hours
     assert (doc["source"], doc["scope"]) == ("requests", "fleet")
-    expected = sql_sums(engine, since, until, ["api_key"])
+    expected = sql_sums(db_engine, since, until, ["api_key"])
     assert {r["api_key"]: figures(r)[:4] for r in doc["rows"]} == {
         k[0]: v[:4] for k, v in expected.items()
     }

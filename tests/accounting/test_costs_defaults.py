@@ -173,18 +173,20 @@ def add_request(
     return values
 
 
-def test_provisional_rows_equal_the_request_rows_until_rolled_up(engine: Engine):
-    sync_prices(engine, [DEFAULT])
-    with engine.connect() as conn:
+def test_provisional_rows_equal_the_request_rows_until_rolled_up(db_engine: Engine):
+    sync_prices(db_engine, [DEFAULT])
+    with db_engine.connect() as conn:
         price = conn.execute(sa.text("SELECT id FROM prices")).one()
     gpu = dict(gpu_hourly_usd=3.6, num_gpus=1, peak_flops=0.0)
-    write_sample(engine, "a", UtilizationSample(HOUR + timedelta(minutes=20), 600.0, "m", 0.5), [])
-    first = [add_request(engine, f"a{i}", i, instance="a", price=price) for i in range(2)]
-    first.append(add_request(engine, "a-early", -30, instance="a", price=price))  # 11:30
-    run_rollup(engine, "a", now=HOUR + timedelta(minutes=25), **gpu)
+    write_sample(
+        db_engine, "a", UtilizationSample(HOUR + timedelta(minutes=20), 600.0, "m", 0.5), []
+    )
+    first = [add_request(db_engine, f"a{i}", i, instance="a", price=price) for i in range(2)]
+    first.append(add_request(db_engine, "a-early", -30, instance="a", price=price))  # 11:30
+    run_rollup(db_engine, "a", now=HOUR + timedelta(minutes=25), **gpu)
 
     def report(group_by: str = "api_key") -> dict:
-        rep = cost_report(engine, since=HOUR, until=HOUR + timedelta(hours=1), group_by=group_by)
+        rep = cost_report(db_engine, since=HOUR, until=HOUR + timedelta(hours=1), group_by=group_by)
         assert not rep.empty
         return {r.get("api_key", ""): r for r in rep.rows} | {"total": rep.totals}
 
@@ -195,11 +197,11 @@ def test_provisional_rows_equal_the_request_rows_until_rolled_up(engine: Engine)
 
     # Requests that ended after the rollup ran, and an instance that never ran one.
     later = [
-        add_request(engine, "a2", 30, instance="a", price=price, prompt=300, cached=100),
-        add_request(engine, "a3", 31, instance="a", price=price, key="other", status="error"),
+        add_request(db_engine, "a2", 30, instance="a", price=price, prompt=300, cached=100),
+        add_request(db_engine, "a3", 31, instance="a", price=price, key="other", status="error"),
     ]
-    add_request(engine, "a4", 32, instance="a", price=price, status="running")  # not final
-    new = [add_request(engine, "b0", 40, instance="b", price=price, completion=50)]
+    add_request(db_engine, "a4", 32, instance="a", price=price, status="running")  # not final
+    new = [add_request(db_engine, "b0", 40, instance="b", price=price, completion=50)]
     got = report()
     twelve_k = [*first[:2], later[0], *new]  # a0, a1, a2, b0: the 12:00 hour's key "k"
     assert got["k"]["provisional"] is True and got["other"]["provisional"] is True
@@ -216,7 +218,7 @@ def test_provisional_rows_equal_the_request_rows_until_rolled_up(engine: Engine)
     assert got["total"]["gpu_cost_usd"] == pytest.approx(gpu_cost, rel=1e-12)  # as last rolled
     # The 11:00 hour, which the rollup has counted in full, is not provisional.
     hourly = cost_report(
-        engine, since=HOUR - timedelta(hours=1), until=HOUR + timedelta(hours=1), group_by="hour"
+        db_engine, since=HOUR - timedelta(hours=1), until=HOUR + timedelta(hours=1), group_by="hour"
     )
     assert [(r["hour"][11:], r["provisional"]) for r in hourly.rows] == [
         ("11", False),
@@ -225,8 +227,8 @@ def test_provisional_rows_equal_the_request_rows_until_rolled_up(engine: Engine)
     assert hourly.rows[0]["list_cost_usd"] == pytest.approx(first[2]["cost_usd"], rel=1e-12)
 
     # After the next rollup of both instances: the same figures, final.
-    run_rollup(engine, "a", now=HOUR + timedelta(minutes=50), **gpu)
-    run_rollup(engine, "b", now=HOUR + timedelta(minutes=50), **gpu)
+    run_rollup(db_engine, "a", now=HOUR + timedelta(minutes=50), **gpu)
+    run_rollup(db_engine, "b", now=HOUR + timedelta(minutes=50), **gpu)
     final = report()
     assert final["total"]["provisional"] is False
     for name in ("requests_succeeded", "requests_failed", "prompt_tokens", "completion_tokens"):

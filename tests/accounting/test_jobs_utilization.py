@@ -172,7 +172,7 @@ def step_stats(**counters: int) -> StepStats:
     return StepStats(**{**base, **counters})  # type: ignore[arg-type]
 
 
-def test_rates_of_step_stats_are_stored_and_null_without_queries(engine: Engine) -> None:
+def test_rates_of_step_stats_are_stored_and_null_without_queries(db_engine: Engine) -> None:
     t0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC).timestamp()
     a = step_stats(
         step=10,
@@ -205,8 +205,8 @@ def test_rates_of_step_stats_are_stored_and_null_without_queries(engine: Engine)
     assert samples[2].spec_acceptance_rate is None and samples[2].prefix_cache_hit_rate is None
 
     for s in samples:
-        write_sample(engine, "inst-a", s, ())
-    with engine.connect() as conn:
+        write_sample(db_engine, "inst-a", s, ())
+    with db_engine.connect() as conn:
         stored = conn.execute(
             select(SAMPLES.c.prefix_cache_hit_rate, SAMPLES.c.spec_acceptance_rate).order_by(
                 SAMPLES.c.time

@@ -26,10 +26,10 @@ WINDOW = ("--since", "2026-03-01", "--until", "2026-03-02")
 
 
 @pytest.fixture
-def seeded(engine: Engine, db_url: str) -> str:
-    seed(engine)
-    run_rollup(engine, "inst-a", now=NOW, **GPU)
-    run_rollup(engine, "inst-b", now=NOW, **GPU)
+def seeded(db_engine: Engine, db_url: str) -> str:
+    seed(db_engine)
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+    run_rollup(db_engine, "inst-b", now=NOW, **GPU)
     return db_url
 
 
@@ -44,9 +44,9 @@ def _number(value: str) -> float | None:
     return None if value == "" else float(value)
 
 
-def test_cost_csv_json_table(seeded: str, engine: Engine, capsys) -> None:
+def test_cost_csv_json_table(seeded: str, db_engine: Engine, capsys) -> None:
     expected = cost_report(
-        engine, since=DAY, until=DAY.replace(day=2), group_by=["model", "api_key"]
+        db_engine, since=DAY, until=DAY.replace(day=2), group_by=["model", "api_key"]
     )
     assert len(expected.rows) == 6
 
@@ -114,9 +114,9 @@ CACHE_REQUESTS = (
 )
 
 
-def test_cached_share_and_savings_exact(engine: Engine, db_url: str, capsys) -> None:
-    sync_prices(engine, CACHE_PRICE)
-    rec = Recorder(engine, StoreSettings(flush_interval_s=0.02))
+def test_cached_share_and_savings_exact(db_engine: Engine, db_url: str, capsys) -> None:
+    sync_prices(db_engine, CACHE_PRICE)
+    rec = Recorder(db_engine, StoreSettings(flush_interval_s=0.02))
     try:
         for id, key, prompt, cached, completion in CACHE_REQUESTS:
             rec.submit(
@@ -151,8 +151,8 @@ def test_cached_share_and_savings_exact(engine: Engine, db_url: str, capsys) -> 
 
     for rolled_up in (False, True):  # from the request rows (provisional), then the rollup
         if rolled_up:
-            run_rollup(engine, "inst-a", now=NOW, **GPU)
-        report = cost_report(engine, since=DAY, until=DAY.replace(day=2), group_by="api_key")
+            run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+        report = cost_report(db_engine, since=DAY, until=DAY.replace(day=2), group_by="api_key")
         assert report.totals["provisional"] is not rolled_up
         got = figures(report)
         assert got.keys() == want.keys()
@@ -182,13 +182,15 @@ def test_cached_share_and_savings_exact(engine: Engine, db_url: str, capsys) -> 
     assert "50.0%" in total and "0.0015" in total
 
 
-def test_utilization_shows_hit_and_acceptance_rates(engine: Engine, db_url: str, capsys) -> None:
+def test_utilization_shows_hit_and_acceptance_rates(db_engine: Engine, db_url: str, capsys) -> None:
     # Time-weighted over the samples that carry a rate: hit (0.5 x 900 + 0.25 x 900) / 1800 =
     # 0.375, acceptance 0.75 (one sample); the 1800 s sample without either does not count
     # (as 0 it would halve the hit rate).
-    add_sample(engine, at(12, 15), 900, 0.5, prefix_cache_hit_rate=0.5, spec_acceptance_rate=0.75)
-    add_sample(engine, at(12, 30), 900, 0.5, prefix_cache_hit_rate=0.25)
-    add_sample(engine, at(13, 0), 1800, 0.5)
+    add_sample(
+        db_engine, at(12, 15), 900, 0.5, prefix_cache_hit_rate=0.5, spec_acceptance_rate=0.75
+    )
+    add_sample(db_engine, at(12, 30), 900, 0.5, prefix_cache_hit_rate=0.25)
+    add_sample(db_engine, at(13, 0), 1800, 0.5)
     assert cli("report", "utilization", "--url", db_url, *WINDOW, "--group-by", "day", "--format", "json") == 0  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
     assert doc["totals"]["mean_prefix_cache_hit_rate"] == pytest.approx(0.375, rel=1e-12)
@@ -211,9 +213,9 @@ def test_database_before_0005_is_not_migrated(kind: str, db_url: str, capsys) ->
     assert out.startswith(f"no {kind} data between ") and "controlplane db upgrade" in out
 
 
-def test_utilization_formats(seeded: str, engine: Engine, capsys) -> None:
+def test_utilization_formats(seeded: str, db_engine: Engine, capsys) -> None:
     expected = utilization_report(
-        engine, since=DAY, until=DAY.replace(day=2), group_by=["hour", "instance"]
+        db_engine, since=DAY, until=DAY.replace(day=2), group_by=["hour", "instance"]
     )
     assert cli("report", "utilization", "--url", seeded, *WINDOW, "--group-by", "hour,instance", "--format", "json") == 0  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
@@ -235,7 +237,7 @@ def test_utilization_formats(seeded: str, engine: Engine, capsys) -> None:
     assert "45.8%" in total and "3.00 h" in total  # busy 4950 / 10800; 10800 s covered
 
 
-def test_empty_database_and_window(engine: Engine, db_url: str, capsys) -> None:
+def test_empty_database_and_window(db_engine: Engine, db_url: str, capsys) -> None:
     assert cli("report", "cost", "--url", db_url) == 0
     out = capsys.readouterr().out
     assert out.startswith("no cost data between ")

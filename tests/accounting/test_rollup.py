@@ -302,16 +302,16 @@ def assert_figures(actual: dict[str, Any], expected: dict[str, Any]) -> None:
 # -- samples ------------------------------------------------------------------------------------
 
 
-def test_write_sample_and_energy_intervals(engine: Engine) -> None:
+def test_write_sample_and_energy_intervals(db_engine: Engine) -> None:
     def gpu0(energy: float | None, **kw: Any) -> GpuReading:
         return GpuReading(0, "H100", energy_j=energy, **kw)
 
-    a = add_sample(engine, at(12, 15), 900, 0.5, gpus=(gpu0(1000.0, power_w=math.nan),))
-    b = add_sample(engine, at(12, 30), 900, 1.2, gpus=(gpu0(1900.0), GpuReading(1)))
-    c = add_sample(engine, at(13, 30), 900, 0.5, gpus=(gpu0(5000.0),))  # after a gap
-    d = add_sample(engine, at(13, 45), 900, -0.1, gpus=(gpu0(10.0),))  # counter reset
-    e = add_sample(engine, at(14, 0), 900, 0.5, gpus=(gpu0(70.0),))
-    with engine.connect() as conn:
+    a = add_sample(db_engine, at(12, 15), 900, 0.5, gpus=(gpu0(1000.0, power_w=math.nan),))
+    b = add_sample(db_engine, at(12, 30), 900, 1.2, gpus=(gpu0(1900.0), GpuReading(1)))
+    c = add_sample(db_engine, at(13, 30), 900, 0.5, gpus=(gpu0(5000.0),))  # after a gap
+    d = add_sample(db_engine, at(13, 45), 900, -0.1, gpus=(gpu0(10.0),))  # counter reset
+    e = add_sample(db_engine, at(14, 0), 900, 0.5, gpus=(gpu0(70.0),))
+    with db_engine.connect() as conn:
         samples = {r.id: r for r in conn.execute(select(SAMPLES))}
         gpus = {(r.sample_id, r.gpu_index): r for r in conn.execute(select(GPUS))}
     assert samples[a].hour_bucket == "2026-03-01T12" and samples[a].time == at(12, 15)
@@ -329,17 +329,17 @@ def test_write_sample_and_energy_intervals(engine: Engine) -> None:
     ]
     assert gpus[(b, 1)].name is None and gpus[(b, 1)].utilization_pct is None
     with pytest.raises(ValueError, match="time"):
-        add_sample(engine, datetime(2026, 3, 1, 12), 900, 0.5)
+        add_sample(db_engine, datetime(2026, 3, 1, 12), 900, 0.5)
     with pytest.raises(ValueError, match="interval_s"):
-        add_sample(engine, at(15), 0, 0.5)
+        add_sample(db_engine, at(15), 0, 0.5)
 
 
 # -- the cost rollup ----------------------------------------------------------------------------
 
 
-def test_rollup_figures_idempotence_and_resume(engine: Engine) -> None:
-    seed(engine)
-    first = run_rollup(engine, "inst-a", now=NOW, **GPU)
+def test_rollup_figures_idempotence_and_resume(db_engine: Engine) -> None:
+    seed(db_engine)
+    first = run_rollup(db_engine, "inst-a", now=NOW, **GPU)
     # First run: from the instance's oldest data (11:00) up to the hour of now (14:00).
     assert (first.first_hour, first.hours_recomputed, first.rows_written) == (
         "2026-03-01T11",
@@ -347,28 +347,28 @@ def test_rollup_figures_idempotence_and_resume(engine: Engine) -> None:
         7,
     )
     # now - 1 h is 13:10, but r5 (arrived 12:55) is still running: the watermark stays at 12:00.
-    assert first.watermark == at(12) == get_watermark(engine, ROLLUP_JOB, "inst-a")
-    after_first = rollups(engine, "inst-a")
+    assert first.watermark == at(12) == get_watermark(db_engine, ROLLUP_JOB, "inst-a")
+    after_first = rollups(db_engine, "inst-a")
     assert_figures(after_first, EXPECTED_A)
     assert all(r["day_bucket"] == "2026-03-01" for r in after_first.values())
     assert all(r["updated_at"] == NOW for r in after_first.values())
     # Every (hour, instance)'s rows add up to its GPU cost.
     for hour, cost in (("2026-03-01T11", 2.0), ("2026-03-01T12", 4.0), ("2026-03-01T13", 2.0)):
         assert math.fsum(r["gpu_cost_usd"] for k, r in after_first.items() if k[0] == hour) == cost
-    assert rollups(engine, "inst-b") == {}  # another instance's data is not ours to roll up
+    assert rollups(db_engine, "inst-b") == {}  # another instance's data is not ours to roll up
 
     # Running again changes nothing (same now: not even updated_at).
-    again = run_rollup(engine, "inst-a", now=NOW, **GPU)
+    again = run_rollup(db_engine, "inst-a", now=NOW, **GPU)
     assert (again.first_hour, again.hours_recomputed, again.rows_written) == (
         "2026-03-01T12",
         3,
         6,
     )
-    assert rollups(engine, "inst-a") == after_first
+    assert rollups(db_engine, "inst-a") == after_first
 
     # r5 finishes: success, 1000 prompt tokens at P2 = 0.002 USD. A restart (a new call) resumes
     # from the 12:00 watermark, so the 12:00 hour is recomputed with it; 11:00 is not touched.
-    with engine.begin() as conn:
+    with db_engine.begin() as conn:
         p2 = conn.execute(text("SELECT max(id) FROM prices")).scalar()
         conn.execute(
             update(REQUESTS)
@@ -376,10 +376,10 @@ def test_rollup_figures_idempotence_and_resume(engine: Engine) -> None:
             .values(status="success", price_id=p2, cost_usd=0.002)
         )
     later = NOW + timedelta(minutes=20)
-    resumed = run_rollup(engine, "inst-a", now=later, **GPU)
+    resumed = run_rollup(db_engine, "inst-a", now=later, **GPU)
     assert (resumed.first_hour, resumed.hours_recomputed) == ("2026-03-01T12", 3)
     assert resumed.watermark == at(13)  # nothing running now: the hour of now - 1 h
-    after = rollups(engine, "inst-a")
+    after = rollups(db_engine, "inst-a")
     assert after[("2026-03-01T11", "m", IDLE_KEY)] == after_first[("2026-03-01T11", "m", IDLE_KEY)]
     # 12:00 computed tokens: alice 4000, no key 1000, bob 3000 + 1000 = 9000 in all; the busy
     # 2.0 USD now splits 4000/9000, 1000/9000, 4000/9000 (2e6 / 9000 USD per million each).
@@ -408,24 +408,24 @@ def test_rollup_figures_idempotence_and_resume(engine: Engine) -> None:
     assert after[("2026-03-01T12", "m", "bob")]["updated_at"] == later
 
     # From now on only the hours from the watermark (13:00) are recomputed.
-    tail = run_rollup(engine, "inst-a", now=later, **GPU)
+    tail = run_rollup(db_engine, "inst-a", now=later, **GPU)
     assert (tail.first_hour, tail.hours_recomputed, tail.watermark) == ("2026-03-01T13", 2, at(13))
-    assert rollups(engine, "inst-a") == after
+    assert rollups(db_engine, "inst-a") == after
 
 
-def test_rollup_two_instances_one_database(engine: Engine) -> None:
-    seed(engine)
-    run_rollup(engine, "inst-a", now=NOW, **GPU)
-    a = rollups(engine, "inst-a")
-    b_result = run_rollup(engine, "inst-b", now=NOW, **GPU)
+def test_rollup_two_instances_one_database(db_engine: Engine) -> None:
+    seed(db_engine)
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+    a = rollups(db_engine, "inst-a")
+    b_result = run_rollup(db_engine, "inst-b", now=NOW, **GPU)
     assert b_result.first_hour == "2026-03-01T12" and b_result.watermark == at(13)
-    assert_figures(rollups(engine, "inst-b"), EXPECTED_B)
-    assert rollups(engine, "inst-a") == a  # inst-b's run did not touch inst-a's rows
-    run_rollup(engine, "inst-a", now=NOW, **GPU)
-    assert_figures(rollups(engine, "inst-b"), EXPECTED_B)  # nor the other way round
+    assert_figures(rollups(db_engine, "inst-b"), EXPECTED_B)
+    assert rollups(db_engine, "inst-a") == a  # inst-b's run did not touch inst-a's rows
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+    assert_figures(rollups(db_engine, "inst-b"), EXPECTED_B)  # nor the other way round
 
     # The report sums the instances, each once: a (model, key) row of both instances is the sum.
-    report = cost_report(engine, since=DAY, until=DAY + timedelta(days=1), group_by="hour,model,api_key")  # fmt: skip
+    report = cost_report(db_engine, since=DAY, until=DAY + timedelta(days=1), group_by="hour,model,api_key")  # fmt: skip
     by_key = {(r["hour"], r["model"], r["api_key"]): r for r in report.rows}
     alice = by_key[("2026-03-01T12", "m", "alice")]
     assert (alice["requests_succeeded"], alice["prompt_tokens"]) == (3, 4000)
@@ -465,18 +465,18 @@ def test_rollup_two_instances_one_database(engine: Engine) -> None:
     assert t == {k: t[k] for k in report.columns if k not in report.group_by}
 
 
-def test_rollup_edge_cases(engine: Engine) -> None:
+def test_rollup_edge_cases(db_engine: Engine) -> None:
     # Nothing at all: no rows, the watermark still moves to the hour of now - 1 h.
-    r = run_rollup(engine, "lonely", now=NOW, **GPU)
+    r = run_rollup(db_engine, "lonely", now=NOW, **GPU)
     assert (r.hours_recomputed, r.rows_written, r.watermark) == (0, 0, at(13))
     # Requests without samples: no GPU cost (nothing covered), no MFU, no utilization; a
     # request without a price in force has no list cost and counts as free.
-    add_request(engine, "x1", at(13, 5), instance="nos", prompt=10, completion=10)
-    add_request(engine, "x2", at(13, 6), instance="nos", status="interrupted")
+    add_request(db_engine, "x1", at(13, 5), instance="nos", prompt=10, completion=10)
+    add_request(db_engine, "x2", at(13, 6), instance="nos", status="interrupted")
     # No GPUs, no peak FLOPs: zero cost, MFU unknown; never a division by zero.
-    add_sample(engine, at(13, 7), 60, 0.5, instance="nos")
-    run_rollup(engine, "nos", now=NOW, gpu_hourly_usd=2.0, num_gpus=0, peak_flops=0.0)
-    got = rollups(engine, "nos")
+    add_sample(db_engine, at(13, 7), 60, 0.5, instance="nos")
+    run_rollup(db_engine, "nos", now=NOW, gpu_hourly_usd=2.0, num_gpus=0, peak_flops=0.0)
+    got = rollups(db_engine, "nos")
     assert_figures(
         got,
         {
@@ -500,43 +500,43 @@ def test_rollup_edge_cases(engine: Engine) -> None:
         },
     )
     with pytest.raises(ValueError, match="now"):
-        run_rollup(engine, "nos", now=datetime(2026, 3, 1), **GPU)
+        run_rollup(db_engine, "nos", now=datetime(2026, 3, 1), **GPU)
     with pytest.raises(ValueError, match="num_gpus"):
-        run_rollup(engine, "nos", now=NOW, gpu_hourly_usd=1.0, num_gpus=-1, peak_flops=0.0)
+        run_rollup(db_engine, "nos", now=NOW, gpu_hourly_usd=1.0, num_gpus=-1, peak_flops=0.0)
 
 
 # -- pruning ------------------------------------------------------------------------------------
 
 
-def test_prune_keeps_rollups_and_unrolled_rows(engine: Engine) -> None:
-    seed(engine)
-    with engine.begin() as conn:
+def test_prune_keeps_rollups_and_unrolled_rows(db_engine: Engine) -> None:
+    seed(db_engine)
+    with db_engine.begin() as conn:
         conn.execute(update(REQUESTS).where(REQUESTS.c.id == "r5").values(status="aborted"))
-    add_sample(engine, at(12, 40), 900, 0.5, gpus=(GpuReading(0), GpuReading(1)))
+    add_sample(db_engine, at(12, 40), 900, 0.5, gpus=(GpuReading(0), GpuReading(1)))
     # inst-c never ran a rollup: plain age cut-off; its running request is never pruned.
-    add_request(engine, "c1", at(10), instance="inst-c")
-    add_request(engine, "c2", at(10), instance="inst-c", status="running")
-    run_rollup(engine, "inst-a", now=NOW, **GPU)  # watermark 13:00
-    before = rollups(engine, "inst-a")
+    add_request(db_engine, "c1", at(10), instance="inst-c")
+    add_request(db_engine, "c2", at(10), instance="inst-c", status="running")
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)  # watermark 13:00
+    before = rollups(db_engine, "inst-a")
 
     later = at(0, day=10)
-    counts = prune(engine, now=later, sample_retention_days=7, request_retention_days=1)
+    counts = prune(db_engine, now=later, sample_retention_days=7, request_retention_days=1)
     # inst-a: everything before its 13:00 watermark is older than the retention and rolled up;
     # 11:30 + 4 x 12:xx + 12:40 samples (2 GPU rows), r1-r5. inst-b has no watermark yet
     # (no rollup ran for it), so the plain cut-off applies: its sample and r7 go too. inst-c: c1.
     assert counts == {"utilization_samples": 7, "gpu_samples": 2, "requests": 7}
-    with engine.connect() as conn:
+    with db_engine.connect() as conn:
         left = set(conn.execute(select(REQUESTS.c.id)).scalars())
         sample_hours = sorted(conn.execute(select(SAMPLES.c.hour_bucket)).scalars())
         assert conn.execute(select(func.count()).select_from(GPUS)).scalar() == 0
     assert left == {"r6", "c2"}  # r6 arrived after inst-a's watermark: not rolled up for good
     assert sample_hours == ["2026-03-01T13", "2026-03-01T13"]
-    assert rollups(engine, "inst-a") == before  # rollups are kept
+    assert rollups(db_engine, "inst-a") == before  # rollups are kept
     # A rollup after pruning recomputes from the watermark only: the pruned hours keep their
     # figures.
-    run_rollup(engine, "inst-a", now=NOW, **GPU)
-    assert rollups(engine, "inst-a") == before
-    assert prune(engine, now=later, sample_retention_days=7, request_retention_days=1) == {
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+    assert rollups(db_engine, "inst-a") == before
+    assert prune(db_engine, now=later, sample_retention_days=7, request_retention_days=1) == {
         "utilization_samples": 0,
         "gpu_samples": 0,
         "requests": 0,
@@ -587,17 +587,17 @@ def test_migration_0010_view_columns(db_url: str) -> None:
     check(db_url)
 
 
-def test_views_match_reports(engine: Engine) -> None:
-    seed(engine)
-    add_sample(engine, at(12, 40), 900, 0.5, instance="inst-b", kv_usage=0.5, batch_fill_seqs=0.25, prefill_tokens_per_s=100.0, decode_tokens_per_s=10.0, queue_length=3, num_running=5, prefix_cache_hit_rate=0.8, spec_acceptance_rate=0.6)  # fmt: skip
-    run_rollup(engine, "inst-a", now=NOW, **GPU)
-    run_rollup(engine, "inst-b", now=NOW, **GPU)
+def test_views_match_reports(db_engine: Engine) -> None:
+    seed(db_engine)
+    add_sample(db_engine, at(12, 40), 900, 0.5, instance="inst-b", kv_usage=0.5, batch_fill_seqs=0.25, prefill_tokens_per_s=100.0, decode_tokens_per_s=10.0, queue_length=3, num_running=5, prefix_cache_hit_rate=0.8, spec_acceptance_rate=0.6)  # fmt: skip
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+    run_rollup(db_engine, "inst-b", now=NOW, **GPU)
     since, until = DAY, DAY + timedelta(days=1)
-    with engine.connect() as conn:
+    with db_engine.connect() as conn:
         daily = conn.execute(text("SELECT * FROM daily_cost_by_model_key")).mappings().all()
         hourly = conn.execute(text("SELECT * FROM hourly_utilization")).mappings().all()
 
-    report = cost_report(engine, since=since, until=until, group_by=["day", "model", "api_key"])
+    report = cost_report(db_engine, since=since, until=until, group_by=["day", "model", "api_key"])
     # m/alice (both instances), m/"", m/bob, m/(idle) (3 hours), m2/alice, m2/(idle)
     assert len(daily) == len(report.rows) == 6
     by_key = {(r["day"], r["model"], r["api_key"]): r for r in report.rows}
@@ -621,7 +621,7 @@ def test_views_match_reports(engine: Engine) -> None:
             report.totals[name], rel=1e-12
         )
 
-    util = utilization_report(engine, since=since, until=until, group_by="hour,instance")
+    util = utilization_report(db_engine, since=since, until=until, group_by="hour,instance")
     assert len(hourly) == len(util.rows) == 4
     by_hour = {(r["hour"], r["instance"]): r for r in util.rows}
     for v in hourly:
@@ -658,9 +658,9 @@ def test_views_match_reports(engine: Engine) -> None:
 # -- reports ------------------------------------------------------------------------------------
 
 
-def test_utilization_report_figures(engine: Engine) -> None:
+def test_utilization_report_figures(db_engine: Engine) -> None:
     add_sample(
-        engine,
+        db_engine,
         at(12, 15),
         900,
         0.5,
@@ -677,7 +677,7 @@ def test_utilization_report_figures(engine: Engine) -> None:
         ),
     )
     add_sample(
-        engine,
+        db_engine,
         at(12, 30),
         900,
         0.75,
@@ -691,8 +691,8 @@ def test_utilization_report_figures(engine: Engine) -> None:
             GpuReading(1, "H100", None, None, None, None, 80.0, None),
         ),
     )
-    add_sample(engine, at(13, 30), 3600, 0.5, instance="inst-b")
-    rep = utilization_report(engine, since=at(12, 20), until=at(13, 1), group_by=["day"])
+    add_sample(db_engine, at(13, 30), 3600, 0.5, instance="inst-b")
+    rep = utilization_report(db_engine, since=at(12, 20), until=at(13, 1), group_by=["day"])
     # whole hours overlapping [12:20, 13:01): 12:00 to 14:00
     assert (rep.since, rep.until) == (at(12).isoformat(), at(14).isoformat())
     assert rep.columns[0] == "day" and rep.group_by == ["day"] and not rep.empty
@@ -713,44 +713,44 @@ def test_utilization_report_figures(engine: Engine) -> None:
     assert day["gpu_energy_j"] == 900.0  # 1900 - 1000 on GPU 0; GPU 1 has no counter
     assert rep.totals == {k: v for k, v in day.items() if k != "day"}
 
-    by_inst = utilization_report(engine, since=DAY, until=at(23), group_by="instance")
+    by_inst = utilization_report(db_engine, since=DAY, until=at(23), group_by="instance")
     assert [r["instance"] for r in by_inst.rows] == ["inst-a", "inst-b"]
     assert by_inst.rows[1]["mean_gpu_power_w"] is None and by_inst.rows[1]["gpu_energy_j"] is None
-    none = utilization_report(engine, since=at(15), until=at(16), group_by="hour")
+    none = utilization_report(db_engine, since=at(15), until=at(16), group_by="hour")
     assert none.empty and none.rows == [] and none.totals["samples"] is None
 
 
-def test_cost_report_grouping_and_window(engine: Engine) -> None:
-    seed(engine)
-    run_rollup(engine, "inst-a", now=NOW, **GPU)
-    run_rollup(engine, "inst-b", now=NOW, **GPU)
-    by_key = cost_report(engine, since=DAY, until=DAY + timedelta(days=1), group_by=["api_key"])
+def test_cost_report_grouping_and_window(db_engine: Engine) -> None:
+    seed(db_engine)
+    run_rollup(db_engine, "inst-a", now=NOW, **GPU)
+    run_rollup(db_engine, "inst-b", now=NOW, **GPU)
+    by_key = cost_report(db_engine, since=DAY, until=DAY + timedelta(days=1), group_by=["api_key"])
     assert by_key.columns[:2] == ["api_key", "requests_succeeded"]
     assert [r["api_key"] for r in by_key.rows] == ["", IDLE_KEY, "alice", "bob"]
     idle = by_key.rows[1]
     # idle: 2.0 (11:00) + 2.0 (12:00 a) + 1.0 (13:00 a) + 2.0 (12:00 b); no tokens, no rate
     assert idle["gpu_cost_usd"] == 7.0 and idle["gpu_usd_per_mtok"] is None
-    by_model = cost_report(engine, since=DAY, until=DAY + timedelta(days=1), group_by="model")
+    by_model = cost_report(db_engine, since=DAY, until=DAY + timedelta(days=1), group_by="model")
     m2 = by_model.rows[1]
     # m2: all-in rate, the idle hour line included: (1.0 + 1.0) USD / 200 tokens
     assert m2["model"] == "m2" and m2["gpu_usd_per_mtok"] == pytest.approx(1e4, rel=1e-12)
     # One hour only (12:00-13:00): 13:00 rows are out.
-    hour = cost_report(engine, since=at(12, 30), until=at(13), group_by=[])
+    hour = cost_report(db_engine, since=at(12, 30), until=at(13), group_by=[])
     assert hour.rows == [hour.totals] and hour.totals["gpu_cost_usd"] == 8.0
     assert (hour.since, hour.until) == (at(12).isoformat(), at(13).isoformat())
-    empty = cost_report(engine, since=at(20), until=at(21), group_by="day")
+    empty = cost_report(db_engine, since=at(20), until=at(21), group_by="day")
     assert empty.empty and empty.rows == [] and set(empty.totals) == set(empty.columns[1:])
     d = empty.to_dict()
     assert d["empty"] is True and d["columns"] == empty.columns
 
     with pytest.raises(ValueError, match=r"^group_by: unknown column 'instance'"):
-        cost_report(engine, since=DAY, until=NOW, group_by="instance")
+        cost_report(db_engine, since=DAY, until=NOW, group_by="instance")
     with pytest.raises(ValueError, match=r"^group_by: day and hour"):
-        cost_report(engine, since=DAY, until=NOW, group_by="day,hour")
+        cost_report(db_engine, since=DAY, until=NOW, group_by="day,hour")
     with pytest.raises(ValueError, match=r"^since: must be before until"):
-        cost_report(engine, since=NOW, until=DAY, group_by="day")
+        cost_report(db_engine, since=NOW, until=DAY, group_by="day")
     with pytest.raises(ValueError, match=r"^since: must be a timezone-aware"):
-        cost_report(engine, since=datetime(2026, 3, 1), until=NOW, group_by="day")
+        cost_report(db_engine, since=datetime(2026, 3, 1), until=NOW, group_by="day")
 
 
 def test_parse_time_and_group_by() -> None:

@@ -345,11 +345,11 @@ def expand_sql(query: str, start: datetime, end: datetime) -> str:
     return query
 
 
-def test_sql_panels_run_unchanged_on_the_store_with_utc_hours(engine) -> None:
+def test_sql_panels_run_unchanged_on_the_store_with_utc_hours(db_engine) -> None:
     rows = [rollup(h, "i1", "team", 1.0, 1000) for h in HOURS]
     rows += [rollup(h, "i2", "team", 0.5, 1000) for h in HOURS]  # a second instance: summed
     rows += [rollup(h, "i1", IDLE_KEY, 9.0, 0) for h in HOURS]  # idle GPU time: not drawn
-    with engine.begin() as conn:
+    with db_engine.begin() as conn:
         conn.execute(insert(CostRollupRow.__table__), rows)
     expected_hours = [
         int(datetime.strptime(h, "%Y-%m-%dT%H").replace(tzinfo=UTC).timestamp()) for h in HOURS[1:]
@@ -361,8 +361,8 @@ def test_sql_panels_run_unchanged_on_the_store_with_utc_hours(engine) -> None:
         assert target["queryText"] == target["rawSql"], title
         assert target["timeColumns"] == ["time"] and target["format"] == "time_series"
         query = expand_sql(target["rawSql"], FROM, TO)
-        with engine.connect() as conn:
-            if engine.dialect.name == "postgresql":
+        with db_engine.connect() as conn:
+            if db_engine.dialect.name == "postgresql":
                 # The session's zone must not move the hours (to_timestamp read the UTC bucket
                 # as local time: an hour early here).
                 conn.execute(text("SET TIME ZONE 'Europe/Berlin'"))
@@ -375,11 +375,11 @@ def test_sql_panels_run_unchanged_on_the_store_with_utc_hours(engine) -> None:
             assert [float(r["value"]) for r in got] == pytest.approx([375.0] * 3), got
 
 
-def test_hourly_cost_view_hour_start_is_the_utc_hour(engine) -> None:
-    with engine.begin() as conn:
+def test_hourly_cost_view_hour_start_is_the_utc_hour(db_engine) -> None:
+    with db_engine.begin() as conn:
         conn.execute(insert(CostRollupRow.__table__), [rollup("2026-11-28T10", "i", "k", 1, 1)])
-    with engine.connect() as conn:
-        if engine.dialect.name == "postgresql":
+    with db_engine.connect() as conn:
+        if db_engine.dialect.name == "postgresql":
             conn.execute(text("SET TIME ZONE 'Europe/Berlin'"))
         (row,) = conn.execute(text("SELECT * FROM hourly_cost_by_model_key")).mappings().all()
     start = row["hour_start"]

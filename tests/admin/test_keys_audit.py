@@ -368,7 +368,7 @@ def test_a_key_name_that_needs_escaping_reaches_the_route(tiny_model_dir, tmp_pa
         d.stop()
 
 
-def test_latest_values_and_last_accounted_on_each_database(engine):
+def test_latest_values_and_last_accounted_on_each_database(db_engine):
     # The restart check's two queries, on SQLite and PostgreSQL.
     from datetime import UTC, datetime, timedelta
 
@@ -383,22 +383,22 @@ def test_latest_values_and_last_accounted_on_each_database(engine):
         ConfigChange(t0 + timedelta(seconds=2), "file", None, "server.max_queue_len", 256, 9),
         ConfigChange(t0 + timedelta(seconds=3), "api", "ops", "engine.prefill_chunk_size", 1, 2),
     ]
-    write_changes(engine, "cp-a", rows)
-    write_changes(engine, "cp-b", [ConfigChange(t0, "api", "ops", "server.max_n", 16, 2)])
-    latest = latest_values(engine, instance_id="cp-a")
+    write_changes(db_engine, "cp-a", rows)
+    write_changes(db_engine, "cp-b", [ConfigChange(t0, "api", "ops", "server.max_n", 16, 2)])
+    latest = latest_values(db_engine, instance_id="cp-a")
     assert {f: (r["source"], r["new_value"]) for f, r in latest.items()} == {
         "engine.max_num_seqs": ("api", 8),
         "server.max_queue_len": ("file", 9),
         "engine.prefill_chunk_size": ("api", 2),
     }
-    later = latest_values(engine, instance_id="cp-a", since=t0 + timedelta(seconds=2))
+    later = latest_values(db_engine, instance_id="cp-a", since=t0 + timedelta(seconds=2))
     assert set(later) == {"server.max_queue_len", "engine.prefill_chunk_size"}
     # The file's value is no live value; a live value equal to the config's is not dropped.
     assert dropped_values(latest, Config()) == [
         {"field": "engine.max_num_seqs", "live": 8, "file": 32},
         {"field": "engine.prefill_chunk_size", "live": 2, "file": 128},
     ]
-    assert last_accounted(engine, "cp-a") is None
+    assert last_accounted(db_engine, "cp-a") is None
     mark = t0 + timedelta(seconds=5)
-    write_changes(engine, "cp-a", [ConfigChange(mark, "restart", None, "restart", None, "x")])
-    assert last_accounted(engine, "cp-a") == mark
+    write_changes(db_engine, "cp-a", [ConfigChange(mark, "restart", None, "restart", None, "x")])
+    assert last_accounted(db_engine, "cp-a") == mark

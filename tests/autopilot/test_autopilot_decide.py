@@ -341,8 +341,8 @@ def test_changes_that_improve_nothing_are_counted_and_a_better_one_resets():
     assert judged("output_tokens_per_s", 500, w(output_tokens_per_s=620)) == 0
 
 
-def test_a_change_that_made_things_worse_is_undone_and_not_tried_again(engine):
-    runtime, ap = runner(engine)
+def test_a_change_that_made_things_worse_is_undone_and_not_tried_again(db_engine):
+    runtime, ap = runner(db_engine)
     asyncio.run(runtime.change_config({"engine.max_num_seqs": 24}, "autopilot", "autopilot"))
     change = Decision("itl ...: max_num_seqs 32 -> 24", "max_num_seqs", 32, 24, LATENCY)
     ap._judging = ("itl_p99_ms", 200.0, change)
@@ -370,8 +370,8 @@ def test_a_change_that_made_things_worse_is_undone_and_not_tried_again(engine):
     assert ap._judge(w(itl_p99_ms=290), now=1000.0) is None
 
 
-def test_operator_changes_pin_knobs_and_turning_off_is_audited(engine):
-    runtime, ap = runner(engine)
+def test_operator_changes_pin_knobs_and_turning_off_is_audited(db_engine):
+    runtime, ap = runner(db_engine)
 
     async def main() -> None:
         await runtime.change_config({"engine.max_num_seqs": 12}, "api", "ops")
@@ -384,7 +384,7 @@ def test_operator_changes_pin_knobs_and_turning_off_is_audited(engine):
     assert ap.state == "off" and not runtime.cfg.autopilot.enabled
     from controlplane.store.audit import history
 
-    (row,) = history(engine, field="autopilot.enabled")
+    (row,) = history(db_engine, field="autopilot.enabled")
     assert (row["source"], row["old_value"], row["new_value"]) == ("autopilot", True, False)
     assert (
         row["reason"] == "turned off: its last 3 changes improved nothing (autopilot.give_up_after)"

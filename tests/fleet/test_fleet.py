@@ -80,9 +80,9 @@ def beat(state: str, kv: float) -> Heartbeat:
     return Heartbeat(state, model="m", num_running=2, num_waiting=0, kv_usage=kv)
 
 
-def test_register_heartbeat_and_worst_first(engine: Engine) -> None:
+def test_register_heartbeat_and_worst_first(db_engine: Engine) -> None:
     def reg(iid: str, b: Heartbeat) -> None:
-        register(engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
+        register(db_engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
                  version="0.1.0", beat=b, now=T0)  # fmt: skip
 
     reg("serving-low", beat("serving", 0.1))
@@ -96,9 +96,9 @@ def test_register_heartbeat_and_worst_first(engine: Engine) -> None:
         ("serving-high", beat("serving", 0.9)),
         ("draining", beat("draining", 0.2)),
     ):
-        assert heartbeat(engine, iid, b, now=later)
-    assert not heartbeat(engine, "never-registered", beat("serving", 0), now=later)
-    got = members(engine, now=later + timedelta(seconds=1), unreachable_after_s=15)
+        assert heartbeat(db_engine, iid, b, now=later)
+    assert not heartbeat(db_engine, "never-registered", beat("serving", 0), now=later)
+    got = members(db_engine, now=later + timedelta(seconds=1), unreachable_after_s=15)
     assert [(m.id, m.state) for m in got] == [
         ("silent", "unreachable"),
         ("draining", "draining"),
@@ -108,16 +108,16 @@ def test_register_heartbeat_and_worst_first(engine: Engine) -> None:
     ]
     # Registering again (a restart keeps its instance id) replaces the row, not a second one.
     reg("silent", beat("loading", 0.0))
-    again = members(engine, now=T0, unreachable_after_s=15)
+    again = members(db_engine, now=T0, unreachable_after_s=15)
     assert [m.id for m in again if m.id == "silent"] == ["silent"]
     assert len(again) == 5  # "stopped" stopped just now: still shown by default
     # Stopped for more than an hour: only with include_stopped.
     hour = T0 + timedelta(seconds=3601)
-    assert "stopped" not in {m.id for m in members(engine, now=hour, unreachable_after_s=15)}
-    everyone = members(engine, now=hour, unreachable_after_s=15, include_stopped=True)
+    assert "stopped" not in {m.id for m in members(db_engine, now=hour, unreachable_after_s=15)}
+    everyone = members(db_engine, now=hour, unreachable_after_s=15, include_stopped=True)
     assert [m.id for m in everyone][-1] == "stopped"
     with pytest.raises(ValueError, match="state"):
-        heartbeat(engine, "silent", Heartbeat("sleeping"), now=T0)
+        heartbeat(db_engine, "silent", Heartbeat("sleeping"), now=T0)
 
 
 def test_config_drift_names_the_odd_ones_out() -> None:
@@ -143,7 +143,7 @@ def test_config_drift_names_the_odd_ones_out() -> None:
     }
 
 
-def test_totals_sum_live_heartbeats_and_per_instance_rollup_rates(engine: Engine) -> None:
+def test_totals_sum_live_heartbeats_and_per_instance_rollup_rates(db_engine: Engine) -> None:
     now = T0 + timedelta(minutes=30)
     found = [
         member({**row("serving", now), "id": i, "output_tokens_per_s": tok}, now=now, unreachable_after_s=15)
@@ -160,7 +160,7 @@ def test_totals_sum_live_heartbeats_and_per_instance_rollup_rates(engine: Engine
         )  # fmt: skip
 
     before = T0 - timedelta(hours=1)
-    with engine.begin() as conn:
+    with db_engine.begin() as conn:
         conn.execute(
             insert(ROLLUPS),
             [
@@ -174,13 +174,13 @@ def test_totals_sum_live_heartbeats_and_per_instance_rollup_rates(engine: Engine
                 rollup("z", T0, 9999, 99.0, 99.0, 3600.0),
             ],
         )
-    t = totals(engine, found, now=now)
+    t = totals(db_engine, found, now=now)
     assert (t.instances, t.serving, t.unreachable) == (2, 2, 0)
     assert t.output_tokens_per_s == 40.0
     assert t.requests_per_s == pytest.approx(720 / 3600 + 90 / 900)
     assert t.gpu_cost_per_hour_usd == pytest.approx(2.0 + 0.5 * 4)
     assert t.list_cost_per_hour_usd == pytest.approx(4.0 + 1.0 * 4)
-    assert totals(engine, found[2:], now=now).requests_per_s is None  # nothing live
+    assert totals(db_engine, found[2:], now=now).requests_per_s is None  # nothing live
 
 
 def fleet_config(tmp: Path, name: str, model: Path, store_url: str, **engine: int) -> Path:
@@ -396,7 +396,7 @@ def test_default_advertise_url() -> None:
 
 
 def test_a_database_outage_is_one_warning_and_the_row_comes_back(
-    engine: Engine, caplog: pytest.LogCaptureFixture
+    db_engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def main() -> None:
         cfg = build_config({})
@@ -408,15 +408,15 @@ def test_a_database_outage_is_one_warning_and_the_row_comes_back(
             for _ in range(3):
                 await member_.beat_now()  # never raises
             assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
-            runtime.store.db = engine  # the database is back
+            runtime.store.db = db_engine  # the database is back
             await member_.beat_now()
         assert "written again" in caplog.records[-1].getMessage()
-        (row,) = members(engine, now=datetime.now(UTC), unreachable_after_s=15)
+        (row,) = members(db_engine, now=datetime.now(UTC), unreachable_after_s=15)
         assert (row.id, row.state, row.advertise_url) == ("outage", "loading", "http://h:1")
         await member_.stopped()
         runtime.state = "ready"
         await member_.beat_now()  # a beat after stopped does not bring the row back to life
-        (row,) = members(engine, now=datetime.now(UTC), unreachable_after_s=15)
+        (row,) = members(db_engine, now=datetime.now(UTC), unreachable_after_s=15)
         assert row.state == "stopped"
 
     asyncio.run(main())

@@ -82,16 +82,16 @@ def test_the_whole_order() -> None:
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 
 
-def test_members_come_worst_first_from_sql(engine: Engine) -> None:
+def test_members_come_worst_first_from_sql(db_engine: Engine) -> None:
     def reg(iid: str, beat: Heartbeat, at: datetime = T0) -> None:
-        register(engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
+        register(db_engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
                  version="0.1.0", beat=beat, now=at)  # fmt: skip
 
     reg("full-kv", Heartbeat("serving", num_running=8, num_waiting=12, kv_usage=0.97))
     reg("queued", Heartbeat("serving", num_running=8, num_waiting=146, kv_usage=0.40))
     reg("draining", Heartbeat("draining", num_running=1, num_waiting=0, kv_usage=0.99))
     reg("silent", Heartbeat("serving", num_waiting=0), at=T0 - timedelta(minutes=5))
-    got = members(engine, now=T0 + timedelta(seconds=1), unreachable_after_s=15)
+    got = members(db_engine, now=T0 + timedelta(seconds=1), unreachable_after_s=15)
     assert [m.id for m in got] == ["silent", "queued", "full-kv", "draining"]
     assert got == sorted(got, key=worst_first_key)  # the Member objects, not only dicts
 
@@ -131,20 +131,20 @@ def test_fleet_screen_marks_the_instance_the_dashboard_is_on() -> None:
 
 
 # -- the incident figures in the fleet table ---------------------------------------------------
-def test_heartbeats_carry_the_incident_figures_and_clear_them(engine: Engine) -> None:
+def test_heartbeats_carry_the_incident_figures_and_clear_them(db_engine: Engine) -> None:
     """oldest_waiting_s, ttft_p99_ms and slo_met go into the row, out on Member and its dict
     (GET /admin/fleet), and the order reads them from SQL; a beat with nothing waiting clears
     the last oldest wait (None there is a reading, not "unknown")."""
 
     def reg(iid: str, beat: Heartbeat) -> None:
-        register(engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
+        register(db_engine, iid, advertise_url=f"http://{iid}:8000", hostname=iid, pid=7,
                  version="0.1.0", beat=beat, now=T0)  # fmt: skip
 
     reg("a-queued", Heartbeat("serving", num_waiting=9, oldest_waiting_s=4.5, kv_usage=0.9))
     reg("b-old-wait", Heartbeat("serving", num_waiting=9, oldest_waiting_s=61.0))
     reg("c-missing", Heartbeat("serving", num_waiting=0, ttft_p99_ms=4200.0, slo_met=False))
     now = T0 + timedelta(seconds=1)
-    got = members(engine, now=now, unreachable_after_s=15)
+    got = members(db_engine, now=now, unreachable_after_s=15)
     assert [m.id for m in got] == ["c-missing", "b-old-wait", "a-queued"]
     missing = got[0].to_dict()
     assert (missing["slo_met"], missing["ttft_p99_ms"], missing["oldest_waiting_s"]) == (
@@ -154,13 +154,13 @@ def test_heartbeats_carry_the_incident_figures_and_clear_them(engine: Engine) ->
     )
     assert got[1].oldest_waiting_s == 61.0 and got[1].slo_met is None
     # The SLO met again, the queue empty: every beat writes these, None included.
-    assert heartbeat(engine, "c-missing", Heartbeat("serving", num_waiting=0, ttft_p99_ms=90.0,
+    assert heartbeat(db_engine, "c-missing", Heartbeat("serving", num_waiting=0, ttft_p99_ms=90.0,
                      slo_met=True), now=now)  # fmt: skip
-    assert heartbeat(engine, "b-old-wait", Heartbeat("serving", num_waiting=0), now=now)
-    got = {m.id: m for m in members(engine, now=now, unreachable_after_s=15)}
+    assert heartbeat(db_engine, "b-old-wait", Heartbeat("serving", num_waiting=0), now=now)
+    got = {m.id: m for m in members(db_engine, now=now, unreachable_after_s=15)}
     assert got["c-missing"].slo_met is True and got["c-missing"].ttft_p99_ms == 90.0
     assert (got["b-old-wait"].num_waiting, got["b-old-wait"].oldest_waiting_s) == (0, None)
-    assert members(engine, now=now, unreachable_after_s=15)[0].id == "a-queued"
+    assert members(db_engine, now=now, unreachable_after_s=15)[0].id == "a-queued"
 
 
 MIGRATION = "0011"  # instances.oldest_waiting_s, ttft_p99_ms, slo_met

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness.store import wait_rows
-from tests.conftest import require_smollm2, start_smollm2_float32
+from tests.conftest import require_smollm2, smollm2_float32
 
 # About a minute on 2 CPU cores: the daemon, 96 scored requests, transformers' reference.
 pytestmark = pytest.mark.slow
@@ -24,17 +24,14 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(make_module_daemon, tmp_path_factory):
     """The daemon on SmolLM2 (float32), and a tokenizer directory saved from the GGUF."""
     from transformers import AutoTokenizer
 
     path = require_smollm2()
-    tmp = tmp_path_factory.mktemp("lm_eval")
-    tok_dir = tmp / "tokenizer"
+    tok_dir = tmp_path_factory.mktemp("lm_eval") / "tokenizer"
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tok_dir)
-    d = start_smollm2_float32(tmp)
-    yield d, path, tok_dir
-    d.stop()
+    return make_module_daemon(path, **smollm2_float32()), path, tok_dir
 
 
 @pytest.fixture

@@ -491,9 +491,9 @@ PRICE = Price("*", T0 - timedelta(days=1), 1.0, 0.5, 3.0)  # USD per million tok
 
 
 @pytest.fixture
-def recorder(engine: Engine) -> Iterator[Recorder]:
-    sync_prices(engine, [PRICE])
-    rec = Recorder(engine, StoreSettings(batch_size=50, flush_interval_s=0.02))
+def recorder(db_engine: Engine) -> Iterator[Recorder]:
+    sync_prices(db_engine, [PRICE])
+    rec = Recorder(db_engine, StoreSettings(batch_size=50, flush_interval_s=0.02))
     yield rec
     rec.close(timeout=5)
 
@@ -516,7 +516,7 @@ def _rec(rid: str, user: str | None, *, status: str = "success", hour: int = 0, 
     return RequestRecord(id=rid, status=status, **{**base, **kw})
 
 
-def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder) -> None:
+def test_requests_report_by_user_day_and_key(db_engine: Engine, recorder: Recorder) -> None:
     for r in (
         _rec("a1", "alice"),
         _rec("a2", "alice", hour=1, ttft_s=1.5, e2e_latency_s=3.0, api_key_name="k1"),
@@ -529,7 +529,7 @@ def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder)
         recorder.submit(r)
     assert recorder.flush(10)
     report = requests_report(
-        engine, since=T0, until=T0 + timedelta(hours=2), group_by="user"
+        db_engine, since=T0, until=T0 + timedelta(hours=2), group_by="user"
     ).to_dict()
     assert report["kind"] == "requests" and report["columns"][0] == "user"
     by_user = {r["user"]: r for r in report["rows"]}
@@ -550,7 +550,7 @@ def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder)
     assert totals["cached_share"] == pytest.approx(40 / 500)  # from the sums, not the rows
 
     both = requests_report(
-        engine, since=T0, until=T0 + timedelta(hours=2), group_by="hour,api_key,user"
+        db_engine, since=T0, until=T0 + timedelta(hours=2), group_by="hour,api_key,user"
     )
     keys = [(r["hour"], r["api_key"], r["user"]) for r in both.rows]
     assert keys == [
@@ -559,7 +559,7 @@ def test_requests_report_by_user_day_and_key(engine: Engine, recorder: Recorder)
         ("2026-03-01T12", "", "bob"),
         ("2026-03-01T13", "k1", "alice"),
     ]
-    empty = requests_report(engine, since=T0 - timedelta(days=9), until=T0, group_by="user")
+    empty = requests_report(db_engine, since=T0 - timedelta(days=9), until=T0, group_by="user")
     assert empty.empty and empty.rows == []
 
 

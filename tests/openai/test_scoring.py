@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from controlplane.engine import Engine, SamplingParams
+from harness import drain
 from tests.conftest import (
     MIXED_ENGINE,
     mixed_workload,
     require_smollm2,
-    start_smollm2_float32,
+    smollm2_float32,
 )
 
 TEXT = Path(__file__).parents[1] / "data" / "perplexity.txt"
@@ -48,11 +49,7 @@ def _check(prompt: list[int], lps: list, ref: torch.Tensor, top_n: int) -> None:
 
 def _run(engine: Engine, prompts, params) -> dict[str, object]:
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = drain(engine)
     return [done[i] for i in ids]
 
 
@@ -134,11 +131,9 @@ LIMIT = 1024
 
 
 @pytest.fixture(scope="module")
-def smollm2_daemon(tmp_path_factory):
+def smollm2_daemon(make_module_daemon):
     path = require_smollm2()
-    d = start_smollm2_float32(tmp_path_factory.mktemp("scoring"), max_prompt_logprobs_tokens=LIMIT)
-    yield d, path
-    d.stop()
+    return make_module_daemon(path, **smollm2_float32(max_prompt_logprobs_tokens=LIMIT)), path
 
 
 @pytest.fixture(scope="module")

@@ -162,10 +162,10 @@ def _rows(engine: Engine) -> dict[str, RequestRow]:
         return {r.id: r for r in s.scalars(select(RequestRow))}
 
 
-def test_replay_writes_what_was_not_committed(engine: Engine, tmp_path) -> None:
+def test_replay_writes_what_was_not_committed(db_engine: Engine, tmp_path) -> None:
     # `engine` is a migrated database of each kind (conftest): SQLite and PostgreSQL.
-    sync_prices(engine, [Price(model="*", prompt_per_mtok=1.0, completion_per_mtok=2.0)])
-    rec = Recorder(engine, StoreSettings(flush_interval_s=0.01))
+    sync_prices(db_engine, [Price(model="*", prompt_per_mtok=1.0, completion_per_mtok=2.0)])
+    rec = Recorder(db_engine, StoreSettings(flush_interval_s=0.01))
     rec.submit(_record("committed-final"))
     rec.submit(_record("committed-running", "running"))
     assert rec.close()
@@ -179,9 +179,9 @@ def test_replay_writes_what_was_not_committed(engine: Engine, tmp_path) -> None:
     with open(next(j.files()), "ab") as f:  # a torn last line, as after a power loss
         f.write(encode(_record("torn"))[:40])
 
-    assert replay_journal(engine, tmp_path / "journal") == 4
-    assert mark_interrupted(engine, "inst-a") == 2
-    got = {rid: (r.status, r.completion_tokens) for rid, r in _rows(engine).items()}
+    assert replay_journal(db_engine, tmp_path / "journal") == 4
+    assert mark_interrupted(db_engine, "inst-a") == 2
+    got = {rid: (r.status, r.completion_tokens) for rid, r in _rows(db_engine).items()}
     assert got == {
         "committed-final": ("success", 500),
         "committed-running": ("interrupted", 500),
@@ -189,9 +189,9 @@ def test_replay_writes_what_was_not_committed(engine: Engine, tmp_path) -> None:
         "finished": ("success", 7),
     }
     # Priced at ingest like any final row: (1000 x 1.0 + 7 x 2.0) / 1e6.
-    assert _rows(engine)["finished"].cost_usd == pytest.approx(1014 / 1e6)
+    assert _rows(db_engine)["finished"].cost_usd == pytest.approx(1014 / 1e6)
     assert read_journal(tmp_path / "journal")[0] == []  # the journal is gone once replayed
-    assert replay_journal(engine, tmp_path / "journal") == 0
+    assert replay_journal(db_engine, tmp_path / "journal") == 0
 
 
 def test_journal_keeps_only_what_is_not_committed(tmp_path) -> None:
@@ -212,9 +212,9 @@ def test_journal_keeps_only_what_is_not_committed(tmp_path) -> None:
 
 
 def test_recorder_journal_is_empty_after_commits_and_kept_when_the_database_is_down(
-    engine: Engine, tmp_path
+    db_engine: Engine, tmp_path
 ) -> None:
-    rec = Recorder(engine, StoreSettings(flush_interval_s=0.01), journal_dir=tmp_path / "ok")
+    rec = Recorder(db_engine, StoreSettings(flush_interval_s=0.01), journal_dir=tmp_path / "ok")
     for i in range(5):
         rec.submit(_record(f"a{i}", "running"))
         rec.submit(_record(f"a{i}"))
@@ -233,5 +233,5 @@ def test_recorder_journal_is_empty_after_commits_and_kept_when_the_database_is_d
     for i in range(3):
         down.submit(_record(f"b{i}"))
     assert not down.close(timeout=0.5)
-    assert replay_journal(engine, tmp_path / "down") == 3  # the next start writes them
-    assert {f"b{i}" for i in range(3)} <= _rows(engine).keys()
+    assert replay_journal(db_engine, tmp_path / "down") == 3  # the next start writes them
+    assert {f"b{i}" for i in range(3)} <= _rows(db_engine).keys()

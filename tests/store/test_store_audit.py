@@ -79,10 +79,10 @@ def change(field: str, old: object, new: object, **kw: object) -> ConfigChange:
     return ConfigChange(field=field, old_value=old, new_value=new, **{**base, **kw})  # type: ignore[arg-type]
 
 
-def test_audit_round_trip_newest_first(engine: Engine) -> None:
-    assert history(engine) == []
-    write_changes(engine, "inst-a", [change(f, o, n) for f, o, n in VALUES])
-    rows = history(engine)
+def test_audit_round_trip_newest_first(db_engine: Engine) -> None:
+    assert history(db_engine) == []
+    write_changes(db_engine, "inst-a", [change(f, o, n) for f, o, n in VALUES])
+    rows = history(db_engine)
     assert [(r["field"], r["old_value"], r["new_value"]) for r in rows] == VALUES[::-1]
     ids = [r["id"] for r in rows]
     assert ids == sorted(ids, reverse=True)
@@ -91,18 +91,18 @@ def test_audit_round_trip_newest_first(engine: Engine) -> None:
     assert isinstance(rows[-2]["new_value"], float) and isinstance(rows[-1]["new_value"], int)
 
 
-def test_audit_encodes_datetimes_decimals_and_dataclasses(engine: Engine) -> None:
+def test_audit_encodes_datetimes_decimals_and_dataclasses(db_engine: Engine) -> None:
     cet = timezone(timedelta(hours=1))
     price = Price("m", datetime(2026, 6, 1, tzinfo=UTC), 1.5, 0.5, 2.0)
     write_changes(
-        engine,
+        db_engine,
         "inst-a",
         [
             change("x.when", datetime(2026, 1, 1, 13, tzinfo=cet), Decimal("0.15")),
             change("prices", [], [price], source="file", actor=None),
         ],
     )
-    prices, when = history(engine)
+    prices, when = history(db_engine)
     assert when["old_value"] == "2026-01-01T12:00:00+00:00" and when["new_value"] == 0.15
     assert prices["actor"] is None and prices["source"] == "file"
     assert prices["new_value"] == [
@@ -115,46 +115,48 @@ def test_audit_encodes_datetimes_decimals_and_dataclasses(engine: Engine) -> Non
         }
     ]
     # A time in another zone is stored (and shown) as UTC.
-    write_changes(engine, "inst-a", [change("y", 1, 2, time=datetime(2026, 1, 1, 1, tzinfo=cet))])
-    assert history(engine, limit=1)[0]["time"] == "2026-01-01T00:00:00+00:00"
+    write_changes(
+        db_engine, "inst-a", [change("y", 1, 2, time=datetime(2026, 1, 1, 1, tzinfo=cet))]
+    )
+    assert history(db_engine, limit=1)[0]["time"] == "2026-01-01T00:00:00+00:00"
 
 
-def test_audit_filters_and_paging(engine: Engine) -> None:
+def test_audit_filters_and_paging(db_engine: Engine) -> None:
     fields = ["engine.max_num_seqs", "server.max_queue_len", "prices"]
     for i in range(7):  # one transaction each, 2 fields per instance alternately
         write_changes(
-            engine,
+            db_engine,
             f"inst-{'ab'[i % 2]}",
             [change(fields[i % 3], i, i + 1, time=T0 + timedelta(minutes=i))],
         )
-    everything = history(engine)
+    everything = history(db_engine)
     assert [r["old_value"] for r in everything] == [6, 5, 4, 3, 2, 1, 0]
     seen: list[int] = []
     before = None
-    while page := history(engine, limit=3, before_id=before):
+    while page := history(db_engine, limit=3, before_id=before):
         seen += [r["old_value"] for r in page]
         before = page[-1]["id"]
     assert seen == [6, 5, 4, 3, 2, 1, 0]
-    assert [r["old_value"] for r in history(engine, field="prices")] == [5, 2]
-    assert [r["old_value"] for r in history(engine, instance_id="inst-b")] == [5, 3, 1]
-    assert [r["old_value"] for r in history(engine, instance_id="inst-a", field="prices")] == [2]
-    assert history(engine, field="nope") == []
+    assert [r["old_value"] for r in history(db_engine, field="prices")] == [5, 2]
+    assert [r["old_value"] for r in history(db_engine, instance_id="inst-b")] == [5, 3, 1]
+    assert [r["old_value"] for r in history(db_engine, instance_id="inst-a", field="prices")] == [2]
+    assert history(db_engine, field="nope") == []
     mid = everything[3]["id"]
-    assert [r["old_value"] for r in history(engine, before_id=mid, limit=2)] == [2, 1]
+    assert [r["old_value"] for r in history(db_engine, before_id=mid, limit=2)] == [2, 1]
 
 
-def test_audit_write_is_all_or_nothing(engine: Engine) -> None:
+def test_audit_write_is_all_or_nothing(db_engine: Engine) -> None:
     with pytest.raises(ValueError, match="source"):
-        write_changes(engine, "i", [change("a", 1, 2), change("b", 1, 2, source="web")])
+        write_changes(db_engine, "i", [change("a", 1, 2), change("b", 1, 2, source="web")])
     with pytest.raises(TypeError, match="b: "):
-        write_changes(engine, "i", [change("a", 1, 2), change("b", 1, object())])
+        write_changes(db_engine, "i", [change("a", 1, 2), change("b", 1, object())])
     with pytest.raises(ValueError, match="time"):
-        write_changes(engine, "i", [change("a", 1, 2, time=datetime(2026, 1, 1))])
-    write_changes(engine, "i", [])
-    assert history(engine) == []
+        write_changes(db_engine, "i", [change("a", 1, 2, time=datetime(2026, 1, 1))])
+    write_changes(db_engine, "i", [])
+    assert history(db_engine) == []
     for bad in (0, 1001, True):
         with pytest.raises(ValueError, match=r"^limit: "):
-            history(engine, limit=bad)
+            history(db_engine, limit=bad)
 
 
 # -- request listing ----------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def walk(engine: Engine, limit: int, **filters: object) -> tuple[list[str], int]
 
 
 @pytest.fixture
-def requests_db(engine: Engine) -> Engine:
+def requests_db(db_engine: Engine) -> Engine:
     """23 requests: arrival times in groups of three identical seconds (ties broken by id),
     two statuses, two keys, two instances, ids inserted out of order."""
     specs = []
@@ -209,8 +211,8 @@ def requests_db(engine: Engine) -> Engine:
                 prompt_tokens=i,
             )
         )
-    insert_requests(engine, specs)
-    return engine
+    insert_requests(db_engine, specs)
+    return db_engine
 
 
 def expected(pred: Callable[[int], bool] = lambda i: True) -> list[str]:
