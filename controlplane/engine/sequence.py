@@ -14,7 +14,7 @@ from controlplane.engine.types import RequestMetrics, TokenLogprobs
 if TYPE_CHECKING:
     import torch
 
-    from controlplane.engine.tokenizer import IncrementalDetokenizer
+    from controlplane.engine.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):

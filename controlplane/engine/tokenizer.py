@@ -2,12 +2,9 @@
 
 `Tokenizer.from_dir` reads a Hugging Face model directory (tokenizer.json, and optionally
 tokenizer_config.json, config.json and generation_config.json) without importing transformers.
-Chat templates are rendered the way transformers renders them: an immutable sandboxed jinja2
-environment with `trim_blocks` and `lstrip_blocks`, the `raise_exception` and `strftime_now`
-globals and a `tojson` filter that does not escape HTML.
+Chat templates: controlplane.engine.chat_template.
 
-`IncrementalDetokenizer` turns a stream of token ids into a stream of text without ever emitting
-half a UTF-8 character, decoding only a short window of recent tokens per step.
+Streaming text out of token ids: controlplane.engine.detokenizer.
 """
 
 from __future__ import annotations
@@ -15,14 +12,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from controlplane.engine.chat_template import SpecialTokenEscape, compile_chat_template, plain
+from controlplane.engine.detokenizer import IncrementalDetokenizer
 from controlplane.engine.errors import ModelLoadError
-
-# What a byte-level decoder produces for a byte sequence that is not (yet) valid UTF-8.
-REPLACEMENT_CHAR = "\ufffd"
 
 # tokenizer_config.json keys that transformers hands to chat templates (its special_tokens_map).
 _SPECIAL_TOKEN_KEYS = (
@@ -68,88 +63,6 @@ def _int_ids(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
-
-
-def _plain(value: Any) -> Any:
-    """A copy of `value` made of plain JSON types, so templates never see callers' rich objects."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return f"<{type(value).__name__}>"
-
-
-def _compile_chat_template(source: str):
-    """Compile a chat template in the environment transformers uses for chat templates."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    class GenerationTag(jinja2.ext.Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant text for training masks in
-        # transformers; for rendering it is a no-op, but templates using it must still parse.
-        tags = frozenset({"generation"})
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
-                lineno
-            )
-
-        def _render(self, caller):
-            return caller()
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        # Namespaces refuse underscore-prefixed attributes, as in transformers.
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot set underscore-prefixed namespace attributes: {name!r}"
-                )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(source)
 
 
 class Tokenizer:
@@ -233,7 +146,9 @@ class Tokenizer:
         self._plain_backend: Any = None
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
         self._byte_decoder: dict[str, int] | None = None  # token_bytes, built on first use
-        self._marks: _Marks | None = None  # the escape (encode_chat), built on first use
+        self._marks: SpecialTokenEscape | None = (
+            None  # the escape (encode_chat), built on first use
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -310,21 +225,21 @@ class Tokenizer:
             )
         if self._compiled_template is None:
             try:
-                self._compiled_template = _compile_chat_template(self.chat_template)
+                self._compiled_template = compile_chat_template(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ValueError(f"{self._config_source}: invalid 'chat_template': {e}") from e
 
         # Like transformers: keys whose value is None are dropped, since many templates test
         # `is defined` rather than `is none`.
         chat = [
-            {k: v for k, v in _plain(message).items() if v is not None}
+            {k: v for k, v in plain(message).items() if v is not None}
             for message in messages
             if isinstance(message, Mapping)
         ]
         if len(chat) != len(messages):
             raise ValueError("chat messages must be objects")
         variables: dict[str, Any] = dict(self.special_tokens)
-        variables.update({k: _plain(v) for k, v in extra.items()})
+        variables.update({k: plain(v) for k, v in extra.items()})
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         variables["messages"] = chat
@@ -371,7 +286,7 @@ class Tokenizer:
             )
             return self.encode(text, add_special_tokens=False)
         if self._marks is None:
-            self._marks = _Marks(self.special_token_texts, self.chat_template)
+            self._marks = SpecialTokenEscape(self.special_token_texts, self.chat_template)
         marks = self._marks
         text = self.apply_chat_template(
             marks.hide(messages),
@@ -381,7 +296,7 @@ class Tokenizer:
         )
         return self._encode_marked(text, marks)
 
-    def _encode_marked(self, text: str, marks: _Marks) -> list[int]:
+    def _encode_marked(self, text: str, marks: SpecialTokenEscape) -> list[int]:
         # The library splits text at special tokens and encodes the pieces in between on their
         # own; doing the same split here, with the messages' special text restored inside the
         # pieces and read by a backend that treats it as text, gives the same ids as `encode`
@@ -462,132 +377,3 @@ def _encode(backend: Any, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) < _RELEASE_GIL_CHARS:
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-
-# Where the escape's marker character comes from: the private-use areas (the BMP's, then planes
-# 15 and 16), first one the template and the special tokens do not use.
-_MARK_CANDIDATES = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
-
-
-class _Marks:
-    """The escape of special-token text inside chat messages while the template renders.
-
-    One marker character M, chosen once per tokenizer among those that occur in neither the
-    template nor any special token (never from the messages, so no input can exhaust it),
-    escapes the messages' text: the i-th special-token text becomes M + i + M, and M itself,
-    if a message holds it, becomes M + len(specials) + M. Once hidden, the messages hold M only
-    inside such groups and no special-token text at all (none contains M), and the template adds
-    no M; so the special-token text of the rendered prompt is the template's own, and `restore`
-    turns each group back into the text it stands for, which is then encoded as plain text.
-    Works for any input: nothing depends on which characters the messages use.
-    """
-
-    def __init__(self, specials: Sequence[str], template: str | None) -> None:
-        self.specials = list(specials)
-        self.special_re = re.compile("|".join(re.escape(t) for t in self.specials))
-        used = set(template or "").union(*self.specials)
-        mark = next((chr(c) for r in _MARK_CANDIDATES for c in r if chr(c) not in used), None)
-        if mark is None:  # the template would have to hold 137,000 private-use characters
-            raise ModelLoadError("chat template: no private-use character is free for escaping")
-        self.mark = mark
-        self._texts = [*self.specials, mark]
-        # Longest first (self.specials is sorted so), then M: no special-token text contains M.
-        self._hide_re = re.compile("|".join(re.escape(t) for t in self._texts))
-        self._groups = {t: f"{mark}{i}{mark}" for i, t in enumerate(self._texts)}
-        self._mark_re = re.compile(f"{re.escape(mark)}([0-9]+){re.escape(mark)}")
-
-    def hide(self, value: Any) -> Any:
-        """A copy of the messages with every special-token text (and M) replaced by its group."""
-        if isinstance(value, str):
-            # Without M (nearly always) the specials alone: their regex scans fast for their
-            # common first character, which an alternative of one more character would defeat.
-            pattern = self._hide_re if self.mark in value else self.special_re
-            return pattern.sub(lambda m: self._groups[m.group()], value)
-        if isinstance(value, Mapping):
-            return {k: self.hide(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [self.hide(v) for v in value]
-        return value
-
-    def restore(self, text: str) -> str:
-        if self.mark not in text:
-            return text
-        texts = self._texts
-
-        def back(m: re.Match[str]) -> str:
-            i = int(m.group(1))
-            return texts[i] if i < len(texts) else m.group()
-
-        return self._mark_re.sub(back, text)
-
-
-class IncrementalDetokenizer:
-    """Streams text for a growing sequence of token ids.
-
-    Uses the prefix-offset trick of vLLM/TGI: the tokens in `[prefix_offset, read_offset)` are the
-    last ones already emitted and are decoded again only as context (so decoders that treat the
-    start of a sequence specially, or merge bytes across tokens, give the right text); everything
-    from `read_offset` on is new. Text is emitted only when it does not end in U+FFFD, so a
-    character whose bytes span several tokens comes out whole once its last byte arrives.
-    """
-
-    # Drop consumed ids once this many have piled up in front of the window.
-    _COMPACT_AT = 1024
-
-    def __init__(self, backend: Any, skip_special_tokens: bool = True) -> None:
-        self._backend = backend
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._prefix_text: str | None = ""
-        self._parts: list[str] = []
-        self._text_cache: str | None = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=self._skip)
-
-    def _emit(self, new_text: str) -> str:
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        delta = new_text[len(self._prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = None
-        if self._prefix_offset >= self._COMPACT_AT:
-            del self._ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
-        if delta:
-            self._parts.append(delta)
-            self._text_cache = None
-        return delta
-
-    def add(self, token_id: int) -> str:
-        """Append one token; return the text it completes ("" while a character is incomplete)."""
-        self._ids.append(int(token_id))
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        if len(new_text) > len(self._prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
-            return self._emit(new_text)
-        return ""
-
-    def flush(self) -> str:
-        """Emit whatever is held back (U+FFFD included, if the bytes really are invalid)."""
-        if self._read_offset >= len(self._ids):
-            return ""
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        if len(new_text) <= len(self._prefix_text):
-            return ""
-        return self._emit(new_text)
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        if self._text_cache is None:
-            self._text_cache = "".join(self._parts)
-            self._parts = [self._text_cache] if self._text_cache else []
-        return self._text_cache
