@@ -88,6 +88,7 @@ def _check_data_dir(path: Path) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import logging
     import os
 
     from controlplane.config import build_config, read_toml
@@ -109,6 +110,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = build_config(file_raw, os.environ, overrides=flags)
     setup_logging(cfg.server.log_format, cfg.server.log_level)
     _check_data_dir(cfg.data_path)
+    from controlplane.engine.kernels.caches import cache_root, use_caches
+
+    # Before torch builds or compiles anything: both caches are read when first used.
+    caches = use_caches(cache_root(cfg.data_path, cfg.server.compile_cache_dir))
+    logging.getLogger("controlplane.daemon").info("caches: %s", caches.describe())
 
     async def run() -> int:
         from controlplane.daemon import Daemon
@@ -169,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     from controlplane.tui import add_tui_parser
 
     add_tui_parser(sub)
+
+    from controlplane.engine.kernels.cli import add_kernels_parser
+
+    add_kernels_parser(sub)
 
     demo = sub.add_parser("demo-model", help="write a deterministic random-weight Llama checkpoint")
     demo.add_argument("dir", help="output directory (created if missing)")

@@ -366,6 +366,8 @@ class Daemon:
         if self.recorder is not None:
             rec = self.recorder
             self.runtime.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
+        # /metrics' kernels_loaded and compiled_step: what /admin/stats says, at each scrape.
+        self.runtime.metrics.bind_kernels(self.runtime.kernels, self.runtime.engine.compile_state)
         from controlplane.jobs.periodic import Jobs
 
         self.jobs = Jobs(self.runtime)

@@ -156,9 +156,18 @@ class CompiledDecode:
             sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL_S)
             try:
                 self.warm_up(backend, device, block)
-            except Exception:
+            except Exception as exc:
                 self.state = "failed"
-                log.exception("compiling the decode step failed; every step stays eager")
+                # One line that says why, what runs instead and what it costs (inductor needs
+                # a C++ compiler on a CPU: `controlplane kernels status`); the traceback at
+                # debug level.
+                log.error(
+                    "compiling the decode step failed; every step stays eager (%s: %s), slower "
+                    "than compiled (see docs/benchmarks.md#compiled-decode-step)",
+                    type(exc).__name__,
+                    str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "",
+                )
+                log.debug("the decode step's compile failed", exc_info=True)
             finally:
                 sys.setswitchinterval(interval)
 

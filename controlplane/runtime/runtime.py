@@ -120,6 +120,11 @@ class Runtime:
         # The CPU kernels' state for /admin/stats (cpu_ops.state; set by the daemon's load).
         self.cpu_kernels: Callable[[], dict[str, str]] | None = None
 
+    def kernels(self) -> dict[str, str | None]:
+        """/admin/stats `kernels` and /metrics' kernels_loaded: kernels_summary below."""
+        cpu_kernels = self.cpu_kernels() if self.cpu_kernels is not None else None
+        return kernels_summary(cpu_kernels, self.engine.loaded)
+
     @property
     def metrics_prefix(self) -> str:
         """Every series' prefix: server.metrics_prefix and a colon (restart-only)."""
@@ -263,6 +268,7 @@ class Runtime:
             memory=self.engine.memory(),
             compiled_step=self.engine.compile_state(),
             cpu_kernels=self.cpu_kernels() if self.cpu_kernels is not None else None,
+            kernels=self.kernels(),
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,
         )
         self._incident_signals(body, now, recent)
@@ -487,3 +493,23 @@ class Runtime:
                     self.live.file_saved(plan.raw, fields)
                     log.info("live values saved to %s by %s (%s): %s", path, actor, source, fields)
         return {"path": str(path), "saved": [{"field": f, "value": v} for f, v in plan.saved]}
+
+
+# What the kernels are doing while a start has not finished with them: not yet a fallback's
+# reason, but not serving either.
+_KERNELS_PENDING = {
+    "unused": "the model is not loaded yet",
+    "building": "building the CPU kernels",
+    "waiting": "waiting for another process's build of the CPU kernels",
+}
+
+
+def kernels_summary(cpu_kernels: dict[str, str] | None, loaded: bool) -> dict[str, str | None]:
+    """/admin/stats `kernels` (the dashboard's `kernels: ok | fallback: <reason>`): `ok` when
+    our C++ kernels serve, or are not needed (a model loaded on another device never asks for
+    them: `unused`); else `fallback`, torch's kernels, with why (`cpu_kernels` has the state)."""
+    state = (cpu_kernels or {}).get("state", "unused")
+    if state == "ready" or (state == "unused" and loaded):
+        return {"status": "ok", "reason": None}
+    reason = (cpu_kernels or {}).get("reason") or _KERNELS_PENDING.get(state) or state
+    return {"status": "fallback", "reason": reason}

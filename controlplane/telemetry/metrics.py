@@ -53,7 +53,12 @@ and histograms are not listed):
   ``controlplane:grammar_cache_hits_total``, ``controlplane:grammar_compiles_total``,
   ``controlplane:grammar_mask_seconds_total`` (computing and applying token masks) and
   ``controlplane:grammar_mask_wait_seconds_total`` (steps waiting for masks after their
-  forward), gauge ``controlplane:grammar_states``.
+  forward), gauge ``controlplane:grammar_states``;
+- what the engine runs on: ``controlplane:kernels_loaded{reason}`` (1 while our C++ CPU
+  kernels serve or are not needed, reason empty; 0 while torch's kernels serve instead, the
+  reason as /admin/stats `kernels` says it) and ``controlplane:compiled_step{state}`` (1 for
+  the compiled decode step's current state of off / cold / warming / ready / failed, 0 for
+  the others), both read at scrape time once the model has loaded (`bind_kernels`).
 
 prometheus_client appends ``_total`` to counter names itself, so counters are created without
 it (``Counter("controlplane:prompt_tokens", ...)`` renders ``controlplane:prompt_tokens_total``).
@@ -78,7 +83,8 @@ import itertools
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -89,6 +95,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from controlplane.engine.types import RequestMetrics, StepStats
 from controlplane.store.models import CONFIG_SOURCES
@@ -216,6 +224,8 @@ class Metrics:
         self._latest: StepStats | None = None  # the newest step seen (cumulative counters)
         self._config_labels: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._recorder: tuple[Callable[[], int] | None, Callable[[], int] | None] = (None, None)
+        # /admin/stats `kernels` and `compiled_step`, read at scrape time (bind_kernels).
+        self._kernels: tuple[Callable[[], Mapping[str, Any]], Callable[[], str]] | None = None
         self._ignored_names: set[str] = set()  # field names with a label of their own
         self._ignored_other = False  # whether the OTHER_FIELD label is in use
 
@@ -380,6 +390,7 @@ class Metrics:
         )
 
         reg.register(ScrapeTimeCollector(self))
+        reg.register(_KernelsCollector(self))
         ProcessCollector(registry=reg)
         self.http = http
         if http is not None:
@@ -574,8 +585,62 @@ class Metrics:
         """
         self._recorder = (dropped, buffered)
 
+    def bind_kernels(
+        self, kernels: Callable[[], Mapping[str, Any]], compiled_step: Callable[[], str]
+    ) -> None:
+        """Read ``kernels_loaded`` (from /admin/stats' `kernels` dict) and ``compiled_step``
+        from these at each scrape; until bound neither series is exposed."""
+        self._kernels = (kernels, compiled_step)
+
     # -- exposition -----------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition (UTF-8) and its media type, without the charset (see
         MEDIA_TYPE)."""
         return generate_latest(self.registry), MEDIA_TYPE
+
+
+# The compiled decode step's states (CompiledDecode.state, or off without one).
+COMPILED_STEP_STATES = ("off", "cold", "warming", "ready", "failed")
+
+
+class _KernelsCollector(Collector):
+    """``kernels_loaded{reason}`` and ``compiled_step{state}``, read at scrape time."""
+
+    def __init__(self, owner: Metrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> list[Metric]:
+        prefix = self._owner.prefix
+        return [
+            GaugeMetricFamily(prefix + "kernels_loaded", "", labels=[]),
+            GaugeMetricFamily(prefix + "compiled_step", "", labels=[]),
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        o = self._owner
+        if o._kernels is None:
+            return
+        kernels_fn, compiled_fn = o._kernels
+        try:
+            kernels, compiled = kernels_fn(), compiled_fn()
+        except Exception:
+            log.warning("metrics: reading the kernels' state failed", exc_info=True)
+            return
+        loaded = GaugeMetricFamily(
+            o.prefix + "kernels_loaded",
+            "1 while our C++ CPU kernels serve (or are not needed: not on a CPU); 0 while "
+            "torch's kernels serve instead, with why in `reason`.",
+            labels=["model_name", "reason"],
+        )
+        ok = kernels.get("status") == "ok"
+        loaded.add_metric([o.model_name, "" if ok else str(kernels.get("reason") or "")], float(ok))
+        yield loaded
+        state = GaugeMetricFamily(
+            o.prefix + "compiled_step",
+            "The compiled decode step: 1 for its current state (off, cold, warming while it "
+            "compiles and steps run eagerly, ready, failed: eager for good), 0 for the others.",
+            labels=["model_name", "state"],
+        )
+        for name in COMPILED_STEP_STATES:
+            state.add_metric([o.model_name, name], 1.0 if name == compiled else 0.0)
+        yield state

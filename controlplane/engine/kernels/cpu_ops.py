@@ -1,19 +1,24 @@
-"""Our own CPU kernels (csrc/*.cpp), compiled on first use with torch's cpp_extension.
+"""Our own CPU kernels (csrc/*.cpp): built for this machine with torch's cpp_extension,
+loaded once per process.
 
-One library, op namespace `controlplane_cpu`: `paged_decode_attention` and, for compiled
-steps, `step_attention` with `set_decode_step` / `clear_decode_step` (cpu_ops.cpp, used by
-cpu_attention.py), `int4_linear`, `int4_linear_bf16`, `int8_linear`, `int8_linear_bf16`,
-`w4a8_linear` and `w8a8_linear` (int4_linear.cpp, int4_linear_bf16.cpp, int8_linear.cpp,
-int8_activations.cpp, used by model/quant.py), `packed_linear` and `bf16_linear` with
-`bf16_pack_weight` (packed_linear.cpp, bf16_linear.cpp, used by model/linear.py).
+One library, op namespace `controlplane_cpu`, whose schemas and fakes are all in ops.py:
+attention (cpu_ops.cpp, used by attention/cpu.py), int4 and int8 linears (int4_linear.cpp,
+int4_linear_bf16.cpp, int8_linear.cpp, int8_activations.cpp, used by model/quant.py), packed
+float and bf16 linears (packed_linear.cpp, bf16_linear.cpp, used by model/linear.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its
 `-m` flags and the `CPU_CAPABILITY_*` macro that selects ATen's `Vectorized<float>`), and
-cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), one build
-per source and flags (their hash is in the name): the first build takes 45-55 s on 2 cores, a
-later process loads the cached library in well under a second. Building needs a C++
-compiler and ninja, which `engine.compile` needs too; without them `available()` is False
-and the callers keep torch's kernels.
+cached by torch under `TORCH_EXTENSIONS_DIR` (the daemon sets it under its data directory,
+`server.compile_cache_dir`; torch's default is `~/.cache/torch_extensions`), one build per
+source and flags (their hash is in the name). Building needs a C++ compiler (g++ 9 or newer,
+as torch's cpp_extension asks; `$CXX`, else `c++`) and ninja (a dependency of the package):
+`controlplane kernels build` builds them on purpose, with the compiler's output, and
+`controlplane kernels status` says what loaded and why not (docs/operations.md). A first
+build takes about a minute on 2 cores; a later process loads the cached library in well under
+a second. Each build leaves a manifest (manifest.py) beside its library: where there is no
+compiler or ninja (the Docker image's final stage), a build shipped in `TORCH_EXTENSIONS_DIR`
+loads if it is of these sources, for this torch, and for instructions this CPU has. Otherwise
+`available()` is False and the callers keep torch's kernels (`state()` says why).
 
 torch's builder takes a `lock` file in the build directory and makes every other process wait
 for it with no timeout, even when the process that took it is long dead. So a builder here also
@@ -34,6 +39,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -41,6 +47,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from controlplane.engine.kernels import manifest
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +79,11 @@ POLL_S = 0.1  # how often a wait for the lock, or a build, looks at the stop eve
 
 _lock = threading.Lock()  # held for the whole first `available()`: the build, or the wait
 _state: dict[str, object] = {}  # "ok": bool, "error": str, "state": str once tried
-_settings: dict[str, object] = {"lock_wait_s": LOCK_WAIT_S, "stop": threading.Event()}
+_settings: dict[str, object] = {
+    "lock_wait_s": LOCK_WAIT_S,
+    "stop": threading.Event(),
+    "verbose": False,  # the compiler's progress on stdout (`controlplane kernels build`)
+}
 
 
 class _Stopped(Exception):
@@ -82,14 +94,20 @@ class _LockHeld(Exception):
     """A live process held the build lock for longer than the wait allows."""
 
 
-def configure(lock_wait_s: float | None = None, stop: threading.Event | None = None) -> None:
+def configure(
+    lock_wait_s: float | None = None,
+    stop: threading.Event | None = None,
+    verbose: bool | None = None,
+) -> None:
     """Before the first `available()`: how long to wait for another live process's build
-    (seconds), and an event that, once set, abandons a build or a wait in progress (and any
-    later one), leaving no lock behind."""
+    (seconds), an event that, once set, abandons a build or a wait in progress (and any
+    later one), leaving no lock behind, and whether the compiler's output is shown."""
     if lock_wait_s is not None:
         _settings["lock_wait_s"] = float(lock_wait_s)
     if stop is not None:
         _settings["stop"] = stop
+    if verbose is not None:
+        _settings["verbose"] = verbose
 
 
 def available() -> bool:
@@ -132,6 +150,72 @@ def bf16_dot_available() -> bool:
     return available() and bool(torch.ops.controlplane_cpu.bf16_dot_supported())
 
 
+def describe() -> dict[str, object]:
+    """What `controlplane kernels status` prints: `state()`, and where the build is, what
+    it was built for (`isa`: the -m flags), how it came (built or loaded from torch's cache
+    here, or a shipped build loaded without a compiler), and the toolchain found."""
+    out: dict[str, object] = dict(state())
+    out["extensions_dir"] = str(extensions_root())
+    out["build_dir"] = _state.get("build_dir")
+    out["library"] = _state.get("name")
+    flags = _state.get("flags")
+    out["isa"] = (
+        " ".join(f for f in flags if f.startswith("-m")) if isinstance(flags, list) else None
+    )
+    out["loaded"] = _state.get("how")
+    out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    out["toolchain_missing"] = toolchain_missing()
+    out["bf16_dot"] = bf16_dot_available() if _state.get("ok") else False
+    return out
+
+
+def find_build() -> tuple[Path | None, str]:
+    """The library `available()` would load without compiling (this machine's cached build,
+    or a shipped one where there is no toolchain) and '', or None and why there is none:
+    `controlplane kernels status` asks this before it loads anything, never building."""
+    missing = toolchain_missing()
+    if missing:
+        fitting, _ = manifest.fitting(extensions_root(), sources_digest())
+        if fitting:
+            return fitting[0][0], ""
+        return None, f"no {' or '.join(missing)} on PATH, and no shipped build fits this machine"
+    # A build with a manifest that fits needs no compiler probe (seconds on a busy host).
+    fitting, _ = manifest.fitting(extensions_root(), sources_digest())
+    if fitting:
+        return fitting[0][0], ""
+    name, _ = build_spec()
+    library = extensions_root() / name / f"{name}.so"
+    if library.is_file():
+        return library, ""
+    return None, f"not built for this machine yet ({library} is missing)"
+
+
+def toolchain_missing() -> list[str]:
+    """What building here lacks: the C++ compiler torch's cpp_extension runs (`$CXX`, else
+    `c++`) and ninja; [] when both are on PATH."""
+    compiler = os.environ.get("CXX", "c++")
+    missing = [] if shutil.which(compiler) else [f"C++ compiler ({compiler})"]
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return missing if is_ninja_available() else [*missing, "ninja"]
+
+
+def extensions_root() -> Path:
+    """Where torch's cpp_extension keeps its builds: TORCH_EXTENSIONS_DIR, else its default
+    (~/.cache/torch_extensions/py311_cpu, say)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("", False))
+
+
+def sources_digest() -> str:
+    """The C++ sources' and headers' hash: a build is of these sources or of none."""
+    h = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        h.update(source.read_bytes())
+    return h.hexdigest()
+
+
 def build_error() -> str:
     """Why `available()` is False ('' when it is not, or before the first try)."""
     return str(_state.get("error", ""))
@@ -156,15 +240,12 @@ def build_spec() -> tuple[str, list[str]]:
     # The source's hash in the name: two versions of controlplane on one host (a rolling
     # upgrade, a test checkout beside a daemon) each keep their own build rather than
     # rebuilding over each other at every start.
-    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()
+    digest = hashlib.sha256((sources_digest() + " ".join(flags)).encode()).hexdigest()
     isa_name = "_".join(str(isa).split()) or "scalar"
     return f"controlplane_cpu_ops_{isa_name}_{digest[:12]}", flags
 
 
 def _build() -> bool:
-    from torch.utils.cpp_extension import _get_build_directory, load
-
     started = time.perf_counter()
     stop = _settings["stop"]
     assert isinstance(stop, threading.Event)
@@ -173,47 +254,27 @@ def _build() -> bool:
         _state.setdefault("error", "the start was stopped before the kernel build")
         return False
     _state["state"] = "building"
+    # The schemas and fakes (ops.py), before the kernels: the library only implements them.
+    from controlplane.engine.kernels import ops
+
     try:
-        name, flags = build_spec()
-        build_dir = Path(_get_build_directory(name, False))
-        with _owner(build_dir, stop), _stoppable(stop):
-            load(
-                name,
-                [str(source) for source in SOURCES],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+        missing = toolchain_missing()
+        if missing:  # an image that ships its build and no compiler: load that build
+            name, flags = _load_shipped(missing)
+            _state["how"] = "shipped"
+        else:
+            name, flags = _build_here(stop)
     except _LockHeld as exc:
         return _fail("lock_timeout", str(exc))
     except Exception as exc:  # no compiler or ninja, a build error: keep torch's kernels
         if stop.is_set():
             return _fail("stopped", "the start was stopped during the kernel build")
         return _fail("failed", f"{type(exc).__name__}: {exc}".strip()[:2000])
-    ops = torch.ops.controlplane_cpu
-    if not all(
-        hasattr(ops, op)
-        for op in (
-            "paged_decode_attention",
-            "step_attention",
-            "set_decode_step",
-            "clear_decode_step",
-            "int4_linear",
-            "int4_linear_bf16",
-            "amx_supported",
-            "int8_linear",
-            "int8_linear_bf16",
-            "w4a8_linear",
-            "w8a8_linear",
-            "packed_linear",
-            "bf16_linear",
-            "bf16_pack_weight",
-        )
-    ):
-        return _fail("failed", "the library loaded without its ops")
-    _register_fakes()
+    absent = ops.missing_kernels()
+    if absent:
+        return _fail("failed", f"the library loaded without the kernels of {', '.join(absent)}")
     _state["state"] = "ready"
+    _state["name"], _state["flags"] = name, flags
     _state.pop("error", None)  # an earlier, stopped try's
     log.info(
         "CPU kernels (%s, %s) ready in %.1f s", name, " ".join(flags), time.perf_counter() - started
@@ -221,53 +282,58 @@ def _build() -> bool:
     return True
 
 
-def _register_fakes() -> None:
-    """Shapes for torch.compile's tracing (a compiled step calls paged_decode_attention
-    through step_attention, or `controlplane::paged_attention` for 8-bit caches)."""
+def _build_here(stop: threading.Event) -> tuple[str, list[str]]:
+    """Build for this CPU with torch's cpp_extension (or load its cached build), and leave a
+    manifest beside the library so that a copy of the directory loads without a compiler."""
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    @torch.library.register_fake("controlplane_cpu::step_attention")
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        return torch.empty_like(q)
+    name, flags = build_spec()
+    build_dir = Path(_get_build_directory(name, False))
+    _state["build_dir"] = str(build_dir)
+    verbose = bool(_settings["verbose"])
+    with _owner(build_dir, stop), _stoppable(stop):
+        load(
+            name,
+            [str(source) for source in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=verbose,
+        )
+    _state["how"] = "built or cached"
+    manifest.write(build_dir, name, flags, sources_digest())
+    return name, flags
 
-    @torch.library.register_fake("controlplane_cpu::int4_linear")
-    @torch.library.register_fake("controlplane_cpu::int4_linear_bf16")
-    def _(
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        scales_and_zeros: torch.Tensor,
-        group_size: int,
-        block_n: int,
-        split: bool,
-        amx: bool = False,
-    ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], packed.shape[0]))
 
-    @torch.library.register_fake("controlplane_cpu::w4a8_linear")
-    def _(
-        x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
-    ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-    @torch.library.register_fake("controlplane_cpu::w8a8_linear")
-    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-    @torch.library.register_fake("controlplane_cpu::packed_linear")
-    @torch.library.register_fake("controlplane_cpu::bf16_linear")
-    def _(
-        x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("controlplane_cpu::int8_linear")
-    @torch.library.register_fake("controlplane_cpu::int8_linear_bf16")
-    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+def _load_shipped(missing: list[str]) -> tuple[str, list[str]]:
+    """Load a build made elsewhere (deploy/Dockerfile's build stage) from the extensions
+    directory: the richest one that fits (_shipped_builds). Raises naming what is missing."""
+    fitting, seen = manifest.fitting(extensions_root(), sources_digest())
+    if not fitting:
+        builds = (
+            f"the builds there ({', '.join(seen)}) are for other sources, torch or CPUs"
+            if seen
+            else "none is there"
+        )
+        raise RuntimeError(
+            f"cannot build the kernels here (no {' or '.join(missing)} on PATH) and no shipped "
+            f"build in {extensions_root()} fits this machine: {builds}; install a C++ compiler "
+            "and ninja and run `controlplane kernels build`"
+        )
+    library, found = fitting[0]
+    _state["build_dir"] = str(library.parent)
+    torch.ops.load_library(str(library))
+    return str(found["name"]), list(found["flags"])
 
 
 def _fail(state: str, error: str) -> bool:
     _state["state"], _state["error"] = state, error
-    log.warning("CPU kernels not built (%s); using torch's kernels", error[:300])
+    # The one line a start says about it (the daemon's /admin/stats `kernels` says it too).
+    log.warning(
+        "CPU kernels not built (%s); using torch's kernels, slower on a CPU (see "
+        "docs/benchmarks.md#cpu-kernels); `controlplane kernels status` says more",
+        error[:300],
+    )
     return False
 
 

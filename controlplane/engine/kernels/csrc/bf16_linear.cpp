@@ -151,10 +151,6 @@ at::Tensor bf16_pack_weight(const at::Tensor& weight) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
-  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("bf16_pack_weight(Tensor weight) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);

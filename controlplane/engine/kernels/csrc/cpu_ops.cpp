@@ -1,4 +1,4 @@
-// CPU kernels of our own, built at first use by controlplane/engine/cpu_ops.py (torch's
+// CPU kernels of our own, built by controlplane/engine/kernels/cpu_ops.py (torch's
 // cpp_extension, with the vector ISA flags inductor picks for this machine).
 //
 // paged_decode_attention: attention of single-token queries over the paged KV cache, read in
@@ -532,18 +532,11 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(controlplane_cpu, m) {
-  m.def(
-      "paged_decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_scale, "
-      "Tensor? v_scale, Tensor block_table, Tensor context_lens, int block_size, float sm_scale, "
-      "Tensor? k_new=None, Tensor? v_new=None, Tensor? slot_mapping=None, bool bf16_dot=True) -> Tensor");
-  // No tensor to dispatch on (or only lists): one kernel whatever the device.
-  m.def(
-      "set_decode_step(Tensor[] k_caches, Tensor[] v_caches, Tensor block_table, Tensor context_lens, "
-      "Tensor slot_mapping, int block_size, float sm_scale, bool bf16_dot=True) -> ()",
-      &set_decode_step);
-  m.def("clear_decode_step() -> ()", &clear_decode_step);
-  m.def("step_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor");
+// The schemas are in engine/kernels/ops.py (every op's, with its fake); here the kernels.
+// No tensor to dispatch on (or only lists): one catch-all kernel whatever the device.
+TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
+  m.impl("set_decode_step", &set_decode_step);
+  m.impl("clear_decode_step", &clear_decode_step);
 }
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) {

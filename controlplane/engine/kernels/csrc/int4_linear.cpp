@@ -315,10 +315,5 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
-  m.def(
-      "int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, int block_n, bool split) -> "
-      "Tensor");
-}
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }

@@ -617,11 +617,8 @@ bool amx_supported() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
-  m.def(
-      "int4_linear_bf16(Tensor x, Tensor packed, Tensor scales_and_zeros, int group_size, int block_n, bool split, "
-      "bool amx=False) -> Tensor");
-  m.def("amx_supported() -> bool", &amx_supported);
-  m.def("bf16_dot_supported() -> bool", &controlplane::bf16_dot_supported);
+  m.impl("amx_supported", &amx_supported);
+  m.impl("bf16_dot_supported", &controlplane::bf16_dot_supported);
 }
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("int4_linear_bf16", &int4_linear_bf16); }

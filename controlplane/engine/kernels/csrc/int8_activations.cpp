@@ -408,10 +408,6 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
-  m.def("w4a8_linear(Tensor x, Tensor weight, Tensor scales, Tensor mins) -> Tensor");
-  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);

@@ -232,10 +232,6 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor? scales) -> Tensor");
-  m.def("int8_linear_bf16(Tensor x, Tensor weight, Tensor? scales) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);

@@ -40,10 +40,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) {
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("packed_rows(int t) -> int", &padded_rows);
-}
+TORCH_LIBRARY_FRAGMENT(controlplane_cpu, m) { m.impl("packed_rows", &padded_rows); }
 
 // The weight is an opaque oneDNN tensor, so a call dispatches on MkldnnCPU; x alone, on CPU.
 TORCH_LIBRARY_IMPL(controlplane_cpu, CPU, m) { m.impl("packed_linear", &packed_linear); }
