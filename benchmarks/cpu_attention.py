@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from controlplane.engine.attention.backend import AttentionBackend, SeqSpan, TorchPagedAttention
+from controlplane.engine.attention.backend import AttentionBackend, SeqSpan
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from controlplane.engine.attention.backend import SeqSpan, TorchPagedAttention
+from controlplane.engine.attention.backend import SeqSpan
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM

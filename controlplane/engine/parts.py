@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from controlplane.engine.attention.backend import AttentionBackend, TorchPagedAttention
+from controlplane.engine.attention.backend import AttentionBackend
+from controlplane.engine.attention.registry import auto_backend, backend_class
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.draft import DraftModel
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.gguf.known import resolve_model_path
-from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import STORAGE_DTYPES, KVCache, KVCacheSpec, plan_num_blocks
 from controlplane.engine.loader import load_model, load_model_config, load_tokenizer
 from controlplane.engine.model.config import ModelConfig
@@ -57,37 +57,16 @@ class EngineParts:
 def make_backend(
     name: str, kv_cache: KVCache, device: torch.device, bf16_dot: bool = True
 ) -> AttentionBackend:
-    """The `engine.attention_backend` setting's backend: auto is Triton on CUDA (when the
-    triton package is installed: it is an optional extra), our C++ kernel on a CPU where it
-    builds (cpu_ops), torch elsewhere. `bf16_dot`: engine.bf16_dot, for the C++ kernel."""
+    """The `engine.attention_backend` setting's backend over `kv_cache` (auto: the registry's
+    choice for `device`); InvalidSettingError says why a named one cannot run here.
+    `bf16_dot`: engine.bf16_dot, for the C++ kernel."""
     if name == "auto":
-        name = "torch"
-        if device.type == "cpu" and cpu_ops.available():
-            name = "cpu"
-        elif device.type == "cuda":
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                log.warning("attention_backend auto: triton is not installed, using torch")
-            else:
-                name = "triton"
-    if name == "torch":
-        return TorchPagedAttention(kv_cache)
-    if name == "cpu":
-        if device.type != "cpu" or not cpu_ops.available():
-            why = "the device is " + device.type if device.type != "cpu" else cpu_ops.build_error()
-            raise InvalidSettingError("attention_backend", f"cpu is not available here: {why}")
-        from controlplane.engine.attention.cpu import CpuPagedAttention
-
-        return CpuPagedAttention(kv_cache, bf16_dot)
-    if device.type == "cpu":
-        log.warning(
-            "attention_backend triton on CPU: Triton's interpreter runs the kernels, "
-            "for tests and debugging only (orders of magnitude slower than torch)"
-        )
-    from controlplane.engine.attention.triton import TritonPagedAttention
-
-    return TritonPagedAttention(kv_cache)  # turns the interpreter on for a CPU cache
+        name = auto_backend(device)
+    cls = backend_class(name)
+    why = cls.unavailable(device)
+    if why is not None:
+        raise InvalidSettingError("attention_backend", f"{name} is not available here: {why}")
+    return cls.create(kv_cache, bf16_dot)
 
 
 def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> QuantConfig:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from controlplane.engine import Engine, SamplingParams
-from controlplane.engine.attention.backend import TorchPagedAttention
 from controlplane.engine.attention.cpu import CpuPagedAttention
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec

@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from controlplane.engine.attention.backend import SeqSpan, TorchPagedAttention
+from controlplane.engine.attention.backend import SeqSpan
 from controlplane.engine.attention.cpu import CpuPagedAttention
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from tests.conftest import BACKEND_CASES, engine_on_torch_tokens

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from controlplane.engine import Engine, SamplingParams
-from controlplane.engine.attention.backend import SeqSpan, TorchPagedAttention
+from controlplane.engine.attention.backend import SeqSpan
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.attention.triton import PARTITION, TritonPagedAttention
 from controlplane.engine.cuda_graphs import CallAgain, CudaGraphDecode, graphs_enabled
 from controlplane.engine.errors import InvalidSettingError

@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from controlplane.engine.attention.backend import SeqSpan, TorchPagedAttention
+from controlplane.engine.attention.backend import SeqSpan
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.attention.triton import (
     PARTITION,
     TritonPagedAttention,

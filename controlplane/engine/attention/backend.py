@@ -1,9 +1,11 @@
-"""Paged attention over a ragged batch.
+"""Paged attention over a ragged batch: the protocol every backend implements, and what they
+share.
 
-`AttentionBackend` is the seam a GPU kernel plugs into: `prepare` turns the step's layout
-(which sequence contributes which rows, with which block table) into whatever metadata the
-kernel wants, once per step; `forward` runs one layer. `TorchPagedAttention` is the pure
-PyTorch implementation that runs anywhere.
+`AttentionBackend` is the seam a kernel plugs into: `prepare` turns the step's layout (which
+sequence contributes which rows, with which block table) into whatever metadata the kernel
+wants, once per step; `forward` runs one layer. The backends themselves: torch_paged.py (pure
+PyTorch, runs anywhere), cpu.py (our C++ decode kernel), triton.py (GPUs); registry.py names
+them for `engine.attention_backend`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from controlplane.engine.kv_cache import KVCache
 
@@ -40,20 +41,10 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
-class DecodeBucket:
-    """Decode rows of similar context length, padded to the longest of them."""
-
-    start: int  # first row in the flat batch
-    end: int
-    blocks: torch.Tensor  # [rows * max_blocks] block ids (padded with block 0)
-    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] True = attend
-
-
-@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot for each row's new K/V
-    # DecodeBucket here; a backend's own record of decode rows where it reads the cache its
-    # own way (each has .start and .end, the rows it covers in the flat batch).
+    # torch_paged.DecodeBucket, or a backend's own record of decode rows where it reads the
+    # cache its own way (each has .start and .end, the rows it covers in the flat batch).
     decodes: list[Any] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
@@ -70,6 +61,18 @@ class AttentionBackend(ABC):
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv = kv_cache
         self.block_size = kv_cache.spec.block_size
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device` (None: it can). Asked before `create`, so
+        that a setting naming it is refused with the reason."""
+        return None
+
+    @classmethod
+    def create(cls, kv_cache: KVCache, bf16_dot: bool = True) -> AttentionBackend:
+        """The backend over `kv_cache`, from the engine's settings (`bf16_dot`:
+        engine.bf16_dot, for the backends whose kernels have a bf16 dot-product path)."""
+        return cls(kv_cache)
 
     @abstractmethod
     def prepare(self, spans: list[SeqSpan], device: torch.device) -> AttentionMetadata:
@@ -95,114 +98,6 @@ class AttentionBackend(ABC):
     def end_step(self) -> None:
         """After it: let go of what begin_step handed over."""
         return None
-
-
-class TorchPagedAttention(AttentionBackend):
-    """Gathers whole blocks (index_select of contiguous block_size x Hkv x D chunks, 5x faster
-    here than per-slot indexing) and folds the query heads of each KV group into the query
-    length, so SDPA needs no GQA expansion and takes its fast path."""
-
-    # A bucket closes when the next row's context is shorter than this fraction of the
-    # bucket's longest: padding then wastes at most ~1/BUCKET_RATIO of the gathered K/V, for a
-    # few more kernel calls. Decode attention is memory-bound, so bytes are what count.
-    BUCKET_RATIO = 0.7
-
-    def prepare(self, spans: list[SeqSpan], device: torch.device) -> AttentionMetadata:
-        bs = self.block_size
-        slot_mapping: list[int] = []
-        decode_rows = 0
-        for span in spans:
-            table = span.block_table
-            slot_mapping += [
-                table[p // bs] * bs + p % bs
-                for p in range(span.context_len - span.num_new_tokens, span.context_len)
-            ]
-            if span.num_new_tokens == 1:
-                decode_rows += 1
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device)
-        )
-        meta.decodes = self._decode_buckets(spans[:decode_rows], device)
-        row = decode_rows
-        for span in spans[decode_rows:]:
-            q_len, ctx = span.num_new_tokens, span.context_len
-            if ctx == q_len:
-                meta.prefills.append(PrefillSpan(row, row + q_len, ctx, None, None))
-            else:
-                blocks_t = torch.tensor(
-                    span.block_table[: -(-ctx // bs)], dtype=torch.long, device=device
-                )
-                # Row i sits at position ctx - q_len + i and sees keys 0..that position.
-                q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
-                mask = torch.arange(ctx).unsqueeze(0) <= q_pos
-                meta.prefills.append(PrefillSpan(row, row + q_len, ctx, blocks_t, mask.to(device)))
-            row += q_len
-        return meta
-
-    def _decode_buckets(self, spans: list[SeqSpan], device: torch.device) -> list[Any]:
-        """The decode rows' metadata (`spans`: the step's single-token sequences, longest
-        context first), as `_decode` takes it."""
-        buckets = []
-        start = 0
-        while start < len(spans):
-            longest = spans[start].context_len
-            end = start + 1
-            while end < len(spans) and spans[end].context_len >= self.BUCKET_RATIO * longest:
-                end += 1
-            buckets.append(self._bucket(spans, start, end, device))
-            start = end
-        return buckets
-
-    def _bucket(
-        self, spans: list[SeqSpan], start: int, end: int, device: torch.device
-    ) -> DecodeBucket:
-        tables = padded_block_tables(spans[start:end], self.block_size)
-        lens = torch.tensor([s.context_len for s in spans[start:end]], dtype=torch.long)
-        mask = torch.arange(len(tables[0]) * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
-        return DecodeBucket(
-            start,
-            end,
-            torch.tensor(tables, dtype=torch.long, device=device).flatten(),
-            mask[:, None, None, :].to(device),
-        )
-
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        self.kv.write(layer, meta.slot_mapping, k, v)
-        if not meta.prefills and len(meta.decodes) == 1:
-            # A decode-only step in one bucket (every batch-1 step): its output is the whole
-            # result, with no buffer to allocate and copy into.
-            return self._decode(layer, q, meta.decodes[0])
-        out = torch.empty_like(q)
-        for b in meta.decodes:
-            out[b.start : b.end] = self._decode(layer, q[b.start : b.end], b)
-        for p in meta.prefills:
-            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if p.context_blocks is None:
-                kp = self.kv.as_stored(k[p.start : p.end]).transpose(0, 1).unsqueeze(0)
-                vp = self.kv.as_stored(v[p.start : p.end]).transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            else:
-                ctx = p.context_len
-                kp, vp = self.kv.read_blocks(layer, p.context_blocks, q.dtype)
-                kp = kp[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-                vp = vp[:ctx].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, enable_gqa=True)
-            out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
-        return out
-
-    def _decode(self, layer: int, q: torch.Tensor, b: Any) -> torch.Tensor:
-        """One bucket's rows q [n, H, D]: a KV group's heads act as `group` query rows of one
-        SDPA over that group's gathered K/V ([n, Hkv, L, D])."""
-        n, num_heads, head_dim = q.shape
-        kd, vd = self.kv.read_blocks(layer, b.blocks, q.dtype)
-        kv_heads = kd.shape[1]
-        kd = kd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
-        vd = vd.view(n, -1, kv_heads, head_dim).transpose(1, 2)
-        qd = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=b.mask)
-        return o.reshape(n, num_heads, head_dim)
 
 
 # -- the seam a compiled forward is split at ---------------------------------------------------

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from controlplane.engine.attention.backend import (
+    AttentionBackend,
     AttentionMetadata,
     SeqSpan,
-    TorchPagedAttention,
     padded_block_tables,
 )
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import KVCache
 
@@ -45,6 +46,16 @@ class CpuPagedAttention(TorchPagedAttention):
         # bf16 queries on a bf16 cache by bf16 dot products where the CPU has them
         # (engine.bf16_dot); off: float32 scores and sums, the probabilities unrounded.
         self.bf16_dot = bf16_dot
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return "the device is " + device.type
+        return None if cpu_ops.available() else cpu_ops.build_error()
+
+    @classmethod
+    def create(cls, kv_cache: KVCache, bf16_dot: bool = True) -> AttentionBackend:
+        return cls(kv_cache, bf16_dot)
 
     def _decode_buckets(self, spans: list[SeqSpan], device: torch.device) -> list[DecodeRows]:
         if not spans:
