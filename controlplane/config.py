@@ -60,6 +60,11 @@ class ServerSettings:
     # died is removed at once, whatever this is. Longer waits out a slow build; shorter serves
     # sooner, slower until the next restart.
     kernel_build_wait_s: float = 300.0
+    # Where the built CPU kernels and the compiled decode step's graphs are kept between runs
+    # (TORCH_EXTENSIONS_DIR and TORCHINDUCTOR_CACHE_DIR, unless the environment sets them);
+    # empty: <data_dir>/cache. On a kept volume a restart loads them instead of rebuilding
+    # and recompiling; see docs/operations.md.
+    compile_cache_dir: str = ""
     log_format: str = "text"  # text | json
     log_level: str = "info"
     # One log line per finished request (logger controlplane.access, at info).
