@@ -22,51 +22,72 @@ from typing import Any
 
 from controlplane.common import check_url, parse_time
 from controlplane.config_read import read_snapshot
-from controlplane.engine import settings as engine_settings
 from controlplane.engine.sampling_params import MAX_N
 from controlplane.engine.settings import EngineSettings, check
 from controlplane.errors import FieldError
+from controlplane.limits import (
+    bounded,
+    check_declared,
+    choices_of,
+    declared_fields,
+    one_of,
+    range_of,
+)
 
 ENV_PREFIX = "CONTROLPLANE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Upper limits that keep every stored amount inside its SQL column (USD: 20 digits, 12 after
+# the point; prices: 18 digits, 9 after the point) and every retention inside datetime's range.
+MAX_PRICE_PER_MTOK = 1_000_000.0
+MAX_GPU_HOURLY_USD = 10_000.0
+MAX_RETENTION_DAYS = 36_500.0
+MAX_INTERVAL_S = 86_400.0
+# The daemon keeps about one engine snapshot a second for this long (runtime/runtime.py).
+MAX_AUTOPILOT_WINDOW_S = 600.0
+# The largest value of an autopilot bound (<knob>_min, <knob>_max).
+MAX_AUTOPILOT_BOUND = 1 << 20
+# The upper end of an [alerts] threshold in milliseconds, seconds or requests per second (a
+# percentage and a fraction have theirs).
+MAX_ALERT = MAX_INTERVAL_S * 1000
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = bounded(8000, 0, 65535)
     # Name served by /v1/models and expected in requests; default: the model directory's name.
     model_name: str = ""
     # Waiting requests beyond this get 429 with Retry-After (backpressure).
-    max_queue_len: int = 256
+    max_queue_len: int = bounded(256, 0)
     # Most choices one request may ask for per prompt (OpenAI `n`, and `best_of`); more is a 400.
-    max_n: int = 16
+    max_n: int = bounded(16, 1, MAX_N)
     # Most of the batch one request's choices may take: n (or best_of) above this share of
     # engine.max_num_seqs is a 400. Until the scheduler is fair between tenants, an n = 16
     # request in a 32-slot batch would otherwise hold every request behind it (measured: an
     # 8-token request waited 195 s behind n = 16 at max_num_seqs 16).
-    max_choices_share: float = 0.5
+    max_choices_share: float = bounded(0.5, 0.01, 1)
     # On SIGTERM/SIGINT: how long running requests may finish before they are aborted.
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = bounded(30.0, 0, MAX_INTERVAL_S)
     # A start not ready this many seconds after the daemon began (a model load or a CPU kernel
     # build that cannot finish) is reported `dead` by /health and /health/live and the daemon
     # exits with status 1, so an orchestrator restarts it; 0: no deadline. It must cover a cold
     # kernel build (and kernel_build_wait_s) plus the model's load on the slowest host: too
     # short, and a slow start is killed and begins again; too long, and a stuck one waits.
-    start_timeout_s: float = 1800.0
+    start_timeout_s: float = bounded(1800.0, 0, MAX_INTERVAL_S)
     # How long a start waits for another live process's build of the CPU kernels (daemons
     # starting at once on one host share TORCH_EXTENSIONS_DIR) before it serves on torch's
     # slower kernels, with a warning and /admin/stats `cpu_kernels`; a build lock whose process
     # died is removed at once, whatever this is. Longer waits out a slow build; shorter serves
     # sooner, slower until the next restart.
-    kernel_build_wait_s: float = 300.0
+    kernel_build_wait_s: float = bounded(300.0, 0, MAX_INTERVAL_S)
     # Where the built CPU kernels and the compiled decode step's graphs are kept between runs
     # (TORCH_EXTENSIONS_DIR and TORCHINDUCTOR_CACHE_DIR, unless the environment sets them);
     # empty: <data_dir>/cache. On a kept volume a restart loads them instead of rebuilding
     # and recompiling; see docs/operations.md.
     compile_cache_dir: str = ""
-    log_format: str = "text"  # text | json
-    log_level: str = "info"
+    log_format: str = one_of("text", ("text", "json"))  # text | json
+    log_level: str = one_of("info", LOG_LEVELS, fold_case=True)
     # One log line per finished request (logger controlplane.access, at info).
     access_log: bool = False
     # Identifies this daemon's rows when several share one database; default: generated once
@@ -78,27 +99,27 @@ class ServerSettings:
     # or "vllm" (vllm:num_requests_waiting), for tools that read vLLM's names unchanged (KEDA /
     # HPA rules, the Gateway API Inference Extension's endpoint picker). Our own series
     # (config_info, autopilot_decisions_total, ...) keep their names under either prefix.
-    metrics_prefix: str = "controlplane"
+    metrics_prefix: str = one_of("controlplane", ("controlplane", "vllm"))
     # Period of the stats snapshots on GET /admin/events (a client may ask for another).
-    events_interval_s: float = 0.5
+    events_interval_s: float = bounded(0.5, 0.1, 60)
     # How often the config file is checked for changes (it is also reloaded on SIGHUP).
-    config_watch_interval_s: float = 1.0
+    config_watch_interval_s: float = bounded(1.0, 0.05, MAX_INTERVAL_S)
     # A changed config file is applied once two reads this far apart find the same file
     # (identity, mtime, size, SHA-256): a writer pausing mid-file is waited for.
-    config_settle_s: float = 2.0
+    config_settle_s: float = bounded(2.0, 0.05, MAX_INTERVAL_S)
     # Largest request body accepted (bytes); larger ones get 413.
-    max_body_bytes: int = 2 * 1024 * 1024
+    max_body_bytes: int = bounded(2 * 1024 * 1024, 1024, 1 << 30)
     # Special-token text (`<|eot_id|>`) inside chat messages: "escape" tokenizes it as plain
     # text, so a message cannot forge the template's control tokens; "allow" parses it.
-    chat_special_tokens: str = "escape"
+    chat_special_tokens: str = one_of("escape", ("escape", "allow"))
     # Structured outputs: the largest JSON schema / regex / grammar a request may send (bytes
     # of its text), and how long compiling it may take before the request gets a 400.
-    max_grammar_bytes: int = 64 * 1024
-    grammar_compile_timeout_s: float = 10.0
+    max_grammar_bytes: int = bounded(64 * 1024, 16, 1 << 24)
+    grammar_compile_timeout_s: float = bounded(10.0, 0.001, 600)
     # Scoring (echo with logprobs, prompt_logprobs): the most prompt tokens one prompt may have
     # scored; longer is a 400 naming the field. Each scored token keeps a logits row (vocab x
     # 4 bytes) in its prefill step and a TokenLogprobs entry until the response is sent.
-    max_prompt_logprobs_tokens: int = 8192
+    max_prompt_logprobs_tokens: int = bounded(8192, 1, 1 << 20)
     # The URL other fleet members and operators reach this daemon's admin API at (the
     # instances table); default http://<host, or the hostname when listening on all
     # interfaces>:<port>.
@@ -114,10 +135,14 @@ class StoreSettings:
     # postgresql+psycopg://user@host:5432/db
     url: str = ""
     record_requests: bool = True
-    batch_size: int = 200  # most rows per write transaction
-    flush_interval_s: float = 0.5  # a partial batch waits at most this long
-    buffer_max_records: int = 100_000  # held in memory while the database is unreachable
-    retry_interval_s: float = 1.0
+    batch_size: int = bounded(200, 1)  # most rows per write transaction
+    flush_interval_s: float = bounded(
+        0.5, 0, MAX_INTERVAL_S, lo_open=True, unit="seconds"
+    )  # a partial batch waits at most this long
+    buffer_max_records: int = bounded(
+        100_000, 1
+    )  # held in memory while the database is unreachable
+    retry_interval_s: float = bounded(1.0, 0, MAX_INTERVAL_S, lo_open=True, unit="seconds")
     # Journal every record to <data_dir>/journal/<instance_id>/ until its row is committed, so
     # a killed daemon loses none (controlplane.store.journal).
     journal: bool = True
@@ -126,28 +151,28 @@ class StoreSettings:
 @dataclass(frozen=True, slots=True)
 class JobsSettings:
     # [live] Utilization sampler period (engine busy fraction, batch fill, KV, NVML).
-    utilization_interval_s: float = 5.0
+    utilization_interval_s: float = bounded(5.0, 0.5, MAX_INTERVAL_S, unit="seconds")
     # [live] Cost rollup period (hourly buckets by model and API key).
-    rollup_interval_s: float = 60.0
+    rollup_interval_s: float = bounded(60.0, 0.5, MAX_INTERVAL_S, unit="seconds")
     # Raw samples and request rows older than this are pruned; rollups are kept.
-    sample_retention_days: float = 7.0
-    request_retention_days: float = 30.0
+    sample_retention_days: float = bounded(7.0, 0, MAX_RETENTION_DAYS)
+    request_retention_days: float = bounded(30.0, 0, MAX_RETENTION_DAYS)
     # GPU-amortized cost: USD per GPU-hour x GPUs x wall-clock time. num_gpus 0: as many as
     # NVML reports (1 when there is no GPU, i.e. the host is the accelerator).
-    gpu_hourly_usd: float = 2.0
-    num_gpus: int = 0
+    gpu_hourly_usd: float = bounded(2.0, 0, MAX_GPU_HOURLY_USD)
+    num_gpus: int = bounded(0, 0, 1024)
     # Peak FLOP/s of the hardware for estimated MFU; 0: unknown (MFU is left empty).
-    peak_flops: float = 0.0
+    peak_flops: float = bounded(0.0, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class FleetSettings:
     # Every daemon on a shared database registers in `instances` and refreshes its row (state
     # and headline figures) this often.
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = bounded(5.0, 0.1, MAX_INTERVAL_S)
     # A row whose heartbeat is older than this reads as unreachable; left out of the file:
     # 3 x heartbeat_s.
-    unreachable_after_s: float = 15.0
+    unreachable_after_s: float = bounded(15.0, 0.1, MAX_INTERVAL_S, lo_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,32 +183,32 @@ class AutopilotSettings:
 
     enabled: bool = False
     # p99 targets in milliseconds; 0: no target.
-    ttft_p99_ms: float = 0.0
-    itl_p99_ms: float = 0.0
+    ttft_p99_ms: float = bounded(0.0, 0, MAX_INTERVAL_S * 1000)
+    itl_p99_ms: float = bounded(0.0, 0, MAX_INTERVAL_S * 1000)
     # A decision every interval_s, on the figures of the last window_s seconds, widened up to
     # max_window_s until it holds min_requests finished requests (fewer: no decision).
-    interval_s: float = 10.0
-    window_s: float = 30.0
-    max_window_s: float = 120.0
-    min_requests: int = 20
+    interval_s: float = bounded(10.0, 0.5, MAX_INTERVAL_S)
+    window_s: float = bounded(30.0, 1, MAX_AUTOPILOT_WINDOW_S)
+    max_window_s: float = bounded(120.0, 1, MAX_AUTOPILOT_WINDOW_S)
+    min_requests: int = bounded(20, 1, 1_000_000)
     # Targets "met with headroom" when p99 <= headroom x target: only then does it trade
     # latency for throughput (between headroom and the target it holds: hysteresis).
-    headroom: float = 0.8
+    headroom: float = bounded(0.8, 0, 1, lo_open=True, hi_open=True)
     # An operator's change to a knob pins it for this long: the operator always wins.
-    operator_hold_s: float = 600.0
+    operator_hold_s: float = bounded(600.0, 0, MAX_INTERVAL_S)
     # It turns itself off after this many changes in a row that improved nothing.
-    give_up_after: int = 6
+    give_up_after: int = bounded(6, 1, 1000)
     # Bounds of what it may set.
-    max_num_seqs_min: int = 1
-    max_num_seqs_max: int = 256
-    max_num_batched_tokens_min: int = 256
-    max_num_batched_tokens_max: int = 8192
-    prefill_chunk_size_min: int = 64
-    prefill_chunk_size_max: int = 4096
-    speculative_num_tokens_min: int = 1
-    speculative_num_tokens_max: int = 8
-    speculative_max_batch_size_min: int = 1
-    speculative_max_batch_size_max: int = 64
+    max_num_seqs_min: int = bounded(1, 1, MAX_AUTOPILOT_BOUND)
+    max_num_seqs_max: int = bounded(256, 1, MAX_AUTOPILOT_BOUND)
+    max_num_batched_tokens_min: int = bounded(256, 1, MAX_AUTOPILOT_BOUND)
+    max_num_batched_tokens_max: int = bounded(8192, 1, MAX_AUTOPILOT_BOUND)
+    prefill_chunk_size_min: int = bounded(64, 1, MAX_AUTOPILOT_BOUND)
+    prefill_chunk_size_max: int = bounded(4096, 1, MAX_AUTOPILOT_BOUND)
+    speculative_num_tokens_min: int = bounded(1, 1, MAX_AUTOPILOT_BOUND)
+    speculative_num_tokens_max: int = bounded(8, 1, MAX_AUTOPILOT_BOUND)
+    speculative_max_batch_size_min: int = bounded(1, 1, MAX_AUTOPILOT_BOUND)
+    speculative_max_batch_size_max: int = bounded(64, 1, MAX_AUTOPILOT_BOUND)
 
     def bounds(self) -> dict[str, tuple[int, int]]:
         """Each knob's (min, max): every `<knob>_min` field with its `<knob>_max` (the knobs are
@@ -200,26 +225,26 @@ class AlertsSettings:
     has a p99 target T, that figure's thresholds are 0.8 x T and T instead."""
 
     # TTFT p99 over the last minute, milliseconds; crit is also the SLO target without one.
-    ttft_p99_ms_warn: float = 1000.0
-    ttft_p99_ms_crit: float = 3000.0
+    ttft_p99_ms_warn: float = bounded(1000.0, 0.0, MAX_ALERT)
+    ttft_p99_ms_crit: float = bounded(3000.0, 0.0, MAX_ALERT)
     # Inter-token latency p99 over the last minute, milliseconds (like ttft_p99_ms_*).
-    itl_p99_ms_warn: float = 100.0
-    itl_p99_ms_crit: float = 300.0
+    itl_p99_ms_warn: float = bounded(100.0, 0.0, MAX_ALERT)
+    itl_p99_ms_crit: float = bounded(300.0, 0.0, MAX_ALERT)
     # KV cache blocks in use, percent (0-100).
-    kv_usage_perc_warn: float = 85.0
-    kv_usage_perc_crit: float = 97.0
+    kv_usage_perc_warn: float = bounded(85.0, 0.0, 100.0)
+    kv_usage_perc_crit: float = bounded(97.0, 0.0, 100.0)
     # Waiting queue length / server.max_queue_len (0-1).
-    queue_fill_warn: float = 0.5
-    queue_fill_crit: float = 0.9
+    queue_fill_warn: float = bounded(0.5, 0.0, 1.0)
+    queue_fill_crit: float = bounded(0.9, 0.0, 1.0)
     # Requests answered 429 or 503 at admission, per second (last 10 s).
-    rejected_per_s_warn: float = 0.1
-    rejected_per_s_crit: float = 1.0
+    rejected_per_s_warn: float = bounded(0.1, 0.0, MAX_ALERT)
+    rejected_per_s_crit: float = bounded(1.0, 0.0, MAX_ALERT)
     # Requests that ended in an error (5xx, engine error), per second (last 10 s).
-    failed_per_s_warn: float = 0.01
-    failed_per_s_crit: float = 0.5
+    failed_per_s_warn: float = bounded(0.01, 0.0, MAX_ALERT)
+    failed_per_s_crit: float = bounded(0.5, 0.0, MAX_ALERT)
     # A fleet member's heartbeat age, seconds.
-    heartbeat_age_s_warn: float = 10.0
-    heartbeat_age_s_crit: float = 30.0
+    heartbeat_age_s_warn: float = bounded(10.0, 0.0, MAX_ALERT)
+    heartbeat_age_s_crit: float = bounded(30.0, 0.0, MAX_ALERT)
 
     def pairs(self) -> dict[str, tuple[float, float]]:
         """Each figure's (warn, crit): every `<figure>_warn` field with its `<figure>_crit`."""
@@ -233,9 +258,9 @@ class Price:
 
     model: str = "*"  # a served model name, or * for any
     effective_from: datetime = datetime(1970, 1, 1, tzinfo=UTC)
-    prompt_per_mtok: float = 0.0
-    cached_prompt_per_mtok: float = 0.0
-    completion_per_mtok: float = 0.0
+    prompt_per_mtok: float = bounded(0.0, 0, MAX_PRICE_PER_MTOK)
+    cached_prompt_per_mtok: float = bounded(0.0, 0, MAX_PRICE_PER_MTOK)
+    completion_per_mtok: float = bounded(0.0, 0, MAX_PRICE_PER_MTOK)
 
 
 # In force when the config lists no [[prices]] (the values config/controlplane.toml shows), so
@@ -249,98 +274,6 @@ DEFAULT_PRICES = (
         completion_per_mtok=0.40,
     ),
 )
-# Upper limits that keep every stored amount inside its SQL column (USD: 20 digits, 12 after
-# the point; prices: 18 digits, 9 after the point) and every retention inside datetime's range.
-MAX_PRICE_PER_MTOK = 1_000_000.0
-MAX_GPU_HOURLY_USD = 10_000.0
-MAX_RETENTION_DAYS = 36_500.0
-MAX_INTERVAL_S = 86_400.0
-# The daemon keeps about one engine snapshot a second for this long (runtime/runtime.py).
-MAX_AUTOPILOT_WINDOW_S = 600.0
-# The largest value of an autopilot bound (<knob>_min, <knob>_max).
-MAX_AUTOPILOT_BOUND = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Range:
-    """A numeric field's allowed values: [lo, hi], either end open; hi None: no upper limit."""
-
-    lo: float
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    unit: str = ""  # said after the range in the error ("seconds")
-
-    def __contains__(self, value: float) -> bool:
-        above = value > self.lo if self.lo_open else value >= self.lo
-        below = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
-        return above and below
-
-    def describe(self) -> str:
-        if self.hi is None:
-            return f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
-        left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
-        unit = f" {self.unit}" if self.unit else ""
-        return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}{unit}"
-
-
-def _num(value: float) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
-
-
-# The ranges `_validate` enforces, declared once: GET /admin/config shows them too
-# (field_limits). Relations between fields (fleet.unreachable_after_s > fleet.heartbeat_s,
-# autopilot.max_window_s >= autopilot.window_s, a bound's min <= its max) are checked besides.
-RANGES: dict[str, Range] = {
-    "server.port": Range(0, 65535),
-    "server.max_queue_len": Range(0),
-    "server.max_n": Range(1, MAX_N),
-    "server.max_choices_share": Range(0.01, 1),
-    "server.drain_timeout_s": Range(0, MAX_INTERVAL_S),
-    "server.start_timeout_s": Range(0, MAX_INTERVAL_S),
-    "server.kernel_build_wait_s": Range(0, MAX_INTERVAL_S),
-    # The range GET /admin/events accepts for its `interval` (the default must be one).
-    "server.events_interval_s": Range(0.1, 60),
-    "server.config_watch_interval_s": Range(0.05, MAX_INTERVAL_S),
-    "server.config_settle_s": Range(0.05, MAX_INTERVAL_S),
-    "server.max_body_bytes": Range(1024, 1 << 30),
-    "server.max_grammar_bytes": Range(16, 1 << 24),
-    "server.max_prompt_logprobs_tokens": Range(1, 1 << 20),
-    "server.grammar_compile_timeout_s": Range(0.001, 600),
-    "store.batch_size": Range(1),
-    "store.flush_interval_s": Range(0, MAX_INTERVAL_S, lo_open=True, unit="seconds"),
-    "store.retry_interval_s": Range(0, MAX_INTERVAL_S, lo_open=True, unit="seconds"),
-    "store.buffer_max_records": Range(1),
-    "jobs.utilization_interval_s": Range(0.5, MAX_INTERVAL_S, unit="seconds"),
-    "jobs.rollup_interval_s": Range(0.5, MAX_INTERVAL_S, unit="seconds"),
-    "jobs.sample_retention_days": Range(0, MAX_RETENTION_DAYS),
-    "jobs.request_retention_days": Range(0, MAX_RETENTION_DAYS),
-    "jobs.gpu_hourly_usd": Range(0, MAX_GPU_HOURLY_USD),
-    "jobs.peak_flops": Range(0),
-    "jobs.num_gpus": Range(0, 1024),
-    "fleet.heartbeat_s": Range(0.1, MAX_INTERVAL_S),
-    "fleet.unreachable_after_s": Range(0.1, MAX_INTERVAL_S, lo_open=True),
-    "autopilot.ttft_p99_ms": Range(0, MAX_INTERVAL_S * 1000),
-    "autopilot.itl_p99_ms": Range(0, MAX_INTERVAL_S * 1000),
-    "autopilot.interval_s": Range(0.5, MAX_INTERVAL_S),
-    "autopilot.window_s": Range(1, MAX_AUTOPILOT_WINDOW_S),
-    "autopilot.max_window_s": Range(1, MAX_AUTOPILOT_WINDOW_S),
-    "autopilot.min_requests": Range(1, 1_000_000),
-    "autopilot.headroom": Range(0, 1, lo_open=True, hi_open=True),
-    "autopilot.operator_hold_s": Range(0, MAX_INTERVAL_S),
-    "autopilot.give_up_after": Range(1, 1000),
-    **{
-        f"autopilot.{f.name}": Range(1, MAX_AUTOPILOT_BOUND)
-        for f in dataclasses.fields(AutopilotSettings)
-        if f.name.endswith(("_min", "_max"))
-    },
-}
-CHOICES: dict[str, tuple[str, ...]] = {
-    "server.log_format": ("text", "json"),
-    "server.log_level": LOG_LEVELS,
-    "server.chat_special_tokens": ("escape", "allow"),
-    "server.metrics_prefix": ("controlplane", "vllm"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,49 +376,16 @@ def _names(where: str, value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def _in_range(where: str, value: float, lo: float, hi: float) -> None:
-    if not lo <= value <= hi:
-        raise FieldError(where, f"must be in [{lo:g}, {hi:g}], got {value}")
-
-
-def _ranged(section: str, obj: Any, skip: frozenset[str] = frozenset()) -> None:
-    """Every field of `obj` (the [section] table) that RANGES declares, within its range."""
-    for f in dataclasses.fields(obj):
-        where = f"{section}.{f.name}"
-        r = None if f.name in skip else RANGES.get(where)
-        if r is not None and getattr(obj, f.name) not in r:
-            raise FieldError(where, f"must be {r.describe()}, got {getattr(obj, f.name)}")
-
-
 def _validate(cfg: Config) -> Config:
     s = cfg.server
-    _ranged("server", s)
-    if s.log_level.lower() not in LOG_LEVELS:
-        raise FieldError(
-            "server.log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {s.log_level!r}"
-        )
-    if s.log_format not in CHOICES["server.log_format"]:
-        raise FieldError("server.log_format", f"must be text or json, got {s.log_format!r}")
-    if s.chat_special_tokens not in CHOICES["server.chat_special_tokens"]:
-        raise FieldError(
-            "server.chat_special_tokens",
-            f"must be escape or allow, got {s.chat_special_tokens!r}",
-        )
-    if s.metrics_prefix not in CHOICES["server.metrics_prefix"]:
-        raise FieldError(
-            "server.metrics_prefix",
-            f"must be one of {', '.join(CHOICES['server.metrics_prefix'])}, "
-            f"got {s.metrics_prefix!r}",
-        )
-    st = cfg.store
-    _ranged("store", st)
+    check_declared(s, "server.")
+    check_declared(cfg.store, "store.")
     for i, p in enumerate(cfg.prices):
         if not 1 <= len(p.model) <= 255:  # the prices table's column
             raise FieldError(
                 f"prices[{i}].model", f"must be 1 to 255 characters, got {len(p.model)}"
             )
-        for name in ("prompt_per_mtok", "cached_prompt_per_mtok", "completion_per_mtok"):
-            _in_range(f"prices[{i}].{name}", getattr(p, name), 0, MAX_PRICE_PER_MTOK)
+        check_declared(p, f"prices[{i}].")
     names = [k.name for k in cfg.api_keys]
     for i, k in enumerate(cfg.api_keys):
         if not k.name or not k.key:
@@ -511,9 +411,9 @@ def _validate(cfg: Config) -> Config:
             )
         if tokens.count(t.name) > 1:
             raise FieldError(f"admin_tokens[{i}].name", f"{t.name!r} is used twice")
-    _ranged("jobs", cfg.jobs)
+    check_declared(cfg.jobs, "jobs.")
     f = cfg.fleet
-    _ranged("fleet", f, frozenset({"unreachable_after_s"}))  # with heartbeat_s, below
+    check_declared(f, "fleet.", frozenset({"unreachable_after_s"}))  # with heartbeat_s, below
     if not f.heartbeat_s < f.unreachable_after_s <= MAX_INTERVAL_S:
         raise FieldError(
             "fleet.unreachable_after_s",
@@ -531,7 +431,7 @@ def _validate(cfg: Config) -> Config:
 def _check_autopilot(a: AutopilotSettings) -> None:
     # max_window_s and the bounds are checked with what they relate to, below.
     bounds = {f"{k}_{end}" for k in a.bounds() for end in ("min", "max")}
-    _ranged("autopilot", a, frozenset({"max_window_s", *bounds}))
+    check_declared(a, "autopilot.", frozenset({"max_window_s", *bounds}))
     if not a.window_s <= a.max_window_s <= MAX_AUTOPILOT_WINDOW_S:
         raise FieldError(
             "autopilot.max_window_s",
@@ -547,21 +447,8 @@ def _check_autopilot(a: AutopilotSettings) -> None:
             )
 
 
-# Upper ends of the [alerts] thresholds: a percentage and a fraction have theirs, the rest
-# MAX_ALERT (milliseconds, seconds, requests per second); declared in RANGES like the others.
-ALERT_LIMITS = {"kv_usage_perc": 100.0, "queue_fill": 1.0}
-MAX_ALERT = MAX_INTERVAL_S * 1000
-RANGES.update(
-    {
-        f"alerts.{name}_{level}": Range(0, ALERT_LIMITS.get(name, MAX_ALERT))
-        for name in AlertsSettings().pairs()
-        for level in ("warn", "crit")
-    }
-)
-
-
 def _check_alerts(a: AlertsSettings) -> None:
-    _ranged("alerts", a)
+    check_declared(a, "alerts.")
     for name, (warn, crit) in a.pairs().items():
         if crit < warn:
             raise FieldError(
@@ -577,40 +464,28 @@ def check_engine(settings: EngineSettings) -> EngineSettings:
         raise FieldError(f"engine.{exc.field}", exc.message) from None
 
 
-def _declared_ranges() -> dict[str, Range]:
-    """RANGES, the engine's INT_RANGES and the [alerts] thresholds' ranges, by dotted field."""
-    out = dict(RANGES)
-    for name, (lo, hi) in engine_settings.INT_RANGES.items():
-        out[f"engine.{name}"] = Range(lo, hi)
-    for name in AlertsSettings().pairs():
-        for end in ("warn", "crit"):
-            out[f"alerts.{name}_{end}"] = Range(0.0, ALERT_LIMITS.get(name, MAX_ALERT))
-    return out
-
-
 @functools.cache
 def field_limits() -> dict[str, dict[str, Any]]:
     """What each scalar field accepts, as GET /admin/config shows it next to its value: "type"
     (int, float, bool, str), "min" / "max" (with "min_exclusive" / "max_exclusive" where that
-    end is open; no "max": no upper limit) and "choices". Taken from the declarations the
-    validation itself uses (RANGES, CHOICES and the engine's INT_RANGES and CHOICES); relations
-    between fields (max_num_batched_tokens >= max_num_seqs...) are checked on top of these."""
-    ranges = _declared_ranges()
-    choices = {**CHOICES, **{f"engine.{k}": v for k, v in engine_settings.CHOICES.items()}}
+    end is open; no "max": no upper limit) and "choices". Read from the declarations on the
+    fields, the ones the validation loops over (controlplane.limits); relations between fields
+    (max_num_batched_tokens >= max_num_seqs...) are checked on top of these."""
     out: dict[str, dict[str, Any]] = {}
     for section in (f.name for f in dataclasses.fields(Config)):
         obj = getattr(Config(), section)
         if not dataclasses.is_dataclass(obj):
             continue
+        declared = declared_fields(type(obj))
         for f in dataclasses.fields(obj):
             key, default = f"{section}.{f.name}", getattr(obj, f.name)
+            r = range_of(f)
             kind = {bool: "bool", int: "int", float: "float", str: "str"}.get(type(default))
-            if default is None and key in ranges:  # unset by default (engine.num_kv_blocks)
-                kind = "float" if isinstance(ranges[key].lo, float) else "int"
+            if default is None and r is not None:  # unset by default (engine.num_kv_blocks)
+                kind = "float" if isinstance(r.lo, float) else "int"
             if kind is None:
                 continue  # lists (server.suspended_keys)
             limits: dict[str, Any] = {"type": kind}
-            r = ranges.get(key)
             if r is not None:
                 limits["min"] = r.lo
                 if r.hi is not None:
@@ -619,8 +494,8 @@ def field_limits() -> dict[str, dict[str, Any]]:
                     limits["min_exclusive"] = True
                 if r.hi_open:
                     limits["max_exclusive"] = True
-            if key in choices:
-                limits["choices"] = list(choices[key])
+            if f.name in declared and r is None:
+                limits["choices"] = list(choices_of(f) or ())
             elif kind == "bool":
                 limits["choices"] = [True, False]
             out[key] = limits

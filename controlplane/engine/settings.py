@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controlplane.engine.errors import InvalidSettingError
+from controlplane.limits import CHOICES, RANGE, Range, check_declared
 
 
 class RestartRequiredError(InvalidSettingError):
@@ -33,47 +34,25 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
-# Each integer field's allowed range (inclusive) and each enumerated field's choices, declared
-# once: `check` enforces them and GET /admin/config shows them (controlplane.config.field_limits).
-INT_RANGES: dict[str, tuple[int, int]] = {
-    "block_size": (1, 1024),
-    "kv_cache_memory_bytes": (1, 1 << 50),
-    "num_kv_blocks": (1, 1 << 40),
-    "swap_space_bytes": (0, 1 << 50),
-    "max_model_len": (1, 1 << 24),
-    "seed": (0, 2**63 - 1),
-    "cuda_graph_max_rows": (1, MAX_DECODE_ROWS),
-    "max_num_seqs": (1, 4096),
-    "max_num_batched_tokens": (1, 1 << 20),
-    "prefill_chunk_size": (1, 1 << 20),
-    "speculative_num_tokens": (1, MAX_SPECULATIVE_TOKENS),
-    "speculative_max_batch_size": (1, 4096),
-    "speculative_ngram_min": (1, 64),
-    "speculative_ngram_max": (1, 64),
-    "grammar_cache_size": (0, 100_000),
-}
-CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": DTYPES,
-    "device": DEVICES,
-    "quantization": QUANTIZATIONS,
-    "compile": COMPILE_MODES,
-    "compile_cpp_wrapper": COMPILE_MODES,
-    "cuda_graphs": CUDA_GRAPH_MODES,
-    "kv_cache_dtype": KV_CACHE_DTYPES,
-    "attention_backend": ATTENTION_BACKENDS,
-    "preemption_mode": PREEMPTION_MODES,
-    "speculative_method": SPECULATIVE_METHODS,
-    "speculative_draft_quantization": QUANTIZATIONS,
-    "prefix_cache_isolation": PREFIX_CACHE_ISOLATIONS,
-}
+
+def _live(doc: str, default: Any, limit: Range | None = None, choices: tuple = ()) -> Any:
+    return _field(doc, default, limit, choices, live=True)
 
 
-def _live(doc: str, default: Any) -> Any:
-    return field(default=default, metadata={"live": True, "doc": doc})
+def _restart(doc: str, default: Any, limit: Range | None = None, choices: tuple = ()) -> Any:
+    return _field(doc, default, limit, choices, live=False)
 
 
-def _restart(doc: str, default: Any) -> Any:
-    return field(default=default, metadata={"live": False, "doc": doc})
+def _field(doc: str, default: Any, limit: Range | None, choices: tuple, *, live: bool) -> Any:
+    """A setting: its help text, whether it is live, and what it accepts (a `Range` or its
+    choices), declared here once: `check` loops over the declarations, GET /admin/config and
+    the configuration reference show them."""
+    meta = {"live": live, "doc": doc}
+    if limit is not None:
+        return field(default=default, metadata={**meta, RANGE: limit})
+    if choices:
+        return field(default=default, metadata={**meta, CHOICES: choices})
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +63,16 @@ class EngineSettings:
         "Weights and KV dtype: auto (bfloat16 where the CPU has native bf16 and the checkpoint is "
         "16-bit, float32 on other CPUs; the checkpoint's on GPU), float32, bfloat16, float16.",
         "auto",
+        choices=DTYPES,
     )
-    device: str = _restart("auto (cuda if available), cpu or cuda.", "auto")
-    block_size: int = _restart("Tokens per KV block.", 16)
+    device: str = _restart("auto (cuda if available), cpu or cuda.", "auto", choices=DEVICES)
+    block_size: int = _restart("Tokens per KV block.", 16, Range(1, 1024))
     kv_cache_dtype: str = _restart(
         "KV cache storage: auto (the model's dtype), float32, bfloat16, float16, or 8 bits: "
         "int8 or fp8_e4m3, with a float32 scale per token and KV head (2x the blocks of a "
         "16-bit cache in the same memory, less the scales; perplexity within 1%).",
         "auto",
+        choices=KV_CACHE_DTYPES,
     )
     attention_backend: str = _restart(
         "Paged attention kernels: auto (triton on CUDA; on CPU, cpu where its kernels build, "
@@ -100,15 +81,24 @@ class EngineSettings:
         "package; on CPU it runs under Triton's interpreter, for tests and debugging only: "
         "very slow).",
         "auto",
+        choices=ATTENTION_BACKENDS,
     )
-    kv_cache_memory_bytes: int = _restart("KV cache budget on CPU, in bytes.", 1 << 30)
+    kv_cache_memory_bytes: int = _restart(
+        "KV cache budget on CPU, in bytes.", 1 << 30, Range(1, 1 << 50)
+    )
     gpu_memory_utilization: float = _restart(
-        "KV cache budget on GPU: fraction of free memory.", 0.8
+        "KV cache budget on GPU: fraction of free memory.", 0.8, Range(0, 1, lo_open=True)
     )
-    num_kv_blocks: int | None = _restart("Exact number of KV blocks (overrides the budgets).", None)
-    swap_space_bytes: int = _restart("Host memory for swapped-out KV blocks, in bytes.", 1 << 28)
-    max_model_len: int | None = _restart("Longest prompt + output; default: the model's.", None)
-    seed: int = _restart("Seed of the engine's shared sampling generator.", 0)
+    num_kv_blocks: int | None = _restart(
+        "Exact number of KV blocks (overrides the budgets).", None, Range(1, 1 << 40)
+    )
+    swap_space_bytes: int = _restart(
+        "Host memory for swapped-out KV blocks, in bytes.", 1 << 28, Range(0, 1 << 50)
+    )
+    max_model_len: int | None = _restart(
+        "Longest prompt + output; default: the model's.", None, Range(1, 1 << 24)
+    )
+    seed: int = _restart("Seed of the engine's shared sampling generator.", 0, Range(0, 2**63 - 1))
     cpu_weight_packing: bool = _restart(
         "On CPU, pre-pack linear weights for oneDNN (faster).", True
     )
@@ -127,9 +117,12 @@ class EngineSettings:
         "checkpoints: none), none, int8 (per output channel) or int4 (group-wise). Norms stay "
         "float, and embeddings unless auto keeps the file's.",
         "auto",
+        choices=QUANTIZATIONS,
     )
     quantization_group_size: int = _restart(
-        "int4: input features sharing one scale and zero point (32, 64, 128 or 256).", 32
+        "int4: input features sharing one scale and zero point (32, 64, 128 or 256).",
+        32,
+        choices=INT4_GROUP_SIZES,
     )
     quantize_lm_head: bool = _restart(
         "With quantization on, quantize lm_head too, to int8 (a tied one becomes an int8 copy: "
@@ -186,6 +179,7 @@ class EngineSettings:
         "serving: 11-160 s on 2 cores) or off. "
         "Later steps never compile.",
         "auto",
+        choices=COMPILE_MODES,
     )
     compile_cpp_wrapper: str = _restart(
         "On a CPU, the compiled decode step's graph calls its kernels and ops from C++ "
@@ -197,12 +191,14 @@ class EngineSettings:
         "CPU, which serves eagerly meanwhile; not under compile = on, whose warm-up delays "
         "serving), on, or off. Ignored on CUDA, where CUDA graphs take that cost away.",
         "auto",
+        choices=COMPILE_MODES,
     )
     cuda_graphs: str = _restart(
         "CUDA graphs for decode steps: auto (captured once at start on CUDA when "
         "attention_backend is triton and the decode step is compiled; off otherwise) or off. "
         "Replaying a graph saves the per-kernel launch cost of every step.",
         "auto",
+        choices=CUDA_GRAPH_MODES,
     )
     cuda_graph_max_rows: int = _restart(
         f"Largest decode batch captured as a CUDA graph (1 to {MAX_DECODE_ROWS}): batch sizes "
@@ -210,6 +206,7 @@ class EngineSettings:
         "next one); larger decode steps, e.g. after max_num_seqs is raised, run compiled "
         "without a graph.",
         MAX_DECODE_ROWS,
+        Range(1, MAX_DECODE_ROWS),
     )
     speculative_draft_model: str = _restart(
         "Draft model for speculative_method = draft: a path like `model` (safetensors "
@@ -219,14 +216,17 @@ class EngineSettings:
     speculative_draft_quantization: str = _restart(
         "The draft model's weight-only quantization (auto, none, int8, int4), as `quantization`.",
         "auto",
+        choices=QUANTIZATIONS,
     )
     # Live: applied at the next step boundary.
-    max_num_seqs: int = _live("Most sequences in one batch.", 32)
+    max_num_seqs: int = _live("Most sequences in one batch.", 32, Range(1, 4096))
     # 2048: at 16 streaming clients (SmolLM2 on 2 Xeon cores, benchmarks/server_compare.py, two
     # runs each) 1024 gave 1.41-1.46x llama-server's throughput with ITL p99 404-442 ms, 2048
     # gave 1.51-1.53x with 138-140 ms: a burst of 16 prompts is prefilled in 2 steps, not 4, so
     # fewer streams see a stalled step. TTFT p50 rose from 2.6 to 3.5 s (llama-server: 5.7 s).
-    max_num_batched_tokens: int = _live("Token budget of one step (prefill + decode).", 2048)
+    max_num_batched_tokens: int = _live(
+        "Token budget of one step (prefill + decode).", 2048, Range(1, 1 << 20)
+    )
     # 128: at 16 streaming clients (SmolLM2, 2 cores) a step carrying a 512-token chunk made the
     # ITL p99 489-503 ms; 128-token chunks made it 240-242 ms for ~3% of throughput
     # (benchmarks/server_compare.py, docs/benchmarks.md).
@@ -234,28 +234,38 @@ class EngineSettings:
         "Most prompt tokens one request may prefill in one step: smaller chunks stall the "
         "decoding streams less (ITL p99), larger ones reach the first token sooner.",
         128,
+        Range(1, 1 << 20),
     )
     preemption_mode: str = _live(
-        "What to do when KV blocks run out: recompute or swap.", "recompute"
+        "What to do when KV blocks run out: recompute or swap.",
+        "recompute",
+        choices=PREEMPTION_MODES,
     )
     speculative_method: str = _live(
         "Speculative decoding: off; ngram (prompt lookup: propose what followed the last n "
         "tokens earlier in the prompt or output); draft (a small model proposes, needs "
         "speculative_draft_model). Outputs keep the target's distribution exactly.",
         "off",
+        choices=SPECULATIVE_METHODS,
     )
-    speculative_num_tokens: int = _live("Tokens proposed per sequence and step (k).", 3)
+    speculative_num_tokens: int = _live(
+        "Tokens proposed per sequence and step (k).", 3, Range(1, MAX_SPECULATIVE_TOKENS)
+    )
     speculative_max_batch_size: int = _live(
         "Above this many running sequences speculation pauses: a compute-bound batch gains "
         "nothing from it.",
         8,
+        Range(1, 4096),
     )
-    speculative_ngram_min: int = _live("ngram: shortest suffix matched.", 2)
-    speculative_ngram_max: int = _live("ngram: longest suffix matched (tried first).", 4)
+    speculative_ngram_min: int = _live("ngram: shortest suffix matched.", 2, Range(1, 64))
+    speculative_ngram_max: int = _live(
+        "ngram: longest suffix matched (tried first).", 4, Range(1, 64)
+    )
     grammar_cache_size: int = _live(
         "Structured outputs: compiled grammars kept (LRU, by schema text); a request whose "
         "schema is cached skips the compile.",
         256,
+        Range(0, 100_000),
     )
     enable_prefix_caching: bool = _live(
         "Reuse the KV blocks of prompt prefixes computed before (full blocks, matched by a "
@@ -270,6 +280,7 @@ class EngineSettings:
         "caller whether another sent the same prefix). An open API (no keys) always shares; "
         "a request's cache_salt separates it further either way. Applies to new requests.",
         "key",
+        choices=PREFIX_CACHE_ISOLATIONS,
     )
 
     @classmethod
@@ -284,82 +295,13 @@ class EngineSettings:
         return {name: getattr(self, name) for name in self.live_fields()}
 
 
-def _int(name: str, value: Any, lo: int, hi: int) -> int:
-    # bool is an int subclass; `max_num_seqs=True` is a bug, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSettingError(name, f"must be an integer in [{lo}, {hi}], got {value!r}")
-    if not lo <= value <= hi:
-        raise InvalidSettingError(name, f"must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise InvalidSettingError(name, f"must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidSettingError(name, f"must be true or false, got {value!r}")
-    return value
-
-
-def _ranged(s: EngineSettings, name: str) -> int:
-    return _int(name, getattr(s, name), *INT_RANGES[name])
-
-
-def _one_of(s: EngineSettings, name: str) -> str:
-    return _choice(name, getattr(s, name), CHOICES[name])
-
-
 def check(settings: EngineSettings) -> EngineSettings:
-    """Validate every field and the relations between them; return the settings unchanged."""
+    """Validate every field and the relations between them; return the settings unchanged.
+
+    Each field's range or choices (and a bool's type) is checked from its declaration, in field
+    order; below are only the rules a declaration cannot say."""
     s = settings
-    _one_of(s, "dtype")
-    _one_of(s, "device")
-    _ranged(s, "block_size")
-    _ranged(s, "kv_cache_memory_bytes")
-    if not (
-        isinstance(s.gpu_memory_utilization, float | int) and 0 < s.gpu_memory_utilization <= 1
-    ):
-        raise InvalidSettingError(
-            "gpu_memory_utilization", f"must be in (0, 1], got {s.gpu_memory_utilization!r}"
-        )
-    if s.num_kv_blocks is not None:
-        _ranged(s, "num_kv_blocks")
-    _ranged(s, "swap_space_bytes")
-    if s.max_model_len is not None:
-        _ranged(s, "max_model_len")
-    _ranged(s, "seed")
-    _bool("cpu_weight_packing", s.cpu_weight_packing)
-    _bool("huge_pages", s.huge_pages)
-    _bool("int4_dense_copy", s.int4_dense_copy)
-    _bool("bf16_dot", s.bf16_dot)
-    _bool("amx", s.amx)
-    _one_of(s, "quantization")
-    if isinstance(s.quantization_group_size, bool) or (
-        s.quantization_group_size not in INT4_GROUP_SIZES
-    ):
-        raise InvalidSettingError(
-            "quantization_group_size",
-            f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
-            f"got {s.quantization_group_size!r}",
-        )
-    _bool("quantize_lm_head", s.quantize_lm_head)
-    _one_of(s, "compile")
-    _one_of(s, "compile_cpp_wrapper")
-    _bool("quantize_activations", s.quantize_activations)
-    _one_of(s, "cuda_graphs")
-    _ranged(s, "cuda_graph_max_rows")
-    _one_of(s, "kv_cache_dtype")
-    _one_of(s, "attention_backend")
-    _ranged(s, "max_num_seqs")
-    _ranged(s, "max_num_batched_tokens")
-    _ranged(s, "prefill_chunk_size")
-    _one_of(s, "preemption_mode")
-    _one_of(s, "speculative_method")
-    _one_of(s, "speculative_draft_quantization")
+    check_declared(s)
     if not isinstance(s.speculative_draft_model, str):
         raise InvalidSettingError(
             "speculative_draft_model", f"must be a path string, got {s.speculative_draft_model!r}"
@@ -369,19 +311,12 @@ def check(settings: EngineSettings) -> EngineSettings:
             "speculative_method",
             "draft needs speculative_draft_model, which is restart-only: set both and restart",
         )
-    _ranged(s, "speculative_num_tokens")
-    _ranged(s, "speculative_max_batch_size")
-    _ranged(s, "speculative_ngram_min")
-    _ranged(s, "speculative_ngram_max")
-    _ranged(s, "grammar_cache_size")
     if s.speculative_ngram_max < s.speculative_ngram_min:
         raise InvalidSettingError(
             "speculative_ngram_max",
             f"must be >= speculative_ngram_min ({s.speculative_ngram_min}), "
             f"got {s.speculative_ngram_max}",
         )
-    _bool("enable_prefix_caching", s.enable_prefix_caching)
-    _one_of(s, "prefix_cache_isolation")
     if s.max_num_batched_tokens < s.max_num_seqs:
         # Every running sequence must be able to decode one token per step.
         raise InvalidSettingError(
