@@ -58,153 +58,198 @@ def _field(doc: str, default: Any, limit: Range | None, choices: tuple, *, live:
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     # Restart-only: they shape memory or the model itself.
-    model: str = _restart("Path of a Hugging Face-format model directory.", "")
+    model: str = _restart(
+        "The model to serve: a Hugging Face-format directory (safetensors), a .gguf file or a "
+        "catalog alias (smollm2). Empty: SmolLM2 where its package is installed, else a "
+        "random-weight demo model.",
+        "",
+    )
     dtype: str = _restart(
-        "Weights and KV dtype: auto (bfloat16 where the CPU has native bf16 and the checkpoint is "
-        "16-bit, float32 on other CPUs; the checkpoint's on GPU), float32, bfloat16, float16.",
+        "Float type of the weights and the KV cache: auto (bfloat16 where the CPU has native "
+        "bf16 and the checkpoint is 16-bit, float32 on other CPUs; the checkpoint's own on a "
+        "GPU), float32, bfloat16 or float16. 16 bits halve the memory read per token, so "
+        "decode is faster, at a rounding cost; float32 where outputs must match a float32 "
+        "reference.",
         "auto",
         choices=DTYPES,
     )
-    device: str = _restart("auto (cuda if available), cpu or cuda.", "auto", choices=DEVICES)
-    block_size: int = _restart("Tokens per KV block.", 16, Range(1, 1024))
+    device: str = _restart(
+        "Where the model runs: auto (cuda when a GPU is visible, else cpu), cpu or cuda.",
+        "auto",
+        choices=DEVICES,
+    )
+    block_size: int = _restart(
+        "Tokens per KV cache block, the unit of allocation and of prefix caching (only full "
+        "blocks are shared): smaller blocks waste less memory at a sequence's end and share "
+        "shorter prefixes; larger ones mean fewer blocks to look up per step.",
+        16,
+        Range(1, 1024),
+    )
     kv_cache_dtype: str = _restart(
-        "KV cache storage: auto (the model's dtype), float32, bfloat16, float16, or 8 bits: "
-        "int8 or fp8_e4m3, with a float32 scale per token and KV head (2x the blocks of a "
-        "16-bit cache in the same memory, less the scales; perplexity within 1%).",
+        "How the KV cache stores keys and values: auto (the model's dtype), float32, bfloat16, "
+        "float16, or 8 bits: int8 or fp8_e4m3, with a float32 scale per token and KV head. 8 "
+        "bits hold about twice the tokens of a 16-bit cache in the same memory (more sequences "
+        "at once, longer contexts) at a small quality cost, and fp8 decodes slowly on CPUs "
+        "without native fp8. Keep auto where KV memory is not the limit. Figures: "
+        "docs/benchmarks.md#kv-cache-dtype.",
         "auto",
         choices=KV_CACHE_DTYPES,
     )
     attention_backend: str = _restart(
         "Paged attention kernels: auto (triton on CUDA; on CPU, cpu where its kernels build, "
         "torch otherwise), torch (runs anywhere), cpu (our C++ decode kernel, built at first "
-        "start for this CPU: needs a C++ compiler and ninja), triton (needs the triton "
-        "package; on CPU it runs under Triton's interpreter, for tests and debugging only: "
-        "very slow).",
+        "start for this CPU: faster decode, needs a C++ compiler and ninja), triton (needs the "
+        "triton package; on CPU it runs under Triton's interpreter, for tests and debugging "
+        "only: very slow). torch where the kernels cannot be built or to rule them out. "
+        "Figures: docs/benchmarks.md#attention-backends.",
         "auto",
         choices=ATTENTION_BACKENDS,
     )
     kv_cache_memory_bytes: int = _restart(
-        "KV cache budget on CPU, in bytes.", 1 << 30, Range(1, 1 << 50)
+        "KV cache budget on a CPU, in bytes: more holds more sequences and longer contexts "
+        "before requests wait or are preempted, and leaves less memory to everything else.",
+        1 << 30,
+        Range(1, 1 << 50),
     )
     gpu_memory_utilization: float = _restart(
-        "KV cache budget on GPU: fraction of free memory.", 0.8, Range(0, 1, lo_open=True)
+        "KV cache budget on a GPU: the fraction of free GPU memory it takes at start.",
+        0.8,
+        Range(0, 1, lo_open=True),
     )
     num_kv_blocks: int | None = _restart(
-        "Exact number of KV blocks (overrides the budgets).", None, Range(1, 1 << 40)
+        "Exact number of KV blocks, overriding both budgets (tests, reproducible runs).",
+        None,
+        Range(1, 1 << 40),
     )
     swap_space_bytes: int = _restart(
-        "Host memory for swapped-out KV blocks, in bytes.", 1 << 28, Range(0, 1 << 50)
+        "Host memory for KV blocks swapped out under preemption_mode = swap, in bytes.",
+        1 << 28,
+        Range(0, 1 << 50),
     )
     max_model_len: int | None = _restart(
-        "Longest prompt + output; default: the model's.", None, Range(1, 1 << 24)
+        "Longest prompt + output of one request; default: the model's context length. Lower "
+        "it to refuse requests the KV budget could not hold.",
+        None,
+        Range(1, 1 << 24),
     )
-    seed: int = _restart("Seed of the engine's shared sampling generator.", 0, Range(0, 2**63 - 1))
+    seed: int = _restart(
+        "Seed of the engine's shared sampling generator (a request with its own seed samples from its own generator).",
+        0,
+        Range(0, 2**63 - 1),
+    )
     cpu_weight_packing: bool = _restart(
-        "On CPU, pre-pack linear weights for oneDNN (faster).", True
+        "On a CPU, pack the linear weights into oneDNN's blocked layout at load: faster "
+        "matmuls for a longer load. Off: plain torch linears, to rule the packing out.",
+        True,
     )
+    # On: the copy costs seconds at load and pays on every decode step
+    # (docs/benchmarks.md#huge-pages).
     huge_pages: bool = _restart(
-        "On CPU, the weights a decode step streams (quantized ones, and bf16 ones packed for "
-        "our kernel) are copied at load into one region, in the order a step reads them, on "
-        "2 MB pages where Linux grants them (transparent huge pages in madvise or always "
-        "mode): the hardware prefetcher stops at each page's end. SmolLM2's one-user decode "
-        "1.06-1.10x on a 2-core Zen 4. Off: where the loader left them, on 4 KB pages.",
+        "On a CPU, copy the weights a decode step streams into one region at load, in the order "
+        "a step reads them, on 2 MB pages where Linux grants them (transparent huge pages in "
+        "madvise or always mode): the hardware prefetcher stops at each page's end, so one "
+        "user's decode runs faster, for a copy at load. Off: the weights stay where the loader "
+        "put them, on 4 KB pages. Figures: docs/benchmarks.md#huge-pages.",
         True,
     )
     quantization: str = _restart(
-        "Weight-only quantization of the linear layers, done at load: auto (what a GGUF file "
-        "stores quantized stays quantized: 4-bit linears as int4, 5- to 8-bit ones as int8, "
-        "a quantized embedding table and lm_head as int8, one table when tied; float "
-        "checkpoints: none), none, int8 (per output channel) or int4 (group-wise). Norms stay "
-        "float, and embeddings unless auto keeps the file's.",
+        "Weight-only quantization of the linear layers at load: auto (what a GGUF file stores "
+        "quantized stays so: 4-bit linears as int4, 5- to 8-bit ones and a quantized embedding "
+        "or lm_head as int8; float checkpoints: none), none, int8 (per output channel) or int4 "
+        "(group-wise); norms stay float. Fewer bits: less memory and a faster decode, at some "
+        "quality. Figures: docs/benchmarks.md#quantized-weights.",
         "auto",
         choices=QUANTIZATIONS,
     )
     quantization_group_size: int = _restart(
-        "int4: input features sharing one scale and zero point (32, 64, 128 or 256).",
+        "int4: how many input features share one scale and zero point. Smaller groups follow "
+        "the weights more closely (quality) and store more scales.",
         32,
         choices=INT4_GROUP_SIZES,
     )
     quantize_lm_head: bool = _restart(
         "With quantization on, quantize lm_head too, to int8 (a tied one becomes an int8 copy: "
-        "the embedding table stays float). Faster decode, some quality. Under auto, a GGUF "
-        "file's quantized lm_head is int8 whatever this says.",
+        "the embedding table stays float): a faster decode for some quality. Under auto, a "
+        "GGUF file's quantized lm_head is int8 whatever this says. Figures: "
+        "docs/benchmarks.md#quantized-weights.",
         False,
     )
+    # Off: the dense copy costs 2 bytes a weight and makes a prompt's logits depend on how it
+    # was split into steps (docs/benchmarks.md#int4-dense-copy).
     int4_dense_copy: bool = _restart(
-        "On a CPU with native bf16, int4 linears also keep their dequantized weights in bf16, "
-        "packed for oneDNN, for steps of 16 rows or more (prompt chunks, batched decode), "
-        "instead of our int4 kernel (~1.7x prompt processing on SmolLM2). Costs 2 bytes a "
-        "weight (SmolLM2: +200 MiB), and a prompt's logits then depend "
-        "on how many rows its step carries (a prefix-cache hit or a chunk boundary can change a "
-        "greedy answer at a near-tie), hence off by default. Needs cpu_weight_packing.",
+        "On a CPU with native bf16, int4 linears also keep a bf16 copy of their weights packed "
+        "for oneDNN, for steps of 16 rows or more (prompt chunks, batched decode): faster "
+        "prompts, for 2 bytes a weight, and a prompt's logits then depend on how its steps were "
+        "split (a prefix-cache hit or a chunk boundary can flip a greedy near-tie). Needs "
+        "cpu_weight_packing. Figures: docs/benchmarks.md#int4-dense-copy.",
         False,
     )
+    # On: faster on every CPU with the instructions that was measured, and batch invariant
+    # (docs/benchmarks.md#bf16-dot).
     bf16_dot: bool = _restart(
-        "On a CPU with AVX512-BF16 (Zen 4, Sapphire Rapids), the quantized linears multiply "
-        "their int4 / int8 values, exact in bf16, by bf16 activations with VDPBF16PS "
-        "(csrc/int4_linear_bf16.cpp, csrc/int8_linear.cpp): on a 2-core Zen 4 SmolLM2's prompts "
-        "1.50x, one user 1.33x, 16 sequences 1.19x; the same results at every row count "
-        "(batch invariant). The CPU decode attention takes its scores and the weighted sum of V "
-        "from VDPBF16PS too, the probabilities rounded to bf16 (16 rows of 200 tokens 1.6x). "
-        "Off: torch's int4 kernel's float32 results bit for bit, the int8 lm_head in float32 "
-        "FMAs, attention in float32 sums. Where the CPU has no AMX tiles, a bf16 model's "
-        "linears take our VDPBF16PS kernel too (csrc/bf16_linear.cpp): a 1.1B Llama's one-user "
-        "decode 1.38-1.80x oneDNN's on a 2-core Zen 4; off, oneDNN's.",
+        "On a CPU with AVX512-BF16, the quantized linears and the CPU decode attention multiply "
+        "bf16 values with VDPBF16PS, and bf16 models' linears take our kernel where the CPU has "
+        "no matrix tiles: faster prompts and decode, the same results at every batch size, but "
+        "not float32's bits. Off: float32 sums (torch's int4 kernel, oneDNN), to compare "
+        "against a float32 reference. Figures: docs/benchmarks.md#bf16-dot.",
         True,
     )
+    # On: prompts and batches gain more than a single user's decode loses
+    # (docs/benchmarks.md#amx).
     amx: bool = _restart(
-        "With bf16_dot, on a CPU with AMX tiles (Sapphire Rapids and later Xeons), the int4 "
-        "linears multiply in the tiles (TDPBF16PS) at every row count: on a 2-core Emerald "
-        "Rapids Xeon, SmolLM2, one run against `false`: 512-token prompts 846.6 vs 414.2 tok/s, "
-        "16 sequences 419.7 vs 266.8, one user 72.6 vs 82.3 (off suits a single user's "
-        "latency there). The tiles round their sums their own way, so a model's logits differ "
-        "from `false`'s in the last bits (batch invariant either way). Off: VDPBF16PS only.",
+        "With bf16_dot, on a CPU with matrix tiles (TDPBF16PS), the int4 linears multiply in "
+        "the tiles at every row count: much faster prompts and batched decode, a slightly "
+        "slower single user. The tiles round their sums their own way, so logits differ from "
+        "off's in the last bits (batch invariant either way). Off: VDPBF16PS only, for the "
+        "lowest one-user latency. Figures: docs/benchmarks.md#amx.",
         True,
     )
+    # Off: the quality cost, and the float path is as fast or faster on the CPUs measured since
+    # the AVX2 int4 tile (docs/benchmarks.md#quantize-activations).
     quantize_activations: bool = _restart(
         "On an x86 CPU (AVX2 or AVX512), the quantized linears (int4 ones and the int8 "
         "lm_head) round their activations to int8 per 32 values and multiply in integers, as "
-        "llama.cpp does (csrc/int8_activations.cpp): SmolLM2 batch-1 decode 1.23x, 16 sequences "
-        "1.29x, prompts 0.91x on an AVX2 EPYC (no gain on a Xeon with native bf16: batch-1 0.99x, "
-        "prompts 0.63x), at some quality (perplexity +0.15%; greedy "
-        "replies agree with float32's for 31% of their tokens instead of 54%), hence off by "
-        "default.",
+        "llama.cpp does: can speed decode on CPUs without native "
+        "bf16, slows prompts, and costs quality (higher perplexity; greedy replies leave "
+        "float32's sooner). Figures: docs/benchmarks.md#quantize-activations.",
         False,
     )
+    # auto: in the daemon the warm-up runs in the background, so the first requests are served
+    # (eagerly) at once and the compiled step takes over when ready
+    # (docs/benchmarks.md#compiled-decode-step).
     compile: str = _restart(
-        "Compile the decode step's forward with torch.compile (attention stays an opaque op): "
-        "auto (on CUDA, compiled at start; on a CPU, in the daemon, compiled in the "
-        "background while steps run eagerly, taking over once warm: SmolLM2 batch-1 decode "
-        "1.35-1.6x faster; a one-off LLM() stays eager), on (compiled at start, before "
-        "serving: 11-160 s on 2 cores) or off. "
-        "Later steps never compile.",
+        "Compile the decode step with torch.compile: auto (on CUDA at start; on a CPU, in the "
+        "daemon, in the background while steps run eagerly, taking over once warm; a one-off "
+        "LLM() stays eager), on (at start, before serving) or off. A compiled step decodes "
+        "faster; a cold compile takes minutes of CPU. Off: to debug, or to spare the warm-up. "
+        "Figures: docs/benchmarks.md#compiled-decode-step.",
         "auto",
         choices=COMPILE_MODES,
     )
+    # auto: the C++ wrapper's longer build is paid in the background, never before serving
+    # (docs/benchmarks.md#compiled-decode-step).
     compile_cpp_wrapper: str = _restart(
-        "On a CPU, the compiled decode step's graph calls its kernels and ops from C++ "
-        "(inductor's cpp_wrapper) instead of from Python: one user's step 1.08x faster on a "
-        "2-core Xeon, 1.12-1.14x on a 2-core Zen 5 (SmolLM2 one user 1.39-1.45x llama.cpp "
-        "there, 1.22-1.29x without), but its first warm-up also builds the wrapper (100-198 s "
-        "cold against 53-162 s; 12-30 s either way once inductor's cache is warm). auto (the "
-        "C++ wrapper where the step compiles in the background, the daemon's default on a "
-        "CPU, which serves eagerly meanwhile; not under compile = on, whose warm-up delays "
-        "serving), on, or off. Ignored on CUDA, where CUDA graphs take that cost away.",
+        "On a CPU, the compiled step calls its kernels from C++ (inductor's cpp_wrapper) "
+        "instead of from Python: a faster step, for a longer first warm-up while inductor's "
+        "cache is cold. auto: on where the step compiles in the background (the daemon on a "
+        "CPU), off under compile = on, whose warm-up delays serving. Ignored on CUDA, where "
+        "CUDA graphs remove that cost. Figures: docs/benchmarks.md#compiled-decode-step.",
         "auto",
         choices=COMPILE_MODES,
     )
     cuda_graphs: str = _restart(
         "CUDA graphs for decode steps: auto (captured once at start on CUDA when "
         "attention_backend is triton and the decode step is compiled; off otherwise) or off. "
-        "Replaying a graph saves the per-kernel launch cost of every step.",
+        "Replaying a graph saves every kernel's launch cost in every step, for a capture at "
+        "start and the graphs' GPU memory. Off: to debug. Figures: docs/benchmarks.md#gpu.",
         "auto",
         choices=CUDA_GRAPH_MODES,
     )
     cuda_graph_max_rows: int = _restart(
-        f"Largest decode batch captured as a CUDA graph (1 to {MAX_DECODE_ROWS}): batch sizes "
-        "1, 2, 4, 8, 16, 24, 32 below it, and it, are captured at start (a step pads to the "
-        "next one); larger decode steps, e.g. after max_num_seqs is raised, run compiled "
-        "without a graph.",
+        "Largest decode batch captured as a CUDA graph: batch sizes 1, 2, 4, 8, 16, 24, 32 "
+        "below it, and it, are captured at start (a step pads to the next one); larger decode "
+        "steps, e.g. after max_num_seqs is raised, run compiled without a graph. Higher: more "
+        "capture time and graph memory at start.",
         MAX_DECODE_ROWS,
         Range(1, MAX_DECODE_ROWS),
     )
@@ -219,37 +264,55 @@ class EngineSettings:
         choices=QUANTIZATIONS,
     )
     # Live: applied at the next step boundary.
-    max_num_seqs: int = _live("Most sequences in one batch.", 32, Range(1, 4096))
-    # 2048: at 16 streaming clients (SmolLM2 on 2 Xeon cores, benchmarks/server_compare.py, two
-    # runs each) 1024 gave 1.41-1.46x llama-server's throughput with ITL p99 404-442 ms, 2048
-    # gave 1.51-1.53x with 138-140 ms: a burst of 16 prompts is prefilled in 2 steps, not 4, so
-    # fewer streams see a stalled step. TTFT p50 rose from 2.6 to 3.5 s (llama-server: 5.7 s).
-    max_num_batched_tokens: int = _live(
-        "Token budget of one step (prefill + decode).", 2048, Range(1, 1 << 20)
+    max_num_seqs: int = _live(
+        "Most sequences decoded together in one step: more raises throughput and KV use, and "
+        "lengthens each step, so each stream's inter-token latency. The autopilot moves it "
+        "within its bounds.",
+        32,
+        Range(1, 4096),
     )
-    # 128: at 16 streaming clients (SmolLM2, 2 cores) a step carrying a 512-token chunk made the
-    # ITL p99 489-503 ms; 128-token chunks made it 240-242 ms for ~3% of throughput
-    # (benchmarks/server_compare.py, docs/benchmarks.md).
+    # 2048: a burst of 16 prompts is prefilled in 2 steps rather than 4, so fewer streams see a
+    # stalled step: a lower ITL p99 at 16 streams for a later first token
+    # (docs/benchmarks.md#token-budget).
+    max_num_batched_tokens: int = _live(
+        "Token budget of one step (prefill + decode): larger prefills more prompts per step "
+        "(throughput, fewer stalled steps under a burst), smaller keeps each step short "
+        "(latency). At least max_num_seqs. Figures: docs/benchmarks.md#token-budget.",
+        2048,
+        Range(1, 1 << 20),
+    )
+    # 128: a step carrying a 512-token chunk stalls every decoding stream for its length; 128
+    # halves the ITL p99 at 16 streams for a few percent of throughput
+    # (docs/benchmarks.md#token-budget).
     prefill_chunk_size: int = _live(
         "Most prompt tokens one request may prefill in one step: smaller chunks stall the "
-        "decoding streams less (ITL p99), larger ones reach the first token sooner.",
+        "decoding streams less (ITL p99), larger ones reach the first token sooner. Figures: "
+        "docs/benchmarks.md#token-budget.",
         128,
         Range(1, 1 << 20),
     )
     preemption_mode: str = _live(
-        "What to do when KV blocks run out: recompute or swap.",
+        "What to do when KV blocks run out: recompute (drop a sequence's blocks and compute "
+        "them again later: costs compute) or swap (copy them to host memory, "
+        "swap_space_bytes: costs memory and copy time).",
         "recompute",
         choices=PREEMPTION_MODES,
     )
     speculative_method: str = _live(
         "Speculative decoding: off; ngram (prompt lookup: propose what followed the last n "
         "tokens earlier in the prompt or output); draft (a small model proposes, needs "
-        "speculative_draft_model). Outputs keep the target's distribution exactly.",
+        "speculative_draft_model). Outputs keep the target's distribution exactly. Faster "
+        "decode for a few users whose outputs repeat their prompt (ngram) or that the draft "
+        "predicts; wasted compute where proposals are rejected. Figures: "
+        "docs/benchmarks.md#speculative-decoding.",
         "off",
         choices=SPECULATIVE_METHODS,
     )
     speculative_num_tokens: int = _live(
-        "Tokens proposed per sequence and step (k).", 3, Range(1, MAX_SPECULATIVE_TOKENS)
+        "Tokens proposed per sequence and step (k): more gains more when proposals are "
+        "accepted and wastes more when they are not.",
+        3,
+        Range(1, MAX_SPECULATIVE_TOKENS),
     )
     speculative_max_batch_size: int = _live(
         "Above this many running sequences speculation pauses: a compute-bound batch gains "
@@ -263,14 +326,16 @@ class EngineSettings:
     )
     grammar_cache_size: int = _live(
         "Structured outputs: compiled grammars kept (LRU, by schema text); a request whose "
-        "schema is cached skips the compile.",
+        "schema is cached skips the compile. Figures: docs/benchmarks.md#structured-outputs.",
         256,
         Range(0, 100_000),
     )
     enable_prefix_caching: bool = _live(
         "Reuse the KV blocks of prompt prefixes computed before (full blocks, matched by a "
-        "chained hash of their tokens). Off: no matching and no new entries; nothing in use "
-        "is freed.",
+        "chained hash of their tokens): shared system prompts and multi-turn chats skip most "
+        "of their prefill; the bookkeeping costs nothing measurable. Off: no matching and no "
+        "new entries (to measure cold prompts); nothing in use is freed. Figures: "
+        "docs/benchmarks.md#prefix-caching.",
         True,
     )
     prefix_cache_isolation: str = _live(
@@ -278,7 +343,8 @@ class EngineSettings:
         "own partition: a tenant's cache hits say nothing about other tenants' prompts) or "
         "none (every key shares one cache: more hits, but cached_tokens and TTFT tell a "
         "caller whether another sent the same prefix). An open API (no keys) always shares; "
-        "a request's cache_salt separates it further either way. Applies to new requests.",
+        "a request's cache_salt separates it further either way. Applies to new requests. "
+        "Figures: docs/benchmarks.md#prefix-caching.",
         "key",
         choices=PREFIX_CACHE_ISOLATIONS,
     )
