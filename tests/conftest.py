@@ -15,6 +15,8 @@ import torch
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from torch.utils.cpp_extension import _get_build_directory
 
 from controlplane.engine import compiled
 from harness import InProcessDaemon, drain
@@ -31,6 +33,12 @@ if not torch.cuda.is_available():
 # tests/engine/test_compiled.py runs the background path, CI's quickstart and drills the default.
 compiled.CPU_AUTO = "off"
 os.environ.setdefault("CONTROLPLANE_ENGINE__COMPILE", "off")
+
+# A daemon keeps its kernel builds and inductor graphs under its data directory unless these
+# are set (controlplane.engine.kernels.caches): every test's daemon has a fresh one, and would
+# rebuild the kernels (a minute) at each start. The session's daemons share torch's defaults.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(_get_build_directory("", False)).resolve()))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 PG_ADMIN_URL = os.environ.get(
     "CONTROLPLANE_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -314,6 +322,14 @@ class DaemonFactory:
         )
         self.daemons.append(d)
         return d.start(wait_ready=wait_ready) if start else d
+
+    def from_file(
+        self, path: Path, env: dict[str, str] | None = None, *, start: bool = True
+    ) -> InProcessDaemon:
+        """A daemon on a config file the test wrote itself (a fleet's, one it restarts on)."""
+        d = InProcessDaemon.from_file(path, env)
+        self.daemons.append(d)
+        return d.start() if start else d
 
     def close(self) -> None:
         for d in self.daemons:
