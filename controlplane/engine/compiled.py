@@ -33,10 +33,13 @@ sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FunctionType, MethodType
 
 import torch
@@ -97,6 +100,9 @@ class CompiledDecode:
         self.cpp_wrapper = cpp_wrapper
         if cpp_wrapper:
             options["cpp_wrapper"] = True
+        # Names this step's graphs in inductor's cache: once warm, the marker says so to a
+        # one-off engine (LLM), which compiles only then (cache_warm).
+        self.key = warm_key(model, attention_op, cpp_wrapper, max_rows)
         forward = _own_code(self._forward)
         self._code = forward.__code__
         self._fn = torch.compile(forward, dynamic=True, fullgraph=True, options=options)
@@ -223,6 +229,7 @@ class CompiledDecode:
         self.steps = 0
         self.warmup_s = time.perf_counter() - t0
         self.state = "ready"
+        mark_warm(self.key)
         log.info(
             "compiled the decode step (%d graphs: 1 row, and 2..%d rows as dynamic shapes%s) "
             "in %.1fs; other steps run eagerly",
@@ -285,3 +292,46 @@ def compile_mode(mode: str, device: torch.device, long_running: bool = False) ->
             return "start"
         return CPU_AUTO if long_running else "off"
     return "start" if mode == "on" else "off"
+
+
+# Under inductor's cache directory: one empty file per decode step whose graphs are in it.
+WARM_MARKERS = "controlplane-decode"
+
+
+def warm_key(
+    model: CausalLM, attention_op: object, cpp_wrapper: bool, max_rows: int = MAX_ROWS
+) -> str:
+    """What a decode step's graphs depend on, hashed: torch's version, the wrapper, the row
+    bound, the attention op, and the model's modules with every parameter's and buffer's name,
+    shape and dtype. A key that matches where inductor's cache misses anyway (a kernel choice
+    held in a Python attribute, say) costs one cold compile, never a wrong graph: inductor
+    keys its own cache on the graph itself."""
+    h = hashlib.sha256()
+    op = getattr(attention_op, "__name__", None) or str(attention_op)
+    h.update(f"{torch.__version__} {cpp_wrapper} {max_rows} {op}\n".encode())
+    h.update(str(model).encode())
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        h.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device.type}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _marker(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / WARM_MARKERS / key
+
+
+def mark_warm(key: str) -> None:
+    """Record that inductor's cache now holds the graphs of the step `key` (beside them, so
+    that clearing the cache clears the marker too)."""
+    try:
+        path = _marker(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as exc:  # a read-only cache: the next one-off engine runs eagerly
+        log.warning("could not mark the compiled decode step's cache warm: %s", exc)
+
+
+def cache_warm(key: str) -> bool:
+    """Whether a decode step with this key compiled to the end with this inductor cache."""
+    return _marker(key).is_file()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from tqdm import tqdm
 
+from controlplane.engine.compiled import CompiledDecode, cache_warm, warm_key
 from controlplane.engine.engine import Engine, RequestOutput
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -17,6 +21,31 @@ class LLM:
         self, model: str, settings: EngineSettings | None = None, **overrides: Any
     ) -> None:
         self.engine = Engine(settings, model=str(model), **overrides)
+        self._compile_if_warm()
+
+    def _compile_if_warm(self) -> None:
+        """`compile = auto` on a CPU: a one-off engine runs eagerly, since a cold compile
+        (minutes on a few cores) would seldom pay back in its work; but where inductor's cache
+        already holds this model's decode step (a daemon, or an `LLM(compile="on")`, compiled it
+        with this cache: TORCHINDUCTOR_CACHE_DIR), compiling takes seconds and each decode step
+        is faster, so it does. The C++ wrapper's graphs are tried first (the daemon's)."""
+        eng = self.engine
+        s = eng.settings
+        if s.compile != "auto" or eng.runner.compiled is not None or eng.device.type != "cpu":
+            return
+        op = eng.runner.backend.graph_op()
+        wrappers = {"on": (True,), "off": (False,)}.get(s.compile_cpp_wrapper, (True, False))
+        for cpp_wrapper in wrappers:
+            if not cache_warm(warm_key(eng.model, op, cpp_wrapper)):
+                continue
+            compiled = CompiledDecode(eng.model, op, cpp_wrapper=cpp_wrapper)
+            try:
+                compiled.warm_up(eng.runner.backend, eng.device)
+            except Exception as exc:  # no C++ compiler for inductor, say: eager as before
+                log.warning("the decode step's cache is warm but compiling it failed: %s", exc)
+                return
+            eng.runner.compiled = compiled
+            return
 
     @property
     def tokenizer(self):
