@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from controlplane.engine.kernels.caches import Caches, cache_root, use_caches
@@ -40,6 +41,13 @@ def add_kernels_parser(sub: Any) -> None:
         p.add_argument("--data-dir", help="data_dir (the caches are under <data_dir>/cache)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+        else:
+            p.add_argument(
+                "--ship",
+                metavar="DIR",
+                help="also copy the built library and its manifest into DIR (an image's "
+                "CONTROLPLANE_KERNELS_DIR: loaded there without a build)",
+            )
         p.set_defaults(func=func)
 
 
@@ -77,7 +85,23 @@ def _cmd_build(args: argparse.Namespace) -> int:
         f"kernels: ok in {time.perf_counter() - started:.1f} s: {info['library']} in "
         f"{info['build_dir']} ({info['loaded']})"
     )
+    if args.ship:
+        print(f"kernels: shipped to {ship(Path(str(info['build_dir'])), Path(args.ship))}")
     return 0
+
+
+def ship(build_dir: Path, to: Path) -> Path:
+    """Copy a build's library and manifest (not its objects or ninja files) into
+    `to/<build name>/`: what an image ships and CONTROLPLANE_KERNELS_DIR loads."""
+    import shutil
+
+    from controlplane.engine.kernels import manifest
+
+    dest = to / build_dir.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (f"{build_dir.name}.so", manifest.NAME):
+        shutil.copy2(build_dir / name, dest / name)
+    return dest
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -107,6 +131,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ("bf16 dot", "yes" if info["bf16_dot"] else "no"),
         ("loaded", info["loaded"] or "-"),
         ("build dir", info["build_dir"] or "-"),
+        ("shipped builds dir", info["shipped_dir"] or "- (CONTROLPLANE_KERNELS_DIR unset)"),
         ("extensions dir", info["extensions_dir"]),
         ("inductor cache dir", caches.inductor),
         (

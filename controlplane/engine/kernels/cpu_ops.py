@@ -76,6 +76,10 @@ LOCK_WAIT_S = 300.0
 LOCK_LOG_EVERY_S = 10.0  # the "waiting for the kernel build lock" line, repeated this often
 OWNER_FILE = "lock.owner"  # beside torch's `lock`: flocked by the process that builds
 POLL_S = 0.1  # how often a wait for the lock, or a build, looks at the stop event
+# A directory of builds made elsewhere, each with its manifest, loaded first when one fits
+# this machine (deploy/Dockerfile sets it to the builds its build stage made), whether or not
+# a compiler is here: an image's first start needs no build.
+SHIPPED_VAR = "CONTROLPLANE_KERNELS_DIR"
 
 _lock = threading.Lock()  # held for the whole first `available()`: the build, or the wait
 _state: dict[str, object] = {}  # "ok": bool, "error": str, "state": str once tried
@@ -156,6 +160,7 @@ def describe() -> dict[str, object]:
     here, or a shipped build loaded without a compiler), and the toolchain found."""
     out: dict[str, object] = dict(state())
     out["extensions_dir"] = str(extensions_root())
+    out["shipped_dir"] = str(_shipped_dir() or "") or None
     out["build_dir"] = _state.get("build_dir")
     out["library"] = _state.get("name")
     flags = _state.get("flags")
@@ -173,6 +178,9 @@ def find_build() -> tuple[Path | None, str]:
     """The library `available()` would load without compiling (this machine's cached build,
     or a shipped one where there is no toolchain) and '', or None and why there is none:
     `controlplane kernels status` asks this before it loads anything, never building."""
+    shipped = _shipped_dir()
+    if shipped and (fitting := manifest.fitting(shipped, sources_digest())[0]):
+        return fitting[0][0], ""
     missing = toolchain_missing()
     if missing:
         fitting, _ = manifest.fitting(extensions_root(), sources_digest())
@@ -258,10 +266,13 @@ def _build() -> bool:
     from controlplane.engine.kernels import ops
 
     try:
+        shipped = _shipped_dir()
+        fitting = manifest.fitting(shipped, sources_digest())[0] if shipped else []
         missing = toolchain_missing()
-        if missing:  # an image that ships its build and no compiler: load that build
+        if fitting:  # the image's own build for this CPU: no build, no compiler needed
+            name, flags = _load(fitting[0])
+        elif missing:  # no toolchain: only a shipped build in the extensions directory
             name, flags = _load_shipped(missing)
-            _state["how"] = "shipped"
         else:
             name, flags = _build_here(stop)
     except _LockHeld as exc:
@@ -320,10 +331,21 @@ def _load_shipped(missing: list[str]) -> tuple[str, list[str]]:
             f"build in {extensions_root()} fits this machine: {builds}; install a C++ compiler "
             "and ninja and run `controlplane kernels build`"
         )
-    library, found = fitting[0]
-    _state["build_dir"] = str(library.parent)
+    return _load(fitting[0])
+
+
+def _load(build: tuple[Path, dict]) -> tuple[str, list[str]]:
+    """Load a library built elsewhere (its manifest checked by manifest.fitting)."""
+    library, found = build
+    _state["build_dir"], _state["how"] = str(library.parent), "shipped"
     torch.ops.load_library(str(library))
     return str(found["name"]), list(found["flags"])
+
+
+def _shipped_dir() -> Path | None:
+    """SHIPPED_VAR's directory of builds made elsewhere (the Docker image's), if set."""
+    value = os.environ.get(SHIPPED_VAR, "")
+    return Path(value) if value else None
 
 
 def _fail(state: str, error: str) -> bool:
