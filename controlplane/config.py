@@ -54,20 +54,27 @@ MAX_ALERT = MAX_INTERVAL_S * 1000
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
+    # Address the APIs listen on: 127.0.0.1 keeps the daemon to this host; 0.0.0.0 serves every
+    # interface, where API keys and admin tokens should guard it.
     host: str = "127.0.0.1"
+    # TCP port of the OpenAI and admin APIs and /metrics; 0 picks a free one (printed at start).
     port: int = bounded(8000, 0, 65535)
     # Name served by /v1/models and expected in requests; default: the model directory's name.
     model_name: str = ""
-    # Waiting requests beyond this get 429 with Retry-After (backpressure).
+    # Waiting requests beyond this get 429 with Retry-After (backpressure): longer queues
+    # absorb bursts, shorter ones shed load before a queued request's wait grows long.
     max_queue_len: int = bounded(256, 0)
     # Most choices one request may ask for per prompt (OpenAI `n`, and `best_of`); more is a 400.
     max_n: int = bounded(16, 1, MAX_N)
+    # Why 0.5: until the scheduler is fair between tenants, one request with n = 16 in a
+    # 32-slot batch would hold every request behind it for the whole of its generation.
+    #
     # Most of the batch one request's choices may take: n (or best_of) above this share of
-    # engine.max_num_seqs is a 400. Until the scheduler is fair between tenants, an n = 16
-    # request in a 32-slot batch would otherwise hold every request behind it (measured: an
-    # 8-token request waited 195 s behind n = 16 at max_num_seqs 16).
+    # engine.max_num_seqs is a 400. Lower keeps room for other requests; higher lets one request
+    # sample more choices at once.
     max_choices_share: float = bounded(0.5, 0.01, 1)
-    # On SIGTERM/SIGINT: how long running requests may finish before they are aborted.
+    # On SIGTERM/SIGINT: how long running requests may finish before they are aborted. Longer
+    # lets long generations end; shorter stops (and restarts) sooner.
     drain_timeout_s: float = bounded(30.0, 0, MAX_INTERVAL_S)
     # A start not ready this many seconds after the daemon began (a model load or a CPU kernel
     # build that cannot finish) is reported `dead` by /health and /health/live and the daemon
@@ -86,9 +93,13 @@ class ServerSettings:
     # empty: <data_dir>/cache. On a kept volume a restart loads them instead of rebuilding
     # and recompiling; see docs/operations.md.
     compile_cache_dir: str = ""
-    log_format: str = one_of("text", ("text", "json"))  # text | json
+    # text, or json: one JSON object a line (with an "event" field on lifecycle lines), for a
+    # log collector.
+    log_format: str = one_of("text", ("text", "json"))
+    # The lowest level logged, in any case (`controlplane serve --log-level` overrides it).
     log_level: str = one_of("info", LOG_LEVELS, fold_case=True)
-    # One log line per finished request (logger controlplane.access, at info).
+    # One log line per finished request (logger controlplane.access, at info); off by
+    # default, as the request record in the store holds the same and more.
     access_log: bool = False
     # Identifies this daemon's rows when several share one database; default: generated once
     # and kept in <data_dir>/instance_id.
@@ -100,7 +111,9 @@ class ServerSettings:
     # HPA rules, the Gateway API Inference Extension's endpoint picker). Our own series
     # (config_info, autopilot_decisions_total, ...) keep their names under either prefix.
     metrics_prefix: str = one_of("controlplane", ("controlplane", "vllm"))
-    # Period of the stats snapshots on GET /admin/events (a client may ask for another).
+    # Period of the stats snapshots on GET /admin/events (a client may ask for another): the
+    # dashboard's refresh; shorter costs more snapshots a second per watcher. Its range is the
+    # one GET /admin/events accepts for its `interval`.
     events_interval_s: float = bounded(0.5, 0.1, 60)
     # How often the config file is checked for changes (it is also reloaded on SIGHUP).
     config_watch_interval_s: float = bounded(1.0, 0.05, MAX_INTERVAL_S)
@@ -131,20 +144,24 @@ class ServerSettings:
 
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
-    # SQLAlchemy URL; default sqlite:///<data_dir>/controlplane.db. PostgreSQL:
-    # postgresql+psycopg://user@host:5432/db
+    # SQLAlchemy URL; default sqlite:///<data_dir>/controlplane.db. PostgreSQL (several
+    # daemons sharing one database, a fleet): postgresql+psycopg://user@host:5432/db
     url: str = ""
+    # A row per finished request (the request record, per-key costs); false: none written,
+    # the daemon still serves.
     record_requests: bool = True
     batch_size: int = bounded(200, 1)  # most rows per write transaction
-    flush_interval_s: float = bounded(
-        0.5, 0, MAX_INTERVAL_S, lo_open=True, unit="seconds"
-    )  # a partial batch waits at most this long
-    buffer_max_records: int = bounded(
-        100_000, 1
-    )  # held in memory while the database is unreachable
+    # A partial batch waits at most this long: longer writes fewer, larger transactions; a
+    # row reaches the database (and the reports) later.
+    flush_interval_s: float = bounded(0.5, 0, MAX_INTERVAL_S, lo_open=True, unit="seconds")
+    # Rows held in memory while the database is unreachable; beyond this the oldest are
+    # dropped, logged with their number and counted.
+    buffer_max_records: int = bounded(100_000, 1)
+    # How often writing to an unreachable database is retried.
     retry_interval_s: float = bounded(1.0, 0, MAX_INTERVAL_S, lo_open=True, unit="seconds")
     # Journal every record to <data_dir>/journal/<instance_id>/ until its row is committed, so
-    # a killed daemon loses none (controlplane.store.journal).
+    # a killed daemon loses none (controlplane.store.journal), for a write(2) per record;
+    # off where losing the last rows of a crash is acceptable.
     journal: bool = True
 
 
@@ -181,6 +198,8 @@ class AutopilotSettings:
     engine's live knobs within bounds (controlplane/autopilot/policy.py decides, autopilot/pilot.py
     applies, audited as source "autopilot")."""
 
+    # Whether the autopilot moves the engine's live knobs (within the bounds below); off, they
+    # stay where the file and operators set them. Figures: docs/benchmarks.md#slo-autopilot.
     enabled: bool = False
     # p99 targets in milliseconds; 0: no target.
     ttft_p99_ms: float = bounded(0.0, 0, MAX_INTERVAL_S * 1000)
@@ -508,6 +527,7 @@ ENV_NON_KEYS = frozenset(
         "CONTROLPLANE_ADMIN_TOKEN",  # http/auth.py, the TUI
         "CONTROLPLANE_TEST_POSTGRES",  # tests/conftest.py: the PostgreSQL the tests use
         "CONTROLPLANE_MALLOC_TRIM_IDLE_S",  # server/memory.py
+        "CONTROLPLANE_KERNELS_DIR",  # engine/kernels/cpu_ops.py: builds an image ships
     }
 )
 
