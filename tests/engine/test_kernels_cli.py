@@ -146,15 +146,29 @@ def test_status_and_build_name_what_is_missing(tmp_path):
     assert "build failed" in build.stderr and "none is there" in build.stderr, build.stderr
 
 
-def test_build_reports_the_cached_build(tmp_path):
-    """`kernels build` where this machine's build is cached (the session's extensions
-    directory): it loads it and says where."""
+def test_build_ships_what_an_image_loads_first(tmp_path):
+    """`kernels build --ship DIR` where this machine's build is cached (the session's
+    extensions directory): it loads it, says where, and copies the library and manifest to
+    DIR. A process with CONTROLPLANE_KERNELS_DIR=DIR loads that copy, compiler or not, and
+    builds nothing in its own (empty) extensions directory."""
     info = describe_build()
     env = {EXTENSIONS_VAR: info["extensions_dir"]}
-    build = _cli("build", "--data-dir", str(tmp_path / "data"), env=env)
+    shipped = tmp_path / "kernels"
+    build = _cli("build", "--ship", str(shipped), "--data-dir", str(tmp_path / "data"), env=env)
     assert build.returncode == 0, build.stderr[-2000:]
-    assert "kernels: ok in" in build.stdout and info["library"] in build.stdout, build.stdout
-    assert f"kernels: building {info['library']}" in build.stdout
+    assert f"kernels: building {info['library']}" in build.stdout, build.stdout
+    assert "kernels: ok in" in build.stdout and info["library"] in build.stdout
+    assert sorted(p.name for p in (shipped / info["library"]).iterdir()) == sorted(
+        [f"{info['library']}.so", manifest.NAME]
+    )
+    empty = tmp_path / "ext"
+    env = {EXTENSIONS_VAR: str(empty), cpu_ops.SHIPPED_VAR: str(shipped)}
+    status = _cli("status", "--json", "--data-dir", str(tmp_path / "data"), env=env)
+    assert status.returncode == 0, status.stdout + status.stderr[-2000:]
+    got = json.loads(status.stdout)
+    assert (got["kernels"], got["loaded"]) == ("ok", "shipped")
+    assert got["build_dir"] == str(shipped / info["library"])
+    assert not empty.exists() or not any(empty.iterdir())
 
 
 def test_caches_go_under_the_data_directory_unless_the_environment_says(tmp_path):
