@@ -203,9 +203,25 @@ def toolchain_missing() -> list[str]:
     `c++`) and ninja; [] when both are on PATH."""
     compiler = os.environ.get("CXX", "c++")
     missing = [] if shutil.which(compiler) else [f"C++ compiler ({compiler})"]
+    _put_ninja_on_path()
     from torch.utils.cpp_extension import is_ninja_available
 
     return missing if is_ninja_available() else [*missing, "ninja"]
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the package's own (the `ninja` wheel, a dependency) is in
+    the environment's bin directory, which is not on PATH when the daemon is started by its
+    full path or under systemd: put it there (last, so a system ninja wins)."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # the wheel's binary directory
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join(
+        p for p in (os.environ.get("PATH", ""), ninja.BIN_DIR) if p
+    )
 
 
 def extensions_root() -> Path:
