@@ -8,13 +8,18 @@ type, default, live or restart and environment variable, then its explanation):
 
 - an engine field's `doc` (the first argument of `_live(...)` / `_restart(...)`);
 - otherwise the `#` comment block right above the field, and a comment at the end of its line
-  (read with `tokenize`, the fields located with `ast`);
+  (read with `tokenize`, the fields located with `ast`); where the block holds paragraphs
+  (a bare `#` line between them), only the last, the one touching the field, is its help: the
+  ones above are notes for the code's reader ("why this default");
 - a field with no comment of its own takes the comment of `config/controlplane.toml` for that
   key (marked †), else the block comment of the fields it is written with (no blank line
   between them: `ttft_p99_ms` and `itl_p99_ms` share "p99 targets ...").
 
 Types come from the annotations as written, defaults from the dataclasses, live fields from
-`LIVE_FIELDS` (the daemon's own list), environment names as `env_names()` spells them. It
+`LIVE_FIELDS` (the daemon's own list), environment names as `env_names()` spells them, and what
+a field accepts (its range or its choices) from the declaration on the field that the validation
+loops over (controlplane/limits.py). A help string's `docs/benchmarks.md#<anchor>` becomes a
+link to that section of the benchmarks page. It
 imports the config model only, which is torch-free: building the docs never loads torch.
 
 Registered in mkdocs.yml under `hooks:`; `render()` is also called by tests/test_docs.py.
@@ -84,7 +89,7 @@ def class_fields(cls: type) -> dict[str, FieldSource]:
             continue
         lines = []
         n = stmt.lineno - 1
-        while n in full:
+        while full.get(n):  # a bare `#` ends the help: notes above it are not shown
             lines.insert(0, full[n])
             n -= 1
         block = " ".join(lines)
@@ -140,6 +145,9 @@ class Row:
     live: bool
     env: str  # "" where there is none
     doc: str
+    # Its declared range or choices: ("range", ("[1, 4096]",)), ("one of", ("text", "json"));
+    # None where it declares neither.
+    accepts: tuple[str, tuple[str, ...]] | None = None
 
 
 @dataclasses.dataclass
@@ -256,12 +264,25 @@ def sections() -> list[Section]:
                     dotted in live or (array and f.name in live),
                     "" if array else name,
                     _doc(dotted, srcs[g.name], g.metadata, toml),
+                    _accepts(g),
                 )
             )
             if not array:
                 assert name in env, f"{name} is not what env_names() spells"
         out.append(section)
     return out
+
+
+def _accepts(f: dataclasses.Field) -> tuple[str, tuple[str, ...]] | None:
+    """What the field's declaration admits, worded as its error words it: a range ("[1, 4096]",
+    "(0, 86400] seconds", ">= 0") or the choices."""
+    from controlplane.limits import choices_of, range_of
+
+    r = range_of(f)
+    if r is not None:
+        return "range", (r.describe().removeprefix("in "),)
+    choices = choices_of(f)
+    return ("one of", tuple(map(str, choices))) if choices else None
 
 
 def _default_entries(entries: tuple) -> str:
@@ -284,13 +305,21 @@ def _default_entries(entries: tuple) -> str:
 # -- the page -----------------------------------------------------------------------------------
 
 
+# A help string's pointer to its figures: `docs/benchmarks.md#<anchor>` (the path as seen from
+# the repository, where the settings are read), a link to the section on the built site.
+BENCHMARK_LINK = re.compile(r"docs/benchmarks\.md#([a-z0-9-]+)")
+
+
 def _cell(text: str) -> str:
-    """Markdown-safe table cell text: `code` spans kept, everything else inert."""
+    """Markdown-safe text: `code` spans kept, benchmark pointers linked, everything else
+    inert."""
     out = []
     for i, piece in enumerate(re.split(r"`([^`]*)`", text)):
         piece = html.escape(piece, quote=False)
         for ch, entity in (("|", "&#124;"), ("*", "&#42;"), ("_", "&#95;"), ("[", "&#91;")):
             piece = piece.replace(ch, entity)
+        if not i % 2:
+            piece = BENCHMARK_LINK.sub(r"[docs/benchmarks.md#\1](benchmarks.md#\1)", piece)
         out.append(f"<code>{piece}</code>" if i % 2 else piece)
     return "".join(out)
 
@@ -341,8 +370,11 @@ def render() -> str:
             facts = [
                 f"type {_code(r.type)}",
                 f"default {_code(r.default)}",
-                "**live**" if r.live else "restart",
             ]
+            if r.accepts:
+                kind, values = r.accepts
+                facts.append(f"{kind} " + ", ".join(_code(v) for v in values))
+            facts.append("**live**" if r.live else "restart")
             if r.env:
                 facts.append(f"env {_code(r.env)}")
             lines += [
