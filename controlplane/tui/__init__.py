@@ -15,7 +15,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def _cmd_tui(args: argparse.Namespace) -> int:
-    from controlplane.tui.app import DashboardApp
+    from controlplane.tui.dashboard_app import DashboardApp
 
     DashboardApp(args.url, resolve_token(args.token), fleet=args.fleet).run()
     return 0

@@ -23,8 +23,10 @@ from textual.widgets import DataTable, Footer, Static
 
 from controlplane.client.admin import ClientError
 from controlplane.fleet.order import WORST_FIRST, slo_missed, worst_first_key
+from controlplane.tui.header import STATE_STYLE
+from controlplane.tui.help import HelpScreen
 from controlplane.tui.history import fmt_age, fmt_ms, fmt_num, fmt_usd
-from controlplane.tui.widgets import STATE_STYLE, MeasuredTable
+from controlplane.tui.tables import MeasuredTable
 
 # (payload key, header); "worst" is controlplane.fleet.order's (WORST_FIRST says it in words),
 # the server's order too.
@@ -60,7 +62,7 @@ DESCENDING = {
 # The mark (and colour) of an instance missing its SLO, in its TTFT p99 cell.
 SLO_MISSED = "✗ "
 SLO_MISSED_STYLE = "bold red"
-# The mark on the instance the dashboard is on (the app's `url`).
+# The mark on the instance the dashboard is on.
 HERE = "▶ "
 FLEET_KEYS = [
     ("enter", "open the selected instance's dashboard (escape there comes back)"),
@@ -150,9 +152,9 @@ class FleetTable(MeasuredTable):
             self.add_column(label, key=key)
 
     def here(self) -> str | None:
-        """The advertise URL of the instance the dashboard is on (the app's `url`)."""
-        url = getattr(self.app, "url", None)
-        return str(url).rstrip("/") if url else None
+        """The advertise URL of the instance the dashboard is on."""
+        dashboard = getattr(self.app, "dashboard", None)
+        return str(dashboard.url).rstrip("/") if dashboard is not None else None
 
     def show(self, instances: list[dict[str, Any]]) -> None:
         self.rows_data = list(instances)
@@ -273,10 +275,10 @@ class FleetScreen(Screen[None]):
     def action_back(self) -> None:
         """Escape returns home: to the dashboard of the instance the app started on (from
         another instance's dashboard, escape leads here first, so home is two escapes away)."""
-        app = self.app
+        app: Any = self.app
         home = getattr(app, "home_url", None)
-        if home is not None and getattr(app, "url", home) != home:
-            app.open_instance(home)  # type: ignore[attr-defined]  # pops this screen too
+        if home is not None and app.dashboard.url != home:
+            app.open_instance(home)  # pops this screen too
         else:
             app.pop_screen()
 
@@ -287,6 +289,4 @@ class FleetScreen(Screen[None]):
         self.run_worker(self.fetch(), group="fleet-once")
 
     def action_help(self) -> None:
-        from controlplane.tui.screens import HelpScreen
-
         self.app.push_screen(HelpScreen(FLEET_KEYS))

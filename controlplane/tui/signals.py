@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from textual.app import ComposeResult
+from textual.reactive import var
 from textual.widgets import Static
 
 from controlplane.tui.history import StatsHistory, fmt_age, fmt_ms, fmt_num, fmt_value
+from controlplane.tui.panels import Panel
 from controlplane.tui.severity import (
     CRIT,
     LINE_STYLE,
@@ -22,7 +25,6 @@ from controlplane.tui.severity import (
     paint,
     queue_fill,
 )
-from controlplane.tui.widgets import Panel
 
 # (label, stats key, thresholds key or None, unit) of each trend line, in the order an incident
 # is read: is work piling up, are users waiting, is memory the cause, is the engine still
@@ -42,9 +44,11 @@ def fmt_rate(v: Any) -> str:
 
 class DiagnosisBar(Static):
     """One line under the header: the daemon's diagnosis and the knob that addresses it, or
-    that nothing is wrong by its rules."""
+    that nothing is wrong by its rules. `stats` is bound to the dashboard screen's."""
 
-    def show(self, stats: dict[str, Any] | None) -> None:
+    stats: var[dict[str, Any] | None] = var(None)
+
+    def watch_stats(self, stats: dict[str, Any] | None) -> None:
         diag = (stats or {}).get("diagnosis")
         if not stats:
             self.update("")
@@ -63,24 +67,26 @@ class DiagnosisBar(Static):
 class SignalsPanel(Panel):
     """Arrivals against completions, rejections and failures, the queue against its cap and its
     oldest request's age, prefill against decode step time, latency over 60 s and 10 s, SLO
-    attainment, and 15-minute trend lines."""
+    attainment, and 15-minute trend lines. `stats` is bound to the dashboard screen's."""
 
-    def compose(self) -> Any:
-        yield Static(id="signals-body")
+    stats: var[dict[str, Any] | None] = var(None)
 
-    _last: tuple[dict[str, Any], StatsHistory] | None = None
+    def __init__(self, title: str, history: StatsHistory, **kwargs: Any) -> None:
+        super().__init__(title, **kwargs)
+        self.history = history
+        self.body = Static(id="signals-body")
+
+    def compose(self) -> ComposeResult:
+        yield self.body
 
     def on_resize(self) -> None:
-        if self._last is not None:
-            self.show(*self._last)
+        self.watch_stats(self.stats)  # the trend lines fit the new width
 
-    def show(self, stats: dict[str, Any], hist: StatsHistory) -> None:
-        self._last = (stats, hist)
+    def watch_stats(self, stats: dict[str, Any] | None) -> None:
+        stats = stats or {}
         # Before the first layout the panel has no size yet: assume the screen's width.
         width = max(20, self.content_size.width or self.app.size.width - 6)
-        self.query_one("#signals-body", Static).update(
-            "\n".join(signal_lines(stats) + trend_lines(stats, hist, width))
-        )
+        self.body.update("\n".join(signal_lines(stats) + trend_lines(stats, self.history, width)))
 
 
 def signal_lines(s: dict[str, Any]) -> list[str]:

@@ -19,9 +19,10 @@ from textual.widgets import Input
 
 from controlplane.config import load_config
 from controlplane.tui import add_tui_parser, resolve_token
-from controlplane.tui.app import DashboardApp
-from controlplane.tui.screens import ConfirmScreen, TuneScreen
-from controlplane.tui.widgets import ChangesTable, RequestsTable, short_id
+from controlplane.tui.confirm import ConfirmScreen
+from controlplane.tui.dashboard_app import DashboardApp
+from controlplane.tui.tables import ChangesTable, RequestsTable, short_id
+from controlplane.tui.tune import TuneScreen
 from harness import InProcessDaemon, free_port
 from tests.admin.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
 
@@ -96,13 +97,16 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
         # machine's load instead: 3.25-4.0 s under loadgen on 2 busy cores.)
         slow = DashboardApp(daemon.url, TOKEN, events_interval=30, reconnect_max_s=0.5)
         async with slow.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: slow.stats_received, 5, "first stats")
-            assert slow.stats_received == 1 and "serving" in screen_text(slow)
+            await wait_until(pilot, lambda: slow.dashboard.stats_received, 5, "first stats")
+            assert slow.dashboard.stats_received == 1 and "serving" in screen_text(slow)
         app = make_app(daemon.url)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.stats_received, 5, "first stats")
+            await wait_until(pilot, lambda: app.dashboard.stats_received, 5, "first stats")
             await wait_until(
-                pilot, lambda: (app.stats or {}).get("num_running", 0) > 0, 30, "running > 0"
+                pilot,
+                lambda: (app.dashboard.stats or {}).get("num_running", 0) > 0,
+                30,
+                "running > 0",
             )
             await wait_until(pilot, lambda: app.query_one(RequestsTable).row_count > 0, 10)
             api_stats = c.get("/admin/stats").json()
@@ -114,7 +118,7 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
             kv_map = screen_text(app).split("map ", 1)[1].split()[0]
             assert set(kv_map) & set("▁▂▃▄▅▆▇█"), kv_map  # the blocks in use show up
             assert api_stats["model"] in text and "serving" in text
-            shown = app.stats["num_running"]
+            shown = app.dashboard.stats["num_running"]
             assert f"running {shown} /" in text and 0 < shown <= api_stats["max_num_seqs"]
             # The table lists the daemon's live requests.
             live_ids = {r["id"] for r in c.get("/admin/requests").json()["live"]}
@@ -142,7 +146,7 @@ def test_tune_form_reaches_engine_and_invalid_value_shows_api_error(daemon):
     async def main() -> None:
         app = make_app(daemon.url)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.fields, 5, "config loaded")
+            await wait_until(pilot, lambda: app.dashboard.fields, 5, "config loaded")
             # Invalid: a token budget below max_num_seqs. The API's message appears inline.
             await pilot.press("t")
             form = await wait_until(
@@ -223,7 +227,7 @@ def test_abort_selected_request_after_confirmation(daemon, monkeypatch):
     async def main() -> None:
         app = make_app(daemon.url)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.stats_received, 5)
+            await wait_until(pilot, lambda: app.dashboard.stats_received, 5)
             t.start()
             table = app.query_one(RequestsTable)
             await wait_until(pilot, lambda: table.row_count == 1, 15, "the request in the table")
@@ -269,7 +273,7 @@ def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
         nonlocal first
         app = make_app(first.url)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.connected, 5)
+            await wait_until(pilot, lambda: app.dashboard.connected, 5)
             main = app.query_one("#main")
             assert not main.has_class("-stale")
             # A live fix the restart will drop (the file says max_num_seqs 8).
@@ -289,7 +293,7 @@ def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
             assert "in " in screen_text(app) and "queue " in screen_text(app)  # still shown
             second = await asyncio.to_thread(start_daemon, tmp_path, tiny_model_dir, port)
             try:
-                await wait_until(pilot, lambda: app.connected, 20, "reconnected")
+                await wait_until(pilot, lambda: app.dashboard.connected, 20, "reconnected")
                 await wait_until(pilot, lambda: "reconnected" in screen_text(app), 5)
                 await wait_until(pilot, lambda: "serving" in screen_text(app), 20)
                 assert not main.has_class("-stale") and "STALE" not in screen_text(app)
@@ -298,7 +302,7 @@ def test_reconnects_after_daemon_restart(tiny_model_dir, tmp_path):
                     pilot,
                     lambda: any(
                         c["source"] == "restart" and "max_num_seqs 6" in str(c["new"])
-                        for c in app.changes
+                        for c in app.dashboard.changes
                     ),
                     10,
                     "restart in the history",
@@ -337,7 +341,7 @@ def test_wrong_token_is_reported_not_fatal(daemon):
         app = DashboardApp(daemon.url, "wrong-token-wrong-token", reconnect_max_s=0.5)
         async with app.run_test(size=(80, 24)) as pilot:
             await wait_until(pilot, lambda: "API error 401" in screen_text(app), 5, "401 shown")
-            assert "unauthorized" in screen_text(app) and not app.connected
+            assert "unauthorized" in screen_text(app) and not app.dashboard.connected
             await pilot.press("t", "escape", "g", "a", "d", "n")  # nothing crashes
 
     asyncio.run(main())
@@ -527,7 +531,12 @@ async def loaded(pilot: Any) -> None:
     app = pilot.app
     await wait_until(
         pilot,
-        lambda: app.stats_received == 60 and app.changes and app.costs and app.util,
+        lambda: (
+            app.dashboard.stats_received == 60
+            and app.dashboard.changes
+            and app.dashboard.costs
+            and app.dashboard.util
+        ),
         10,
         "fake data",
     )
@@ -544,7 +553,9 @@ def test_an_answer_arriving_during_shutdown_does_not_crash_the_app():
         async def block_map(self, buckets: int = 48) -> tuple[list[float], list[float]]:
             out = await super().block_map(buckets)
             app = self.app
-            if app is not None and app.stats_received >= 60:  # loaded: hold until the exit
+            if (
+                app is not None and app.dashboard.stats_received >= 60
+            ):  # loaded: hold until the exit
                 while app.is_running:
                     await asyncio.sleep(0)
                 await asyncio.sleep(0)  # the pruning has begun
@@ -576,7 +587,9 @@ def test_a_table_painted_before_it_measured_its_rows_widens_its_columns():
 
     async def main() -> None:
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.stats_received and app.costs, 10, "fake data")
+            await wait_until(
+                pilot, lambda: app.dashboard.stats_received and app.dashboard.costs, 10, "fake data"
+            )
             table = app.query_one(ChangesTable)
             change = {"time": T0, "source": "tui", "actor": "ops",
                       "field": "engine.max_num_seqs", "old": 8, "new": 5}  # fmt: skip
@@ -627,7 +640,7 @@ def test_snapshot_tune_form(snap_compare):
 
 
 def test_batch_panel_line_for_structured_outputs():
-    from controlplane.tui.widgets import structured_line
+    from controlplane.tui.panels import structured_line
 
     assert "none" in structured_line({"structured_share": None, "grammar_states": 0})
     line = structured_line(

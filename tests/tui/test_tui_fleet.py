@@ -10,7 +10,7 @@ from typing import Any
 from controlplane.config import load_config
 from controlplane.fleet.registry import Heartbeat, register
 from controlplane.store import make_engine
-from controlplane.tui.app import DashboardApp
+from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.fleet import FleetScreen, FleetTable
 from harness import InProcessDaemon
 from tests.fleet.test_fleet import TOKEN, fleet_config
@@ -87,14 +87,14 @@ def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> 
                 pilot,
                 lambda: (
                     not isinstance(app.screen, FleetScreen)
-                    and app.stats is not None
-                    and app.stats.get("max_num_seqs") == 4
+                    and app.dashboard.stats is not None
+                    and app.dashboard.stats.get("max_num_seqs") == 4
                 ),
                 20,
                 "beta's dashboard",
             )
             # The header names the instance followed (host and port; the scheme is left out).
-            assert app.url == urls["beta"]
+            assert app.dashboard.url == urls["beta"]
             assert urls["beta"].removeprefix("http://") in screen_text(app)
             await pilot.press("escape")
             await wait_until(pilot, lambda: isinstance(app.screen, FleetScreen), 5, "fleet again")
@@ -106,13 +106,13 @@ def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> 
                 pilot,
                 lambda: (
                     not isinstance(app.screen, FleetScreen)
-                    and app.url == home
-                    and app.stats is not None
+                    and app.dashboard.url == home
+                    and app.dashboard.stats is not None
                 ),
                 20,
                 "home again",
             )
-            assert app.stats.get("max_num_seqs") != 4  # not beta's
+            assert app.dashboard.stats.get("max_num_seqs") != 4  # not beta's
 
     try:
         asyncio.run(main())
@@ -248,6 +248,6 @@ def test_enter_opens_the_instance_and_the_list_survives_its_source_going_away():
             assert "http://gpu-3.internal:8000" not in asked  # unreachable: not asked
             await pilot.press("enter")  # the first row: gpu-3
             await wait_until(pilot, lambda: not isinstance(app.screen, FleetScreen), 5, "dash")
-            assert app.url == "http://gpu-3.internal:8000"
+            assert app.dashboard.url == "http://gpu-3.internal:8000"
 
     asyncio.run(main())

@@ -15,11 +15,12 @@ import sqlalchemy as sa
 from rich.style import Style
 
 from controlplane.config import load_config
-from controlplane.tui.app import DashboardApp
+from controlplane.tui.confirm import ConfirmScreen
+from controlplane.tui.cost_panel import spend_by
+from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.history import fmt_usd
-from controlplane.tui.screens import ConfirmScreen
 from controlplane.tui.severity import CRIT, WARN, level
-from controlplane.tui.widgets import RequestsTable, spend_by
+from controlplane.tui.tables import RequestsTable
 from harness import InProcessDaemon, wait_rows
 from tests.accounting.test_cost_windows import add, sql_sums
 from tests.admin.test_admin_api import TOKEN, admin_cfg, loadgen
@@ -179,14 +180,17 @@ def test_an_overload_is_diagnosed_in_colour_on_the_main_screen(tiny_model_dir, t
         app = make_app(d.url)
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(
-                pilot, lambda: ((app.stats or {}).get("rejected_429_per_s") or 0) > 0, 60, "429s"
+                pilot,
+                lambda: ((app.dashboard.stats or {}).get("rejected_429_per_s") or 0) > 0,
+                60,
+                "429s",
             )
             seen: list[tuple[int | None, Style | None]] = []
 
             def drawn_at_its_level() -> bool:
                 # One frame: the latest snapshot's rejection rate, as drawn after "rej"; the
                 # screen redraws every 0.2 s, so the value and its style are read together.
-                stats = app.stats
+                stats = app.dashboard.stats
                 lvl = level(stats["rejected_per_s"], stats["thresholds"]["rejected_per_s"])
                 style = style_of(app, f"{stats['rejected_per_s']:.1f}/s", after="rej")
                 seen.append((lvl, style))
@@ -200,8 +204,10 @@ def test_an_overload_is_diagnosed_in_colour_on_the_main_screen(tiny_model_dir, t
             # Past the warning level at least; red exactly when past the critical one.
             await wait_until(pilot, drawn_at_its_level, 15, "rejections coloured at their level")
             assert not is_red(style_of(app, "0.0/s", after="fail"))
-            await wait_until(pilot, lambda: (app.stats or {}).get("diagnosis"), 60, "diagnosis")
-            diag = app.stats["diagnosis"]
+            await wait_until(
+                pilot, lambda: (app.dashboard.stats or {}).get("diagnosis"), 60, "diagnosis"
+            )
+            diag = app.dashboard.stats["diagnosis"]
             await wait_until(pilot, lambda: diag["knob"] in screen_text(app), 5, "knob shown")
             assert "▲" in screen_text(app)
             assert app.query_one("#diagnosis").has_class("-incident")
@@ -239,11 +245,11 @@ def test_the_cost_panel_equals_sql_over_the_same_window(tiny_model_dir, tmp_path
     async def main() -> None:
         app = make_app(d.url)
         async with app.run_test(size=(160, 48)) as pilot:
-            await wait_until(pilot, lambda: app.connected, 10)
+            await wait_until(pilot, lambda: app.dashboard.connected, 10)
             await pilot.press("colon", *"cost 5m", "enter")
-            await wait_until(pilot, lambda: app.spend.get("end_user") and
-                             app.spend["end_user"].get("since"), 10, "cost reports")  # fmt: skip
-            report = app.spend["api_key"]
+            await wait_until(pilot, lambda: app.dashboard.spend.get("end_user") and
+                             app.dashboard.spend["end_user"].get("since"), 10, "cost reports")  # fmt: skip
+            report = app.dashboard.spend["api_key"]
             since = datetime.fromisoformat(report["since"])
             until = datetime.fromisoformat(report["until"])
             assert until - since == timedelta(minutes=5)
@@ -251,12 +257,14 @@ def test_the_cost_panel_equals_sql_over_the_same_window(tiny_model_dir, tmp_path
             # The panel's figures are SQL's over the window the report says it used.
             for field in ("api_key", "end_user"):
                 want = sql_sums(db, since, until, [field], instance=instance)
-                got = spend_by(app.spend[field], field)
+                got = spend_by(app.dashboard.spend[field], field)
                 assert got == pytest.approx({k[0] or "–": v[4] for k, v in want.items()})
             total = sum(v[4] for v in sql_sums(db, since, until, [], instance=instance).values())
             assert total > 0.01  # visible in the panel's 4 decimals
-            assert sum(spend_by(app.spend["model"], "model").values()) == pytest.approx(total)
-            assert "old-one" not in str(app.spend)  # 10 minutes old: outside the window
+            assert sum(spend_by(app.dashboard.spend["model"], "model").values()) == pytest.approx(
+                total
+            )
+            assert "old-one" not in str(app.dashboard.spend)  # 10 minutes old: outside the window
             line = f"spend 5m (instance) {fmt_usd(total)}"
             await wait_until(pilot, lambda: line in screen_text(app), 10, line)
             # The key line leads with the biggest spender (the others as fit the panel).
@@ -279,7 +287,7 @@ def test_drained_says_safe_to_stop_and_number_keys_reach_every_panel(tiny_model_
     async def main() -> None:
         app = make_app(d.url)
         async with app.run_test(size=(80, 24)) as pilot:
-            await wait_until(pilot, lambda: app.connected and app.stats, 10)
+            await wait_until(pilot, lambda: app.dashboard.connected and app.dashboard.stats, 10)
             await pilot.press("d")
             await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
             await pilot.press("y")

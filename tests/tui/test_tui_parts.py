@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from controlplane.tui.commands import CommandError, parse, window_seconds
+from controlplane.tui.cost_panel import spend_by
 from controlplane.tui.history import spark
 from controlplane.tui.severity import CRIT, OK, WARN, header_slo, level, metric_level
-from controlplane.tui.widgets import group_rows, matches, short_id, spend_by
+from controlplane.tui.tables import group_rows, matches, short_id
 
 LIMITS = {"warn": 1000.0, "crit": 3000.0}
 

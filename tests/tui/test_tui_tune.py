@@ -14,9 +14,9 @@ import pytest
 from textual.widgets import Input, Static
 
 from controlplane.config import field_limits, load_config
-from controlplane.tui.app import DashboardApp
 from controlplane.tui.autopilot import AutopilotScreen
-from controlplane.tui.screens import TuneScreen
+from controlplane.tui.dashboard_app import DashboardApp
+from controlplane.tui.tune import TuneScreen
 from harness import InProcessDaemon
 from tests.admin.test_admin_api import MODEL, admin_cfg
 from tests.tui.test_tui import (
@@ -83,7 +83,9 @@ def text(widget: Any) -> str:
 
 async def open_form(pilot: Any) -> TuneScreen:
     app = pilot.app
-    await wait_until(pilot, lambda: app.fields and app.stats_received, 10, "config and stats")
+    await wait_until(
+        pilot, lambda: app.dashboard.fields and app.dashboard.stats_received, 10, "config and stats"
+    )
     await pilot.press("t")
     return await wait_until(pilot, lambda: isinstance(app.screen, TuneScreen) and app.screen)
 
@@ -289,8 +291,8 @@ def test_max_queue_len_through_the_form_reaches_the_daemon(daemon, c):
             await wait_until(pilot, lambda: "applied" in text(status), 10, "applied")
             assert "server.max_queue_len = 64" in text(status)
             # The dashboard's own copy of the fields keeps the ranges (the next form has them).
-            assert app.fields["server.max_queue_len"]["value"] == 64
-            assert app.fields["server.max_queue_len"]["min"] == 0
+            assert app.dashboard.fields["server.max_queue_len"]["value"] == 64
+            assert app.dashboard.fields["server.max_queue_len"]["min"] == 0
 
     asyncio.run(main())
     fields = c.get("/admin/config").json()["fields"]
@@ -329,14 +331,17 @@ def test_preview_of_lowering_max_num_seqs_names_the_running_requests(daemon, c):
             for t in threads:
                 t.start()
             await wait_until(
-                pilot, lambda: (app.stats or {}).get("num_running", 0) >= 4, 30, "running >= 4"
+                pilot,
+                lambda: (app.dashboard.stats or {}).get("num_running", 0) >= 4,
+                30,
+                "running >= 4",
             )
             await wait_until(pilot, lambda: form.query_one("#in-max_num_seqs").has_focus, 5)
             await pilot.press(*"2")
             preview = form.query_one("#tune-preview", Static)
 
             def names_running() -> bool:
-                n = app.stats["num_running"]
+                n = app.dashboard.stats["num_running"]
                 return f"preempts about {n - 2} of the {n} running requests" in text(preview)
 
             await wait_until(pilot, names_running, 10, "the running count in the preview")
@@ -368,8 +373,8 @@ def test_autopilot_view_shows_full_reasons_and_pins(daemon, c):
     async def main() -> None:
         app = make_app(daemon.url)
         async with app.run_test(size=(80, 24)) as pilot:
-            await wait_until(pilot, lambda: app.stats_received, 10, "stats")
-            app.push_screen(AutopilotScreen(app.client, interval=0.5))
+            await wait_until(pilot, lambda: app.dashboard.stats_received, 10, "stats")
+            app.push_screen(AutopilotScreen(app.dashboard.client, interval=0.5))
             view = await wait_until(
                 pilot, lambda: isinstance(app.screen, AutopilotScreen) and app.screen
             )
@@ -456,7 +461,7 @@ def test_form_content_with_fake_stats():
             form = app.screen
             assert isinstance(form, TuneScreen)
             lines = text(form.query_one("#tune-preview", Static))
-            queue = app.stats["queue_length"]
+            queue = app.dashboard.stats["queue_length"]
             assert "preempts about 4 of the 6 running requests" in lines
             assert f"max_queue_len 16 < queue {queue}: the {queue} waiting stay queued" in lines
             assert "raising max_num_batched_tokens to 30000 lengthens prefill steps" in lines
