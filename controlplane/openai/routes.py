@@ -17,7 +17,8 @@ from controlplane.http.body import openapi_body
 from controlplane.http.errors import APIError
 from controlplane.openai import schema
 from controlplane.openai.render import model_list
-from controlplane.openai.responses import RESPONSES_SCHEMA, ResponsesAPI
+from controlplane.openai.responses import ResponsesAPI
+from controlplane.openai.responses_request import RESPONSES_SCHEMA
 from controlplane.openai.serving import InferenceAPI
 from controlplane.openai.tokenize import tokenize_routes
 
