@@ -1,15 +1,15 @@
 """POST /v1/responses: OpenAI's Responses API, stateless, served by the chat-completions
 machinery.
 
-A request is translated into a chat-completions body (`responses_request.translate`): `instructions` becomes a
-first system message, `input` messages become chat messages, `function_call` /
-`function_call_output` items become an assistant message's `tool_calls` and `tool` messages,
-`text.format` becomes `response_format`, the flat function tools become chat's nested ones and
-`max_output_tokens` becomes `max_completion_tokens`. That body goes through the chat parser
-(`protocol.parse_chat`: sampling, structured outputs, tools), the chat prompt (the model's chat
-template), admission and the engine exactly as /v1/chat/completions does, with one SQL row per
-response (endpoint "responses", priced like every other row). The output is rendered as a
-Response object, or streamed as the Responses API's typed Server-Sent Events.
+A request is translated into a chat-completions body (`responses_request.translate`):
+`instructions` becomes a first system message, `input` messages become chat messages,
+`function_call` / `function_call_output` items become an assistant message's `tool_calls` and
+`tool` messages, `text.format` becomes `response_format`, the flat function tools become chat's
+nested ones and `max_output_tokens` becomes `max_completion_tokens`. That body goes through the
+chat parser (`protocol.parse_chat`: sampling, structured outputs, tools), the chat prompt (the
+model's chat template), admission and the engine exactly as /v1/chat/completions does, with one
+SQL row per response (endpoint "responses", priced like every other row). The output is rendered
+as a Response object, or streamed as the Responses API's typed Server-Sent Events.
 
 Nothing is stored: `store: true` is accepted and changes nothing, `previous_response_id` and
 `conversation` are 400s (the conversation goes in `input`). Every 400 names the Responses field
