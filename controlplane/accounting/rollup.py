@@ -1,17 +1,6 @@
-"""Scheduled jobs' SQL side: utilization samples, the hourly cost rollup, and pruning.
+"""The hourly cost rollup (utilization samples: accounting/samples.py; retention:
+accounting/prune.py).
 
-Samples
--------
-`write_sample` stores one `UtilizationSample` (what one instance's engine did over the
-`interval_s` seconds ending at `time`) with one `GpuReading` per GPU. A sample belongs wholly to
-the UTC hour of its `time`. `GpuReading.energy_j` is the GPU's cumulative energy counter (NVML:
-J since the driver loaded) and is stored as read; `gpu_samples.interval_energy_j` is derived at
-write time: this reading minus the same GPU's reading in the instance's previous sample, when
-that sample is contiguous (at most interval_s + max(1 s, interval_s / 2) older) and the counter
-did not go back (driver reload); otherwise None. Energy reports sum `interval_energy_j`.
-
-The cost rollup
----------------
 `run_rollup(engine, instance_id, now=..., gpu_hourly_usd=..., num_gpus=..., peak_flops=...)`
 writes `cost_rollups`, one row per (hour_bucket, instance_id, model, api_key_name), from the
 instance's own request rows and samples:
@@ -64,12 +53,6 @@ resumes from it and never counts anything twice. Rows of other instances are nev
 reports sum across instances, so daemons sharing one database are each counted once. A row
 that reaches the database more than an hour late (after a long database outage) lands in an
 hour that is no longer recomputed and is not counted.
-
-Pruning
--------
-`prune` deletes utilization samples (with their GPU readings) and final request rows older
-than their retention, but never those of an instance at or after its rollup watermark (not yet
-rolled up). Rollups are kept.
 """
 
 from __future__ import annotations

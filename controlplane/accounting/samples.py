@@ -1,5 +1,14 @@
 """Utilization samples: what one instance's engine (and each GPU) did over an interval, as the
-sampling job writes them, with the GPU energy counter differenced against the previous sample."""
+sampling job writes them, with the GPU energy counter differenced against the previous sample.
+
+`write_sample` stores one `UtilizationSample` (what one instance's engine did over the
+`interval_s` seconds ending at `time`) with one `GpuReading` per GPU. A sample belongs wholly to
+the UTC hour of its `time`. `GpuReading.energy_j` is the GPU's cumulative energy counter (NVML:
+J since the driver loaded) and is stored as read; `gpu_samples.interval_energy_j` is derived at
+write time: this reading minus the same GPU's reading in the instance's previous sample, when
+that sample is contiguous (at most interval_s + max(1 s, interval_s / 2) older) and the counter
+did not go back (driver reload); otherwise None. Energy reports sum `interval_energy_j`.
+"""
 
 from __future__ import annotations
 
