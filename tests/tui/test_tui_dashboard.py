@@ -16,7 +16,7 @@ from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.help import HelpScreen, help_rows
 from controlplane.tui.kernels import kernels_line, kernels_status
 from controlplane.tui.tables import RequestsTable
-from tests.tui.test_tui import T0, FakeClient, fake_app, fake_stats, loaded, screen_text, wait_until
+from tests.tui.support import T0, FakeClient, fake_app, fake_stats, loaded, screen_text, wait_until
 
 
 def plain(markup: str) -> str:

@@ -14,7 +14,7 @@ from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.fleet import FleetScreen, FleetTable
 from harness import InProcessDaemon
 from tests.fleet.test_fleet import TOKEN, fleet_config
-from tests.tui.test_tui import T0, FakeClient, screen_text, wait_until
+from tests.tui.support import T0, FakeClient, screen_text, wait_until
 
 
 def test_fleet_screen_against_real_daemons(tiny_model_dir, tmp_path, pg_url) -> None:

@@ -24,7 +24,7 @@ from controlplane.tui.tables import RequestsTable
 from harness import InProcessDaemon, wait_rows
 from tests.accounting.test_cost_windows import add, sql_sums
 from tests.admin.test_admin_api import TOKEN, admin_cfg, loadgen
-from tests.tui.test_tui import screen_text, wait_until
+from tests.tui.support import screen_text, wait_until
 
 SIZE = (120, 40)
 KEYS = [{"name": "good", "key": "sk-good-0001"}, {"name": "bad-tenant", "key": "sk-bad-0002"}]

@@ -19,7 +19,8 @@ import pytest
 from harness import InProcessDaemon
 from harness.config import clean_env
 from tests.admin.test_admin_api import TOKEN
-from tests.tui.test_tui import fake_app, loaded, screen_text, start_daemon, wait_until
+from tests.tui.support import fake_app, loaded, screen_text, wait_until
+from tests.tui.test_tui import start_daemon
 
 SIZES = [(80, 24), (100, 30), (120, 40)]
 SIZE_IDS = ["80x24", "100x30", "120x40"]

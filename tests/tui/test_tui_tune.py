@@ -19,15 +19,8 @@ from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.tune import TuneScreen
 from harness import InProcessDaemon
 from tests.admin.test_admin_api import MODEL, admin_cfg
-from tests.tui.test_tui import (
-    T0,
-    FakeClient,
-    api,
-    loaded,
-    make_app,
-    screen_text,
-    wait_until,
-)
+from tests.tui.support import T0, FakeClient, loaded, screen_text, wait_until
+from tests.tui.test_tui import api, make_app
 
 # Never enough finished requests for a decision: the autopilot holds, with its reason, every
 # half second, and never moves a knob under the form's tests.
