@@ -55,9 +55,10 @@ class CostPanel(Panel):
 
     costs: var[dict[str, Any] | None] = var(None)  # the last whole hour, $ per 1M tokens
     util: var[dict[str, Any] | None] = var(None)  # utilization over the last hour
-    spend: var[dict[str, Any]] = var(dict)  # group_by -> the cost report over `window`
-    window: var[str] = var("1h")
-    scope: var[str] = var("instance")
+    spend: var[dict[str, Any]] = var(dict)  # group_by -> the cost report over `spend_window`
+    spend_window: var[str] = var("")  # the window `spend` was read for
+    window: var[str] = var("1h")  # the window chosen: the title says it at once
+    scope: var[str] = var("instance")  # of `spend`: this daemon's requests or the fleet's
 
     def __init__(self, title: str, **kwargs: Any) -> None:
         super().__init__(title, **kwargs)
@@ -69,15 +70,14 @@ class CostPanel(Panel):
     def _redraw(self) -> None:
         self.body.update(self.text())
 
-    watch_costs = watch_util = watch_spend = watch_scope = _redraw
+    watch_costs = watch_util = watch_spend = watch_spend_window = watch_scope = _redraw
 
     def watch_window(self, old: str, new: str) -> None:
         if old != new:  # the title names the window once it has been chosen
             self.border_title = f"Cost, last {new} ({self.scope})"
-        self._redraw()
 
     def text(self) -> str:
-        costs, util, spend, window = self.costs, self.util, self.spend, self.window
+        costs, util, spend, window = self.costs, self.util, self.spend, self.spend_window
         if costs is None and util is None and not spend:
             return "[dim]loading reports…[/]"
         lines = []

@@ -53,9 +53,11 @@ class DaemonFeedScreen(Screen[None]):
     block_map: var[tuple[list[float], list[float]]] = var(lambda: ([], []))
     costs: var[dict[str, Any] | None] = var(None)  # $ per 1M tokens, the last whole hour
     util: var[dict[str, Any] | None] = var(None)  # utilization over the last hour
-    spend: var[dict[str, Any]] = var(dict)  # group_by -> the cost report over cost_window
-    cost_window: var[str] = var("1h")
-    cost_scope: var[str] = var("instance")
+    spend: var[dict[str, Any]] = var(dict)  # group_by -> the cost report over spend_window
+    spend_window: var[str] = var("")  # the window `spend` was read for (set with it)
+    spend_scope: var[str] = var("instance")  # and its scope
+    cost_window: var[str] = var("1h")  # the window chosen (the next read is for it)
+    cost_scope: var[str] = var("instance")  # instance or fleet, chosen
 
     def __init__(
         self,
@@ -107,7 +109,7 @@ class DaemonFeedScreen(Screen[None]):
         self.stats, self.model, self.fields, self.changes = None, "", {}, []
         self.live, self.block_map = [], ([], [])
         self.costs = self.util = None
-        self.spend = {}
+        self.spend, self.spend_window = {}, ""
         self._update_stale()
         self.follow()
 
@@ -273,6 +275,8 @@ class DaemonFeedScreen(Screen[None]):
             pass
         if spend:
             self.spend = spend
+        # What the figures shown are labelled with: the window and scope they were read for.
+        self.spend_window, self.spend_scope = self.cost_window, self.cost_scope
 
     @work(exclusive=True, group="costs")
     async def refresh_costs(self) -> None:

@@ -110,7 +110,7 @@ class DashboardScreen(Feed):
             yield signals.data_bind(Feed.stats)
             with Horizontal(id="tables"):
                 yield RequestsTable(id="requests").data_bind(
-                    Feed.live, Feed.model, spend_reports=Feed.spend, spend_window=Feed.cost_window
+                    Feed.live, Feed.model, spend_reports=Feed.spend, spend_window=Feed.spend_window
                 )
                 yield ChangesTable(id="changes").data_bind(entries=Feed.changes)
             with Grid(id="panels"):
@@ -123,8 +123,8 @@ class DashboardScreen(Feed):
                 )
                 yield LatencyPanel("Latency", id="latency").data_bind(Feed.stats)
                 yield CostPanel("Cost", id="cost").data_bind(
-                    Feed.costs, Feed.util, Feed.spend, window=Feed.cost_window,
-                    scope=Feed.cost_scope,
+                    Feed.costs, Feed.util, Feed.spend, Feed.spend_window,
+                    window=Feed.cost_window, scope=Feed.spend_scope,
                 )  # fmt: skip
         # The prompt's row, between the panels and the footer while open.
         yield PromptBar(COMMANDS, id="prompt-bar", classes="-hidden")
