@@ -1,7 +1,11 @@
 """OpenAI request parsing and response shapes.
 
-Parsing is by hand rather than by schema library so that every error names the offending
-field the way OpenAI's API does (`param`), and says the limit.
+A body is first decoded into its typed struct (controlplane.openai.bodies: msgspec checks
+every field's type natively, in one pass); the rest is by hand, because no schema library
+says it the API's way: every error names the offending field the way OpenAI's API does
+(`param`) and says the limit, the unions (`prompt`, `stop`, `messages`, the output
+constraints, the tools) and the rules across fields. A body the struct refuses is read again
+here from scratch (`_opt` checks each type), so its error is the one it always was.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from typing import Any
 from controlplane.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from controlplane.engine.structured import StructuredOutput
 from controlplane.errors import FieldError
-from controlplane.http.body import check_json
+from controlplane.http.body import check_json, load_json
 from controlplane.http.errors import invalid
+from controlplane.openai.bodies import ChatBody, Checked, CompletionBody, decode
 from controlplane.openai.schema import (
     CHAT_FIELDS,
     CHAT_ROLES,
@@ -88,7 +93,11 @@ def _type(name: str, value: Any, types: tuple[type, ...], what: str) -> Any:
 
 def _opt(body: dict[str, Any], name: str, types: tuple[type, ...], what: str, default: Any) -> Any:
     value = body.get(name)
-    return default if value is None else _type(name, value, types, what)
+    if value is None:
+        return default
+    if type(body) is Checked:  # msgspec has checked it against the struct's (same) type
+        return value
+    return _type(name, value, types, what)
 
 
 def _schema(value: Any, name: str) -> StructuredOutput:
@@ -320,6 +329,18 @@ def _prompts(prompt: Any) -> list[Prompt]:
         if kind is list and not _is_token_ids(p):
             raise invalid(f"prompt[{i}]", "must be a non-empty array of token ids")
     return list(prompt)
+
+
+def parse_completion_bytes(raw: bytes) -> CompletionRequest:
+    """A /v1/completions body as it came: the typed struct's pass, or the hand parser's."""
+    body = decode(raw, CompletionBody)
+    return parse_completion(load_json(raw) if body is None else body)
+
+
+def parse_chat_bytes(raw: bytes) -> ChatRequest:
+    """A /v1/chat/completions body as it came: the typed struct's pass, or the hand parser's."""
+    body = decode(raw, ChatBody)
+    return parse_chat(load_json(raw) if body is None else body)
 
 
 def parse_completion(body: Any) -> CompletionRequest:

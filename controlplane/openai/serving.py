@@ -19,7 +19,6 @@ from litestar.connection import ASGIConnection
 from litestar.response import ServerSentEvent
 
 from controlplane.errors import FieldError
-from controlplane.http.body import load_json
 from controlplane.http.errors import (
     APIError,
     invalid,
@@ -165,9 +164,6 @@ class InferenceAPI:
             return None
         # JSON: unambiguous (no salt can pose as a key's part or the other way round).
         return json.dumps([key_hash if isolate else None, parsed.cache_salt])
-
-    async def _body(self, request: Request) -> Any:
-        return load_json(await request.body())
 
     async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS).
@@ -430,7 +426,7 @@ class InferenceAPI:
 
     async def completions(self, request: Request) -> Response:
         self._check_request_id(request)
-        parsed = protocol.parse_completion(await self._body(request))
+        parsed = protocol.parse_completion_bytes(await request.body())
         self._note_ignored(parsed.ignored_fields)
         self._check_n(parsed)
         # Sequences this request adds: one per prompt and choice.
@@ -553,7 +549,7 @@ class InferenceAPI:
 
     async def chat(self, request: Request) -> Response:
         self._check_request_id(request)
-        parsed = protocol.parse_chat(await self._body(request))
+        parsed = protocol.parse_chat_bytes(await request.body())
         self._note_ignored(parsed.ignored_fields)
         self._check_n(parsed)
         self._admit(request, parsed.model, incoming=parsed.params.n)
