@@ -214,3 +214,17 @@ def test_stats_and_metrics_say_what_the_engine_runs_on(make_daemon):
     assert f'controlplane:kernels_loaded{{model_name="{stats["model"]}",reason=""}} 1.0' in text
     assert f'controlplane:compiled_step{{model_name="{stats["model"]}",state="off"}} 1.0' in text
     assert f'controlplane:compiled_step{{model_name="{stats["model"]}",state="ready"}} 0.0' in text
+
+
+def test_the_image_builds_the_kernels_in_a_stage_and_ships_them():
+    """Docker is not part of CI: the Dockerfile's shape is checked here, and what its final
+    stage does (load the shipped copy, no build) by the tests above."""
+    text = (Path(__file__).resolve().parents[2] / "deploy" / "Dockerfile").read_text()
+    build, final = text.split("\nFROM python:3.11-slim\n")
+    assert "FROM python:3.11-slim AS build" in build
+    assert "apt-get install -y --no-install-recommends g++" in build
+    assert "controlplane kernels build" in build and "--ship /opt/controlplane/kernels" in build
+    assert "COPY --from=build /opt/controlplane/kernels /opt/controlplane/kernels" in final
+    assert f"{cpu_ops.SHIPPED_VAR}=/opt/controlplane/kernels" in final
+    # inductor compiles the decode step's graphs at run time: the final image keeps g++.
+    assert "apt-get install -y --no-install-recommends g++" in final
