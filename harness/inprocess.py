@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from harness import http
 from harness.config import admin_sections, write_config
 from harness.engine import assert_no_leaks
 
@@ -132,8 +133,7 @@ class InProcessDaemon:
     def client(self, key: str | None = None, timeout: float = 60) -> httpx.Client:
         """An HTTP client on this daemon, with `key` (an API key or admin token) as its bearer
         token when given."""
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        return http.client(self.url, key, timeout)
 
     def openai(self, api_key: str = "none") -> Any:
         """The openai library's client for this daemon (no retries: a test sees every error)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from harness import http
 from harness.config import clean_env
 
 # Every daemon subprocess started here: the tests' conftest kills the ones still alive after
@@ -155,6 +156,10 @@ class DaemonProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {needle!r} in daemon output{self._tail()}")
             time.sleep(0.05)
+
+    def client(self, key: str | None = None, timeout: float = 60) -> httpx.Client:
+        """An HTTP client on this daemon, with `key` as its bearer token when given."""
+        return http.client(self.url, key, timeout)
 
     # -- the process ---------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.utils.cpp_extension import _get_build_directory
 
 from controlplane.engine import compiled
-from harness import InProcessDaemon, drain
+from harness import InProcessDaemon, assert_no_leaks, drain
 
 # Triton kernels run on a CPU only under its interpreter, chosen when triton is first
 # imported, and torch.compile imports triton whenever it is installed: so the whole session
@@ -370,6 +370,16 @@ def make_module_daemon(
 def client(served: InProcessDaemon) -> Any:
     """The openai library's client on the module's `served` daemon."""
     return served.openai()
+
+
+@pytest.fixture
+def engine_left_clean(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After the test, the `engine` fixture (a module's inference engine), if the test used it,
+    holds no request and no KV block. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("engine_left_clean")`."""
+    yield
+    if "engine" in request.fixturenames:
+        assert_no_leaks(request.getfixturevalue("engine"))
 
 
 @pytest.fixture(autouse=True)

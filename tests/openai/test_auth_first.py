@@ -8,33 +8,22 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.config import load_config
 from controlplane.http.errors import APIError
 from controlplane.openai import protocol
 from harness import InProcessDaemon
-from tests.admin.test_admin_api import MODEL, admin_cfg
+from tests.admin.test_admin_api import MODEL
 
 KEY = "sk-tenant-a-0123456789"
 IGNORED = "controlplane:ignored_request_fields_total"
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("authfirst")
-    path = admin_cfg(
-        tmp,
-        tiny_model_dir,
+def daemon(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
+        admin=True,
         engine={"max_num_seqs": 4, "max_model_len": 512},
         api_keys=[{"name": "tenant-a", "key": KEY}],
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
-
-
-def client(d: InProcessDaemon, key: str | None = KEY) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=d.url, headers=headers, timeout=60)
 
 
 def ignored_samples(c: httpx.Client) -> dict[tuple, float]:
@@ -87,20 +76,20 @@ INVALID = {
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_anonymous_invalid_body_is_401_not_400(daemon, name, path):
     body = INVALID[name]
-    with client(daemon, key=None) as anon, client(daemon, key="sk-wrong") as wrong:
+    with daemon.client() as anon, daemon.client("sk-wrong") as wrong:
         for c in (anon, wrong):
             r = c.post(path, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 401, (name, r.status_code, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key"
             assert "x-request-id" in r.headers
     if path == "/v1/completions":
-        with client(daemon) as c:  # the same body, authenticated: a 400 (it is invalid)
+        with daemon.client(KEY) as c:  # the same body, authenticated: a 400 (it is invalid)
             r = c.post(path, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (name, r.text)
 
 
 def test_anonymous_requests_are_not_counted(daemon):
-    with client(daemon) as c, client(daemon, key=None) as anon:
+    with daemon.client(KEY) as c, daemon.client() as anon:
         before = ignored_samples(c)
         for i in range(5):
             body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -117,7 +106,7 @@ def test_anonymous_requests_are_not_counted(daemon):
 
 
 def test_models_needs_the_key(daemon):
-    with client(daemon, key=None) as anon, client(daemon) as c:
+    with daemon.client() as anon, daemon.client(KEY) as c:
         assert anon.get("/v1/models").status_code == 401
         assert c.get("/v1/models").json()["data"][0]["id"] == MODEL
 
@@ -125,7 +114,7 @@ def test_models_needs_the_key(daemon):
 @pytest.mark.parametrize("levels", [1000, 20_000])
 def test_deeply_nested_schema_string_is_400_naming_the_field(daemon, levels):
     schema = nested_schema(levels)
-    with client(daemon) as c, client(daemon, key=None) as anon:
+    with daemon.client(KEY) as c, daemon.client() as anon:
         for field, body in structured_bodies(schema).items():
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 400, (field, r.status_code, r.text[:300])
@@ -138,7 +127,7 @@ def test_deeply_nested_schema_string_is_400_naming_the_field(daemon, levels):
 
 
 def test_deeply_nested_body_is_400(daemon):
-    with client(daemon) as c:
+    with daemon.client(KEY) as c:
         for body in (deep_list(1000), deep_list(100_000), '{"prompt": ' + deep_list(5000) + "}"):
             r = c.post(
                 "/v1/completions", content=body, headers={"Content-Type": "application/json"}

@@ -27,20 +27,12 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("hostile")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
+def served(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         engine={"max_model_len": 512},
         store={"flush_interval_s": 0.05},
         admin_tokens=[{"name": "hostile", "token": TOKEN}],
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    yield d, cfg
-    d.stop()
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -125,7 +117,8 @@ def test_clients_that_leave_early_leave_no_running_rows(tiny_model_dir, tmp_path
 
 
 def test_streaming_client_leaving_mid_stream_aborts(served):
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     engine = d.daemon.aengine.engine
     body = {"model": MODEL, "prompt": "mid", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with socket.create_connection(_host_port(d.url), timeout=30) as sock:
@@ -142,7 +135,8 @@ def test_streaming_client_leaving_mid_stream_aborts(served):
 
 
 def test_non_streaming_client_leaving_aborts(served):
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     engine = d.daemon.aengine.engine
     before = {r["id"] for r in rows(cfg.store_url)}
     body = {"model": MODEL, "prompt": "gone", "max_tokens": 500, "ignore_eos": True}
@@ -160,7 +154,7 @@ def test_non_streaming_client_leaving_aborts(served):
 
 
 def test_admin_abort_of_a_finished_request_is_409_unknown_404(served):
-    d, _ = served
+    d = served
     r = httpx.post(
         d.url + "/v1/completions",
         json={"model": MODEL, "prompt": "done", "max_tokens": 2},
@@ -222,7 +216,7 @@ _V1_CASES = {
 
 @pytest.mark.parametrize(("path", "raw", "param"), _V1_CASES.values(), ids=_V1_CASES.keys())
 def test_malformed_v1_bodies_are_400_naming_the_field(served, path, raw, param):
-    d, _ = served
+    d = served
     r = httpx.post(
         d.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30
     )
@@ -244,7 +238,7 @@ _PATCH_CASES = {
 
 @pytest.mark.parametrize(("raw", "param"), _PATCH_CASES.values(), ids=_PATCH_CASES.keys())
 def test_malformed_admin_patch_is_400(served, raw, param):
-    d, _ = served
+    d = served
     before = httpx.get(d.url + "/admin/config", headers=ADMIN, timeout=30).json()
     r = httpx.patch(d.url + "/admin/config", content=raw, headers=ADMIN, timeout=30)
     assert r.status_code == 400, r.text
@@ -265,7 +259,7 @@ def test_malformed_admin_patch_is_400(served, raw, param):
     ],
 )
 def test_out_of_range_admin_queries_are_4xx_in_the_admin_shape(served, query, param):
-    d, _ = served
+    d = served
     r = httpx.get(d.url + query, headers=ADMIN, timeout=30)
     assert r.status_code in (400, 422), r.text
     assert r.json()["error"]["param"] == param
@@ -278,7 +272,7 @@ DEFAULT_MAX_BODY = 2 * 1024 * 1024
 
 
 def test_body_over_max_body_bytes_is_413_naming_the_limit(served):
-    d, _ = served
+    d = served
     limit = DEFAULT_MAX_BODY
     body = json.dumps({"model": MODEL, "prompt": "x" * (limit + 10)})
     r = httpx.post(
@@ -335,19 +329,13 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(tiny_model_dir, tmp_path)
 # -- item 8: the queue limit counts requests accepted since the last step ---------------------
 
 
-def test_a_burst_fills_running_slots_and_the_queue(tiny_model_dir, tmp_path):
-    cfg = load_config(
-        write_config(
-            tmp_path / "cp.toml",
-            tmp_path / "data",
-            tiny_model_dir,
-            engine={"max_num_seqs": 32, "max_model_len": 2048},
-            server={"max_queue_len": 4},
-            store={"record_requests": False},
-        ),
-        env={},
+def test_a_burst_fills_running_slots_and_the_queue(make_daemon):
+    d = make_daemon(
+        with_file=False,
+        engine={"max_num_seqs": 32, "max_model_len": 2048},
+        server={"max_queue_len": 4},
+        store={"record_requests": False},
     )
-    d = InProcessDaemon(cfg).start()
     body = {"model": MODEL, "prompt": "burst", "max_tokens": 2000, "ignore_eos": True}
 
     async def burst() -> list[int]:
@@ -367,42 +355,30 @@ def test_a_burst_fills_running_slots_and_the_queue(tiny_model_dir, tmp_path):
             await asyncio.gather(*(one() for _ in range(50)))
             return statuses
 
-    try:
-        statuses = asyncio.run(burst())
-        # 32 run, 4 wait, the rest are told to retry; nobody finished meanwhile (2000 tokens).
-        assert statuses.count(200) == 36 and statuses.count(429) == 14, statuses
-    finally:
-        d.stop()
+    statuses = asyncio.run(burst())
+    # 32 run, 4 wait, the rest are told to retry; nobody finished meanwhile (2000 tokens).
+    assert statuses.count(200) == 36 and statuses.count(429) == 14, statuses
 
 
-def test_max_queue_len_zero_admits_only_what_can_run(tiny_model_dir, tmp_path):
-    cfg = load_config(
-        write_config(
-            tmp_path / "cp.toml",
-            tmp_path / "data",
-            tiny_model_dir,
-            engine={"max_num_seqs": 2},
-            server={"max_queue_len": 0},
-            store={"record_requests": False},
-        ),
-        env={},
+def test_max_queue_len_zero_admits_only_what_can_run(make_daemon):
+    d = make_daemon(
+        with_file=False,
+        engine={"max_num_seqs": 2},
+        server={"max_queue_len": 0},
+        store={"record_requests": False},
     )
-    d = InProcessDaemon(cfg).start()
     body = {"model": MODEL, "prompt": "zero", "max_tokens": 2000, "ignore_eos": True}
-    try:
-        with httpx.Client(base_url=d.url, timeout=60) as client:
-            streams = [client.stream("POST", "/v1/completions", json=body | {"stream": True})]
-            first = streams[0].__enter__()
-            assert first.status_code == 200
-            second = client.stream("POST", "/v1/completions", json=body | {"stream": True})
-            streams.append(second)
-            assert second.__enter__().status_code == 200
-            r = client.post("/v1/completions", json=body)
-            assert r.status_code == 429 and "max_queue_len 0" in r.json()["error"]["message"]
-            for s in streams:
-                s.__exit__(None, None, None)
-    finally:
-        d.stop()
+    with d.client() as client:
+        streams = [client.stream("POST", "/v1/completions", json=body | {"stream": True})]
+        first = streams[0].__enter__()
+        assert first.status_code == 200
+        second = client.stream("POST", "/v1/completions", json=body | {"stream": True})
+        streams.append(second)
+        assert second.__enter__().status_code == 200
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 429 and "max_queue_len 0" in r.json()["error"]["message"]
+        for s in streams:
+            s.__exit__(None, None, None)
 
 
 # -- item 11: special-token text in chat content is plain text by default --------------------
@@ -431,7 +407,7 @@ def _as_plain_text(model_dir: Path, text: str) -> list[int]:
 
 
 def test_chat_content_cannot_inject_control_tokens(served, tiny_model_dir):
-    d, _ = served
+    d = served
     # The template puts "\n\n" + content between two control tokens; that stretch is what
     # changes with the content, so the prompt grows by the plain-text tokens of the injection.
     baseline = _chat_prompt_tokens(d, "hi")
@@ -442,7 +418,7 @@ def test_chat_content_cannot_inject_control_tokens(served, tiny_model_dir):
 
 
 def test_encode_chat_escapes_only_message_text(served):
-    d, _ = served
+    d = served
     tok = d.daemon.aengine.engine.tokenizer
     special = {tok.token_to_id(t) for t in tok.special_token_texts}
     messages = [{"role": "user", "content": INJECTION}]
@@ -465,24 +441,15 @@ def test_encode_chat_escapes_only_message_text(served):
     assert tok.encode_chat(plain, escape=True) == tok.encode_chat(plain, escape=False)
 
 
-def test_chat_special_tokens_allow_keeps_the_old_behaviour(tiny_model_dir, tmp_path):
-    cfg = load_config(
-        write_config(
-            tmp_path / "cp.toml",
-            tmp_path / "data",
-            tiny_model_dir,
-            server={"chat_special_tokens": "allow"},
-            store={"record_requests": False},
-        ),
-        env={},
+def test_chat_special_tokens_allow_keeps_the_old_behaviour(make_daemon):
+    d = make_daemon(
+        with_file=False,
+        server={"chat_special_tokens": "allow"},
+        store={"record_requests": False},
     )
-    d = InProcessDaemon(cfg).start()
-    try:
-        tok = d.daemon.aengine.engine.tokenizer
-        allowed = tok.encode_chat([{"role": "user", "content": INJECTION}], escape=False)
-        assert _chat_prompt_tokens(d, INJECTION) == len(allowed)
-    finally:
-        d.stop()
+    tok = d.daemon.aengine.engine.tokenizer
+    allowed = tok.encode_chat([{"role": "user", "content": INJECTION}], escape=False)
+    assert _chat_prompt_tokens(d, INJECTION) == len(allowed)
 
 
 def test_chat_special_tokens_setting_is_validated(tmp_path):

@@ -16,43 +16,32 @@ import base64
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from controlplane.common import parse_time
-from controlplane.config import load_config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.http.auth import match_bearer
 from controlplane.store.queries import decode_cursor
-from harness import InProcessDaemon, write_config
+from harness import InProcessDaemon
 
 MODEL = "model"  # the tiny demo model's directory name
 TOKEN = "small-token-0123456789"
 KEY = "sk-small-0123456789"
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 EARLY = "0001-01-01T00:00:00+05:00"  # 31 Dec of year 0 in UTC: not a datetime
 LATE = "9999-12-31T23:59:59-05:00"  # year 10000 in UTC
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("small")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
+def served(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         server={"config_watch_interval_s": 3600.0},
         engine={"max_model_len": 512},
         store={"flush_interval_s": 0.05},
         admin_tokens=[{"name": "small", "token": TOKEN}],
         api_keys=[{"name": "team", "key": KEY}],
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    yield d, cfg
-    d.stop()
 
 
 def _cursor(at: str) -> str:
@@ -78,8 +67,8 @@ def test_parse_time_and_cursor_out_of_range_name_the_field(value):
 
 
 def test_admin_requests_out_of_range_times_are_4xx_naming_the_field(served):
-    d, _ = served
-    with httpx.Client(base_url=d.url, headers=ADMIN, timeout=30) as c:
+    d = served
+    with d.client(TOKEN, timeout=30) as c:
         for params, field in (
             ({"since": EARLY}, "since"),
             ({"until": LATE}, "until"),
@@ -135,9 +124,8 @@ def test_report_cli_out_of_range_dates_exit_2_with_one_line(tmp_path, flag, flag
 
 
 def test_chat_role_must_be_one_the_api_defines(served):
-    d, _ = served
-    auth = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=d.url, headers=auth, timeout=60) as c:
+    d = served
+    with d.client(KEY) as c:
         for role in ("hacker", "User", "", "system ", "ipython"):
             r = c.post(
                 "/v1/chat/completions",
@@ -180,7 +168,7 @@ def test_match_bearer_strips_only_ascii_whitespace():
 
 
 def test_bearer_with_a_non_breaking_space_is_refused(served):
-    d, _ = served
+    d = served
     for path, secret in (("/admin/config", TOKEN), ("/v1/models", KEY)):
         ok = httpx.get(d.url + path, headers={"Authorization": f"Bearer {secret}"}, timeout=30)
         assert ok.status_code == 200, (path, ok.text)

@@ -7,32 +7,24 @@ import json
 import httpx
 import pytest
 
-from controlplane.config import load_config
-from harness import InProcessDaemon, wait_rows, write_config
+from harness import InProcessDaemon, wait_rows
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server-n")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
+def daemon(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         engine={"max_num_seqs": 3, "max_model_len": 512},
         # Every slot may go to one request here (the share has its own test below).
         server={"max_n": 4, "max_choices_share": 1.0},
         store={"flush_interval_s": 0.1},
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture
 def client(daemon):
-    with httpx.Client(base_url=daemon.url, timeout=60) as c:
+    with daemon.client() as c:
         yield c
 
 
@@ -175,35 +167,25 @@ def test_n_beyond_the_batch_is_a_400_naming_max_num_seqs(client):
     assert error["param"] == "n" and "max_num_seqs" in error["message"], error
 
 
-def test_choices_beyond_their_share_of_the_batch_are_a_400_and_the_share_is_live(
-    tiny_model_dir, tmp_path
-):
+def test_choices_beyond_their_share_of_the_batch_are_a_400_and_the_share_is_live(make_daemon):
     """One request's choices may take at most server.max_choices_share (default half) of
     engine.max_num_seqs: an n = 16 request would otherwise hold every request behind it."""
     token = "share-test-token-0123456789"
-    path = write_config(
-        tmp_path / "cp.toml",
-        tmp_path / "data",
-        tiny_model_dir,
+    d = make_daemon(
         engine={"max_num_seqs": 8},
         admin_tokens=[{"name": "ops", "token": token}],
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    try:
-        auth = {"Authorization": f"Bearer {token}"}
-        with httpx.Client(base_url=d.url, timeout=60, headers=auth) as c:
-            for extra, field in (({"n": 5}, "n"), ({"n": 1, "best_of": 5}, "best_of")):
-                r = post(c, "/v1/completions", prompt=PROMPT, **extra)
-                assert r.status_code == 400, r.text
-                error = r.json()["error"]
-                assert error["param"] == field, error
-                assert "server.max_choices_share" in error["message"], error
-                assert "at most 4" in error["message"], error
-            assert len(ok(c, "/v1/completions", prompt=PROMPT, n=4)["choices"]) == 4
-            r = c.patch("/admin/config", json={"server": {"max_choices_share": 1.0}})
-            assert r.status_code == 200, r.text
-            assert len(ok(c, "/v1/completions", prompt=PROMPT, n=5)["choices"]) == 5
-            r = c.patch("/admin/config", json={"server": {"max_choices_share": 0}})
-            assert r.status_code == 422 and "server.max_choices_share" in r.text, r.text
-    finally:
-        d.stop()
+    with d.client(token) as c:
+        for extra, field in (({"n": 5}, "n"), ({"n": 1, "best_of": 5}, "best_of")):
+            r = post(c, "/v1/completions", prompt=PROMPT, **extra)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == field, error
+            assert "server.max_choices_share" in error["message"], error
+            assert "at most 4" in error["message"], error
+        assert len(ok(c, "/v1/completions", prompt=PROMPT, n=4)["choices"]) == 4
+        r = c.patch("/admin/config", json={"server": {"max_choices_share": 1.0}})
+        assert r.status_code == 200, r.text
+        assert len(ok(c, "/v1/completions", prompt=PROMPT, n=5)["choices"]) == 5
+        r = c.patch("/admin/config", json={"server": {"max_choices_share": 0}})
+        assert r.status_code == 422 and "server.max_choices_share" in r.text, r.text
