@@ -218,9 +218,8 @@ def test_all_pua_messages_at_once_are_answered_under_a_low_descriptor_limit(
 @pytest.fixture
 def served(tiny_model_dir, tmp_path):
     cfg = load_config(write_config(tmp_path / "cp.toml", tmp_path / "data", tiny_model_dir))
-    d = InProcessDaemon(cfg).start()
-    yield d
-    d.stop()
+    with InProcessDaemon(cfg) as d:
+        yield d
 
 
 @pytest.mark.timeout(120)

@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from sqlalchemy import Engine, inspect, text
 
 from controlplane.accounting.cli import add_report_parser
 from controlplane.accounting.reports import requests_report
-from controlplane.config import Price, StoreSettings, load_config
+from controlplane.config import Price, StoreSettings
 from controlplane.store import (
     Recorder,
     RequestRecord,
@@ -42,7 +41,7 @@ from controlplane.telemetry.metrics import (
     MAX_IGNORED_FIELD_LABELS,
     Metrics,
 )
-from harness import InProcessDaemon, rows, wait_rows, write_config
+from harness import InProcessDaemon, rows, wait_rows
 from tests.conftest import reset_pg
 
 MODEL = "model"  # the tiny demo model's directory name
@@ -57,24 +56,16 @@ def served(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factor
     store: dict[str, Any] = {"flush_interval_s": 0.05}
     if request.param == "postgresql":
         store["url"] = reset_pg(request.getfixturevalue("pg_database"))
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
+    # Not make_module_daemon: each database's daemon stops before the next one starts.
+    with InProcessDaemon.configured(
+        tmp,
         tiny_model_dir,
         engine={"max_model_len": 512, "max_num_seqs": MAX_NUM_SEQS},
         server={"max_queue_len": MAX_QUEUE_LEN},
         store=store,
         admin_tokens=[{"name": "clients", "token": TOKEN}],
-    )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    yield d, cfg
-    d.stop()
-
-
-@pytest.fixture
-def client(served) -> openai.OpenAI:
-    return served[0].openai()
+    ) as d:
+        yield d
 
 
 def _post(d: InProcessDaemon, path: str, body: Any, **kw: Any) -> httpx.Response:
@@ -119,7 +110,7 @@ IGNORED = "controlplane:ignored_request_fields_total"
 
 
 def test_unknown_fields_are_ignored_counted_and_logged_once(served, client, caplog) -> None:
-    d, _ = served
+    d = served
     field = f"some_future_field_{d.daemon.instance_id}"  # new to this daemon's metrics
     caplog.set_level(logging.DEBUG, logger="controlplane.api")
     # As the openai client sends fields it knows and we do not (extra_body is how a user adds
@@ -142,7 +133,7 @@ def test_unknown_fields_are_ignored_counted_and_logged_once(served, client, capl
 
 
 def test_long_field_names_share_the_other_label(served) -> None:
-    d, _ = served
+    d = served
     before = _metric(d, IGNORED, field="other") or 0
     long_name = "x" * (MAX_IGNORED_FIELD_CHARS + 1)
     r = _post(d, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1, long_name: 1})
@@ -187,7 +178,7 @@ def test_ignored_field_labels_are_bounded() -> None:
     ],
 )
 def test_known_fields_misused_are_400_naming_them(served, path, extra, param, words) -> None:
-    d, _ = served
+    d = served
     body = {"model": MODEL, "max_tokens": 1, **extra}
     body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user"}]})
     r = _post(d, path, body)
@@ -200,7 +191,8 @@ def test_known_fields_misused_are_400_naming_them(served, path, extra, param, wo
 
 
 def test_user_is_recorded_and_length_capped(served, client) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     user = f"alice-{d.daemon.instance_id}"
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, user=user
@@ -235,7 +227,8 @@ def _report_cli(capsys, *argv: str) -> int:
 
 
 def test_requests_report_groups_by_user_over_the_daemons_rows(served, client, capsys) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     users = {f"bob-{d.daemon.instance_id}": 2, f"carol-{d.daemon.instance_id}": 1}
     ids = []
     for user, n in users.items():
@@ -273,7 +266,7 @@ def test_requests_report_groups_by_user_over_the_daemons_rows(served, client, ca
 
 
 def test_a_list_of_prompts_gives_one_choice_and_one_row_each(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     prompts = ["The capital of France", "one two three", "a b"]
     single = [
         client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0]
@@ -303,7 +296,7 @@ def test_a_list_of_prompts_gives_one_choice_and_one_row_each(served, client) -> 
 
 
 def test_a_list_of_prompts_streams_chunks_with_their_index(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     stream = client.completions.create(
         model=MODEL,
         prompt=["first", "second one"],
@@ -339,7 +332,8 @@ def test_a_list_of_prompts_streams_chunks_with_their_index(served, client) -> No
 
 
 def test_one_bad_prompt_rejects_the_whole_list_before_anything_is_queued(served) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     engine = d.daemon.aengine.engine
     before = _count_rows(d, cfg.store_url)
     cases = [
@@ -377,7 +371,8 @@ def _raw_post(url: str, path: str, body: dict[str, Any]) -> socket.socket:
 
 
 def test_non_streaming_batch_client_leaving_aborts_every_prompt(served) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     engine = d.daemon.aengine.engine
     body = {"model": MODEL, "prompt": ["go", "away"], "max_tokens": 400, "ignore_eos": True}
     sock = _raw_post(d.url, "/v1/completions", body)
@@ -403,7 +398,8 @@ def test_non_streaming_batch_client_leaving_aborts_every_prompt(served) -> None:
 
 
 def test_x_request_id_is_echoed_stored_and_listed_duplicates_included(served, client) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     rid = f"client-id {d.daemon.instance_id}/1"  # printable ASCII, spaces and slashes too
     got = []
     for _ in range(2):  # the same id twice: both requests are served and recorded
@@ -431,7 +427,8 @@ def test_x_request_id_is_echoed_stored_and_listed_duplicates_included(served, cl
 
 
 def test_x_request_id_is_generated_when_absent_and_on_every_v1_response(served) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     r = _post(d, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
     body = r.json()
     assert r.headers["x-request-id"] == body["id"]  # generated: the response's id
@@ -469,7 +466,8 @@ def test_x_request_id_is_generated_when_absent_and_on_every_v1_response(served) 
     ],
 )
 def test_invalid_x_request_id_is_400_naming_the_header(served, value, words) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     before = _count_rows(d, cfg.store_url)
     r = _post(
         d,

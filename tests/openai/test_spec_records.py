@@ -41,11 +41,8 @@ def test_rows_samples_and_costs_count_drafts_and_cache(tiny_model_dir, tmp_path)
     cfg = load_config(path, env={})
     url = cfg.store_url
     started = datetime.now(UTC)
-    d = InProcessDaemon(cfg, config_path=path).start()
-    try:
-        with httpx.Client(
-            base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
-        ) as c:
+    with InProcessDaemon(cfg, config_path=path) as d:
+        with d.client(TOKEN) as c:
             ids = [complete(c)["id"], complete(c)["id"]]  # the second finds the prefix cached
             proposed = metric(c, "controlplane:spec_decode_num_draft_tokens_total")
             accepted = metric(c, "controlplane:spec_decode_num_accepted_tokens_total")
@@ -83,8 +80,6 @@ def test_rows_samples_and_costs_count_drafts_and_cache(tiny_model_dir, tmp_path)
             assert all(0 <= r <= 1 for r in hits + accepts) and max(hits) > 0
         finally:
             db.dispose()
-    finally:
-        d.stop()
     assert d.exit_code == 0
 
     # At the (default) list price the cache saved cached x (prompt - cached rate) / 1e6.

@@ -12,15 +12,13 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from controlplane import memory
-from controlplane.config import load_config
 from controlplane.openai.tokenize import LIMIT_PER_CONTEXT_TOKEN
-from harness import InProcessDaemon, write_config
+from harness import InProcessDaemon
 
 MAX_MODEL_LEN = 2048
 LIMIT = LIMIT_PER_CONTEXT_TOKEN * MAX_MODEL_LEN
@@ -28,21 +26,14 @@ IDLE_S = 0.5  # the trim's idle time in this test
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("tokenize_limits")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
-        engine={"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 2},
-        server={"max_body_bytes": 8 << 20},  # an operator who raised it for long prompts
-        store={"record_requests": False},
-    )
+def served(make_module_daemon) -> InProcessDaemon:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(memory.ENV_VAR, str(IDLE_S))  # read once, as the daemon starts
-        d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
+        return make_module_daemon(
+            engine={"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 2},
+            server={"max_body_bytes": 8 << 20},  # an operator who raised it for long prompts
+            store={"record_requests": False},
+        )
 
 
 def post(d: InProcessDaemon, path: str, body: object) -> httpx.Response:
