@@ -14,8 +14,9 @@ What msgspec cannot say the way the API does, the hand parser (protocol) still s
 - the unions and rules across fields: `prompt` (a string, token ids, or a list of either, all
   of one kind), `stop`, `messages` and their content parts, the output constraints (at most
   one), the tools, best_of against n, stream_options only with stream;
-- the JSON limits (nesting deeper than MAX_JSON_DEPTH) on what a struct leaves untyped, and
-  the fields this endpoint does not read (skipped by the struct, checked and reported here).
+- the JSON limit on nesting (MAX_JSON_DEPTH), which msgspec does not bound: checked here on
+  the decoded body, the fields this endpoint does not read included (tolerated, then reported
+  as ignored by the parser).
 
 Each field's type here must match the type the hand parser checks it against (`_opt` in
 protocol): tests/openai/test_request_bodies.py holds them together, so that this pass never
@@ -30,7 +31,6 @@ import msgspec
 
 from controlplane import memory
 from controlplane.http.body import MAX_JSON_DEPTH
-from controlplane.openai.schema import CHAT_FIELDS, COMPLETION_FIELDS
 
 # A value the struct leaves to the hand parser (its shape is a union or a nested schema).
 Free = Any
@@ -108,7 +108,6 @@ class Checked(dict):
 
 
 _JSON = msgspec.json.Decoder()
-_ALLOWED = {CompletionBody: COMPLETION_FIELDS, ChatBody: CHAT_FIELDS}
 
 
 def decode(raw: bytes, kind: type[CompletionBody] | type[ChatBody]) -> Checked | None:

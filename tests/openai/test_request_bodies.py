@@ -217,3 +217,12 @@ def test_the_structs_refuse_numbers_as_strings_and_booleans_as_numbers():
     for field, value in [("n", "2"), ("n", True), ("temperature", "0.5"), ("temperature", False)]:
         with pytest.raises(msgspec.ValidationError):
             chat.decode(json.dumps({**CHAT, field: value}).encode())
+
+
+def test_each_struct_declares_every_field_its_endpoint_reads():
+    # A field read but missing from its struct would reach the parser untyped on the
+    # struct's pass (its `_opt` skips the type check there).
+    from controlplane.openai import schema
+
+    assert set(bodies.ChatBody.__struct_fields__) == schema.CHAT_FIELDS
+    assert set(bodies.CompletionBody.__struct_fields__) == schema.COMPLETION_FIELDS
