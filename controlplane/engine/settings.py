@@ -2,6 +2,11 @@
 
 `Engine.update_settings`, the admin API, the TUI and config reload all go through
 `validate_changes`, so a value is judged by the same rule wherever it comes from.
+
+Each field declares what it accepts (a `Range` or its choices) and carries its help, which the
+configuration reference renders: what the setting does, what it trades and when to turn it off,
+with a link to its docs/benchmarks.md section. Figures and machine names stay on that page
+(tests/test_help_strings.py); why a default was chosen is a `#` comment beside the field.
 """
 
 from __future__ import annotations
