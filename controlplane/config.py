@@ -4,6 +4,12 @@ validated in one place. Torch-free on purpose: the CLI parses config without the
 Environment overrides use `CONTROLPLANE_<SECTION>__<KEY>`, e.g. `CONTROLPLANE_SERVER__PORT=8001`
 or `CONTROLPLANE_ENGINE__MAX_NUM_SEQS=16`; `CONTROLPLANE_DATA_DIR` sets `data_dir`. Any other
 CONTROLPLANE_* variable (besides the few in ENV_NON_KEYS) stops the start with an error.
+
+A field's range or choices is declared on it (`bounded`, `one_of`: controlplane/limits.py) and
+`_validate` loops over those declarations; by hand only the rules that relate fields. Its help is
+the `#` comment right above it (or at the end of its line), which the configuration reference
+renders: what it does and trades, no figures (tests/test_help_strings.py). A bare `#` line ends
+the help: a note above it (why this default) stays in the code.
 """
 
 from __future__ import annotations
