@@ -100,6 +100,10 @@ def test_live_numbers_match_admin_stats_under_loadgen(daemon):
             kv_map = screen_text(app).split("map ", 1)[1].split()[0]
             assert set(kv_map) & set("▁▂▃▄▅▆▇█"), kv_map  # the blocks in use show up
             assert api_stats["model"] in text and "serving" in text
+            # Whether the kernels loaded, as /admin/stats says it: ok, or fallback and why.
+            assert f"kernels: {api_stats['kernels']['status']}" in text
+            # (The compiled step may finish warming meanwhile: any of its states.)
+            assert re.search(r"compiled_step: (off|warming|ready|failed)\b", text)
             shown = app.dashboard.stats["num_running"]
             assert f"running {shown} /" in text and 0 < shown <= api_stats["max_num_seqs"]
             # The table lists the daemon's live requests.
