@@ -27,8 +27,10 @@ import pytest
 from controlplane.engine.kernels import cpu_ops
 from harness import DaemonProcess
 from harness.config import write_config
+from tests.kernels import require_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason=cpu_ops.build_error())
+# Skipped where the kernels cannot build; under CI a failed build fails instead.
+require_kernels()
 
 TOKEN = "start-faults-admin-token"
 
@@ -175,6 +177,14 @@ def test_a_live_builders_lock_is_waited_for_then_torch_serves(tmp_path, tiny_mod
     assert kernels["state"] == "lock_timeout", kernels
     assert str(lock) in kernels["reason"] and f"pid {live.pid}" in kernels["reason"]
     assert "server.kernel_build_wait_s" in kernels["reason"]
+    # The dashboard's line and /metrics say the same: torch's kernels serve, and why.
+    assert stats["kernels"] == {"status": "fallback", "reason": kernels["reason"]}
+    metrics = httpx.get(d.url + "/metrics", timeout=10).text
+    assert f'controlplane:kernels_loaded{{model_name="{stats["model"]}",reason=' in metrics
+    loaded = [
+        line for line in metrics.splitlines() if line.startswith("controlplane:kernels_loaded{")
+    ]
+    assert len(loaded) == 1 and loaded[0].endswith(" 0.0") and "kernel build lock" in loaded[0]
     r = httpx.post(
         d.url + "/v1/completions",
         json={"model": stats["model"], "prompt": "hello", "max_tokens": 4},
