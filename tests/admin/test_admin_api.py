@@ -17,36 +17,29 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.config import load_config
-from harness import DaemonProcess, InProcessDaemon, wait_rows, write_config
+from harness import (
+    ADMIN_TOKEN,
+    DaemonProcess,
+    admin_sections,
+    wait_rows,
+    write_config,
+)
 
-TOKEN = "ops-token-0123456789abcdef"
+TOKEN = ADMIN_TOKEN
 MODEL = "model"
 
 
 def admin_cfg(tmp_path: Path, model: Path, **sections) -> Path:
-    sections.setdefault("admin_tokens", [{"name": "ops", "token": TOKEN}])
-    store = {"flush_interval_s": 0.1, **sections.pop("store", {})}
-    server = {
-        "events_interval_s": 0.2,
-        "config_watch_interval_s": 0.2,
-        **sections.pop("server", {}),
-    }
+    """A config file (tmp_path/cp.toml) with the tests' admin token and short intervals."""
     return write_config(
-        tmp_path / "cp.toml", tmp_path / "data", model, store=store, server=server, **sections
+        tmp_path / "cp.toml", tmp_path / "data", model, **admin_sections(**sections)
     )
 
 
 @pytest.fixture(scope="module")
-def admin(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("admin")
-    path = admin_cfg(tmp, tiny_model_dir, engine={"max_num_seqs": 8, "max_model_len": 1024})
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d, path
-    d.stop()
-
-
-def api(d: InProcessDaemon) -> httpx.Client:
-    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+def admin(make_module_daemon):
+    d = make_module_daemon(admin=True, engine={"max_num_seqs": 8, "max_model_len": 1024})
+    return d, d.config_path
 
 
 def loadgen(url: str, *args: str) -> subprocess.Popen:
@@ -110,34 +103,28 @@ def test_generated_token_file_is_private(tiny_model_dir, tmp_path):
         assert proc.stop() == 0
 
 
-def test_config_sources_and_live_flags(tiny_model_dir, tmp_path):
-    path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_num_seqs": 6})
+def test_config_sources_and_live_flags(make_daemon):
     env = {"CONTROLPLANE_SERVER__MAX_QUEUE_LEN": "77"}
-    d = InProcessDaemon(load_config(path, env=env), config_path=path, env=env).start()
-    try:
-        fields = api(d).get("/admin/config").json()["fields"]
-        # With what each field accepts (the ranges the validation itself declares).
-        assert fields["engine.max_num_seqs"] == {
-            **{"value": 6, "source": "file", "live": True},
-            **{"type": "int", "min": 1, "max": 4096},
-        }
-        assert fields["server.max_queue_len"] == {
-            **{"value": 77, "source": "env", "live": True},
-            **{"type": "int", "min": 0},
-        }
-        assert fields["engine.prefill_chunk_size"]["source"] == "default"
-        assert (
-            fields["engine.block_size"]["live"] is False and fields["engine.dtype"]["live"] is False
-        )
-        assert fields["admin_tokens"]["value"] == ["ops"]  # names only, never the token
-        assert TOKEN not in json.dumps(fields)
-    finally:
-        d.stop()
+    d = make_daemon(admin=True, env=env, engine={"max_num_seqs": 6})
+    fields = d.client(TOKEN).get("/admin/config").json()["fields"]
+    # With what each field accepts (the ranges the validation itself declares).
+    assert fields["engine.max_num_seqs"] == {
+        **{"value": 6, "source": "file", "live": True},
+        **{"type": "int", "min": 1, "max": 4096},
+    }
+    assert fields["server.max_queue_len"] == {
+        **{"value": 77, "source": "env", "live": True},
+        **{"type": "int", "min": 0},
+    }
+    assert fields["engine.prefill_chunk_size"]["source"] == "default"
+    assert fields["engine.block_size"]["live"] is False and fields["engine.dtype"]["live"] is False
+    assert fields["admin_tokens"]["value"] == ["ops"]  # names only, never the token
+    assert TOKEN not in json.dumps(fields)
 
 
 def test_patch_invalid_and_restart_only_change_nothing(admin):
     d, _ = admin
-    c = api(d)
+    c = d.client(TOKEN)
     before = c.get("/admin/config").json()["fields"]
     r = c.patch("/admin/config", json={"engine": {"max_num_seqs": 4, "max_num_batched_tokens": 2}})
     assert r.status_code == 422
@@ -161,7 +148,7 @@ def test_patch_wrong_shapes_are_422_naming_the_field(admin):
     """Issue 52, item 4: an empty or partial price entry, numbers sent as strings, a key given
     twice and an invalid value of a restart-only key: 422 naming the field, nothing changed."""
     d, _ = admin
-    c = api(d)
+    c = d.client(TOKEN)
     before = c.get("/admin/config").json()["fields"]
     price = {
         "model": "*",
@@ -223,7 +210,7 @@ def test_patch_wrong_shapes_are_422_naming_the_field(admin):
 
 def test_dry_run_validates_without_applying_and_change_ids_group_audit_rows(admin):
     d, _ = admin
-    c = api(d)
+    c = d.client(TOKEN)
     before = c.get("/admin/config").json()["fields"]
     now = before["engine.max_num_seqs"]["value"]
     r = c.patch("/admin/config?dry_run=true", json={"engine": {"max_num_seqs": now + 1}})
@@ -266,7 +253,7 @@ def _stats(c: httpx.Client) -> dict:
 
 def test_patch_max_num_seqs_under_loadgen_caps_batch_within_a_step(admin):
     d, _ = admin
-    c = api(d)
+    c = d.client(TOKEN)
     gen = loadgen(
         d.url, "--requests", "40", "--prompt-len", "8-32", "--output-len", "150-250", "--stream"
     )
@@ -312,12 +299,9 @@ def test_patch_max_num_seqs_under_loadgen_caps_batch_within_a_step(admin):
     assert gen.returncode == 0, gen.stdout.read()
 
 
-def test_patch_preemption_mode_while_preempting(tiny_model_dir, tmp_path):
-    path = admin_cfg(
-        tmp_path, tiny_model_dir, engine={"block_size": 4, "num_kv_blocks": 96, "max_num_seqs": 8}
-    )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    c = api(d)
+def test_patch_preemption_mode_while_preempting(make_daemon):
+    d = make_daemon(admin=True, engine={"block_size": 4, "num_kv_blocks": 96, "max_num_seqs": 8})
+    c = d.client(TOKEN)
     gen = loadgen(d.url, "--requests", "24", "--prompt-len", "20-40", "--output-len", "120-160")
     try:
         deadline = time.monotonic() + 60
@@ -343,7 +327,7 @@ def test_patch_preemption_mode_while_preempting(tiny_model_dir, tmp_path):
 def test_config_file_edit_and_sighup_apply_and_audit(tiny_model_dir, tmp_path):
     path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_num_seqs": 8})
     proc = DaemonProcess.start(path)
-    c = httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    c = proc.client(TOKEN, timeout=30)
 
     def field(name: str) -> dict:
         return c.get("/admin/config").json()["fields"][name]
@@ -395,7 +379,7 @@ def test_config_file_edit_and_sighup_apply_and_audit(tiny_model_dir, tmp_path):
 
 def test_drain_and_resume(admin):
     d, _ = admin
-    c = api(d)
+    c = d.client(TOKEN)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     try:
         assert c.post("/admin/drain").json()["state"] == "draining"
@@ -415,7 +399,7 @@ def test_drain_and_resume(admin):
 
 def test_events_stream_snapshots_and_config_change(admin):
     d, _ = admin
-    c = api(d)
+    c = d.client(TOKEN)
     got: dict[str, list] = {"stats": [], "config": []}
     subscribed = threading.Event()
 
@@ -463,7 +447,7 @@ def test_events_stream_snapshots_and_config_change(admin):
 
 def test_requests_live_finished_and_abort(admin):
     d, path = admin
-    c = api(d)
+    c = d.client(TOKEN)
     url = load_config(path, env={}).store_url
     done = httpx.post(
         d.url + "/v1/completions",

@@ -22,7 +22,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, text
 
-from controlplane.config import load_config
 from controlplane.store.models import IDLE_KEY, CostRollupRow
 from harness import InProcessDaemon, free_port
 from tests.admin.test_admin_api import admin_cfg
@@ -205,7 +204,7 @@ def load(d: InProcessDaemon, seconds: float) -> None:
     """Completions, streamed and not, for `seconds`: every request series gets samples."""
     deadline = time.monotonic() + seconds
     model = d.daemon.runtime.model_name
-    with httpx.Client(base_url=d.url, timeout=60) as c:
+    with d.client() as c:
         i = 0
         while time.monotonic() < deadline:
             body = {"model": model, "prompt": f"count to {i}", "max_tokens": 6, "ignore_eos": True}
@@ -257,20 +256,19 @@ def scraped(
         engine |= FEATURES_ON["engine"] | {"speculative_draft_model": str(tiny_model_dir)}
     extra = {"autopilot": FEATURES_ON["autopilot"]} if on else {}
     path = admin_cfg(tmp, tiny_model_dir, engine=engine, **extra)
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    host = d.url.removeprefix("http://")
-    prom = None
-    try:
-        prom = Prometheus(tmp, {JOB: host})
-        prom.wait_scraped_after(time.time() - 2 * SCRAPE_S, JOB)
-        load(d, 6)
-        d.daemon.runtime.pump_metrics()
-        prom.wait_scraped_after(time.time(), JOB)
-        yield prom, d, on
-    finally:
-        if prom is not None:
-            prom.stop()
-        d.stop()
+    with InProcessDaemon.from_file(path) as d:
+        host = d.url.removeprefix("http://")
+        prom = None
+        try:
+            prom = Prometheus(tmp, {JOB: host})
+            prom.wait_scraped_after(time.time() - 2 * SCRAPE_S, JOB)
+            load(d, 6)
+            d.daemon.runtime.pump_metrics()
+            prom.wait_scraped_after(time.time(), JOB)
+            yield prom, d, on
+        finally:
+            if prom is not None:
+                prom.stop()
 
 
 def test_every_promql_query_returns_data_from_a_live_scrape(scraped) -> None:
@@ -403,7 +401,7 @@ def model_names(url: str) -> set[str]:
 
 
 def test_a_loading_daemon_labels_its_series_with_the_served_name(
-    tiny_model_dir, tmp_path, monkeypatch
+    tiny_model_dir, monkeypatch, make_daemon
 ) -> None:
     from controlplane.daemon import Daemon
 
@@ -415,8 +413,7 @@ def test_a_loading_daemon_labels_its_series_with_the_served_name(
         return original(self)
 
     monkeypatch.setattr(Daemon, "_load_engine", slow_load)
-    path = admin_cfg(tmp_path, tiny_model_dir)
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start(wait_ready=False)
+    d = make_daemon(admin=True, wait_ready=False)
     try:
         assert httpx.get(d.url + "/health", timeout=10).json()["status"] == "loading"
         assert model_names(d.url) == {tiny_model_dir.name}

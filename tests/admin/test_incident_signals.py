@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import controlplane.engine.sampler as sampler_module
-from controlplane.config import AlertsSettings, AutopilotSettings, build_config, load_config
+from controlplane.config import AlertsSettings, AutopilotSettings, build_config
 from controlplane.engine.types import StepStats
 from controlplane.errors import FieldError
 from controlplane.runtime.ledger import Finished
@@ -19,7 +19,7 @@ from controlplane.telemetry.slo import slo, thresholds
 from controlplane.telemetry.stats import summarize
 from controlplane.telemetry.traffic import Traffic
 from harness import InProcessDaemon
-from tests.admin.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
+from tests.admin.test_admin_api import MODEL, TOKEN, loadgen
 
 
 # -- the diagnosis rules ---------------------------------------------------------------------
@@ -238,22 +238,13 @@ def test_alerts_defaults_and_environment():
 
 # -- against a real daemon -------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def small(tiny_model_dir, tmp_path_factory):
+def small(make_module_daemon) -> InProcessDaemon:
     """Two sequences at a time and a queue of three: easy to overload."""
-    tmp = tmp_path_factory.mktemp("incident")
-    path = admin_cfg(
-        tmp,
-        tiny_model_dir,
+    return make_module_daemon(
+        admin=True,
         engine={"max_num_seqs": 2, "max_model_len": 1024},
         server={"max_queue_len": 3},
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
-
-
-def _client(d: InProcessDaemon) -> httpx.Client:
-    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
 
 
 def _stats(c: httpx.Client) -> dict:
@@ -263,7 +254,7 @@ def _stats(c: httpx.Client) -> dict:
 
 
 def test_overload_shows_arrivals_rejections_waits_and_the_diagnosis(small):
-    c = _client(small)
+    c = small.client(TOKEN)
     gen = loadgen(
         small.url,
         "--requests",
@@ -315,10 +306,10 @@ def test_overload_shows_arrivals_rejections_waits_and_the_diagnosis(small):
 
 
 def test_drain_answers_503_counted_as_rejected_503(small):
-    c = _client(small)
+    c = small.client(TOKEN)
     assert c.post("/admin/drain").status_code == 200
     try:
-        with httpx.Client(base_url=small.url, timeout=30) as v1:
+        with small.client(timeout=30) as v1:
             for _ in range(3):
                 r = v1.post(
                     "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
@@ -332,7 +323,7 @@ def test_drain_answers_503_counted_as_rejected_503(small):
         assert c.post("/admin/resume").status_code == 200
     # A request admitted after the resume is counted as a completion, not a rejection.
     before = _stats(c)["rejected_503_per_s"]
-    with httpx.Client(base_url=small.url, timeout=30) as v1:
+    with small.client(timeout=30) as v1:
         r = v1.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
         assert r.status_code == 200
     after = _stats(c)
@@ -351,11 +342,11 @@ def test_requests_failed_in_the_engine_count_in_failed_per_s(small, monkeypatch)
             raise RuntimeError("injected sampling fault")
         return real(logits, seqs)
 
-    c = _client(small)
+    c = small.client(TOKEN)
     before = _stats(c)
     monkeypatch.setattr(sampler_module, "_filter", faulty)
     body = {"model": MODEL, "prompt": victim, "max_tokens": 8, "ignore_eos": True}
-    with httpx.Client(base_url=small.url, timeout=60) as v1:
+    with small.client() as v1:
         assert v1.post("/v1/completions", json=body).status_code == 500
         with v1.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             assert r.status_code == 200
@@ -368,7 +359,7 @@ def test_requests_failed_in_the_engine_count_in_failed_per_s(small, monkeypatch)
 
 
 def test_thresholds_follow_an_autopilot_target_and_live_alerts(small):
-    c = _client(small)
+    c = small.client(TOKEN)
     deadline = time.monotonic() + 30
     while (st := _stats(c))["requests_in_flight"]:  # the overload's last requests end
         assert time.monotonic() < deadline

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ import httpx
 from controlplane.client.admin import AdminClient
 from controlplane.config import load_config
 from harness import InProcessDaemon, wait_rows
-from tests.admin.test_admin_api import MODEL, TOKEN, admin_cfg, api, loadgen
+from tests.admin.test_admin_api import MODEL, TOKEN, admin_cfg, loadgen
 
 KEYS = [{"name": "good", "key": "sk-good-0123456789"}, {"name": "bad-tenant", "key": "sk-bad-987"}]
 SOURCE = {"X-Controlplane-Source": "tui"}
@@ -63,89 +62,83 @@ def _wait_live(c: httpx.Client, ok, timeout: float = 20) -> list[dict[str, Any]]
         time.sleep(0.05)
 
 
-def test_suspended_key_gets_403_other_key_served_and_audited(tiny_model_dir, tmp_path):
-    path = admin_cfg(
-        tmp_path,
-        tiny_model_dir,
+def test_suspended_key_gets_403_other_key_served_and_audited(make_daemon):
+    d = make_daemon(
+        admin=True,
         api_keys=KEYS,
         engine={"max_num_seqs": 8, "max_model_len": 1024},
         server={"config_settle_s": 0.1},
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    c = api(d)
-    try:
-        good, bad = KEYS[0]["key"], KEYS[1]["key"]
-        assert _complete(d, bad).status_code == 200
-        # A request of the key already running when it is suspended goes on to its end.
-        running: dict[str, httpx.Response] = {}
-        t = threading.Thread(
-            target=lambda: running.update(
-                r=_complete(d, bad, max_tokens=600, ignore_eos=True, prompt="long")
-            )
+    path = d.config_path
+    c = d.client(TOKEN)
+    good, bad = KEYS[0]["key"], KEYS[1]["key"]
+    assert _complete(d, bad).status_code == 200
+    # A request of the key already running when it is suspended goes on to its end.
+    running: dict[str, httpx.Response] = {}
+    t = threading.Thread(
+        target=lambda: running.update(
+            r=_complete(d, bad, max_tokens=600, ignore_eos=True, prompt="long")
         )
-        t.start()
-        _wait_live(c, lambda live: any(r["api_key_name"] == "bad-tenant" for r in live))
-
-        answer = c.post("/admin/keys/bad-tenant/suspend")
-        assert answer.status_code == 200, answer.text
-        assert answer.json() == {
-            "api_key_name": "bad-tenant",
-            "suspended": True,
-            "changed": True,
-            "suspended_keys": ["bad-tenant"],
-        }
-        refused = _complete(d, bad)
-        assert refused.status_code == 403
-        err = refused.json()["error"]
-        assert err["message"] == "api key 'bad-tenant' is suspended by the operator"
-        assert err["type"] == "permission_error" and err["code"] == "api_key_suspended"
-        assert _complete(d, good).status_code == 200  # the other key is served
-        t.join(60)
-        assert running["r"].status_code == 200
-        assert running["r"].json()["choices"][0]["finish_reason"] == "length"
-        fields = c.get("/admin/config").json()["fields"]
-        suspended = fields["server.suspended_keys"]
-        assert (suspended["value"], suspended["source"], suspended["live"]) == (
-            ["bad-tenant"],
-            "api",
-            True,
-        )
-
-        # Validation: an unknown name is a 422 naming the field and the name; 404 on the route.
-        bad_patch = c.patch("/admin/config", json={"server": {"suspended_keys": ["nobody"]}})
-        assert bad_patch.status_code == 422
-        assert bad_patch.json()["error"]["param"] == "server.suspended_keys"
-        assert "'nobody' is not a configured API key" in bad_patch.json()["error"]["message"]
-        missing = c.post("/admin/keys/nobody/suspend")
-        assert missing.status_code == 404 and "'nobody'" in missing.json()["error"]["message"]
-
-        # A config file reload of another key keeps the suspension (a live field).
-        path.write_text(path.read_text().replace("max_num_seqs = 8", "max_num_seqs = 6"))
-        deadline = time.monotonic() + 15
-        while c.get("/admin/config").json()["fields"]["engine.max_num_seqs"]["value"] != 6:
-            assert time.monotonic() < deadline, "the file edit was never applied"
-            time.sleep(0.1)
-        assert _complete(d, bad).status_code == 403
-
-        # The dashboard's client unsuspends (source tui): served again.
-        body = _client_call(d, "unsuspend_key", "bad-tenant")
-        assert body["suspended"] is False and body["suspended_keys"] == []
-        assert _complete(d, bad).status_code == 200
-        audit = [
-            (h["source"], h["actor"], h["old_value"], h["new_value"])
-            for h in _history(c, "server.suspended_keys")
-        ]
-        assert audit == [("tui", "ops", ["bad-tenant"], []), ("api", "ops", [], ["bad-tenant"])]
-    finally:
-        d.stop()
-
-
-def test_abort_key_aborts_exactly_that_keys_live_requests(tiny_model_dir, tmp_path):
-    path = admin_cfg(
-        tmp_path, tiny_model_dir, api_keys=KEYS, engine={"max_num_seqs": 16, "max_model_len": 1024}
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    c = api(d)
+    t.start()
+    _wait_live(c, lambda live: any(r["api_key_name"] == "bad-tenant" for r in live))
+
+    answer = c.post("/admin/keys/bad-tenant/suspend")
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {
+        "api_key_name": "bad-tenant",
+        "suspended": True,
+        "changed": True,
+        "suspended_keys": ["bad-tenant"],
+    }
+    refused = _complete(d, bad)
+    assert refused.status_code == 403
+    err = refused.json()["error"]
+    assert err["message"] == "api key 'bad-tenant' is suspended by the operator"
+    assert err["type"] == "permission_error" and err["code"] == "api_key_suspended"
+    assert _complete(d, good).status_code == 200  # the other key is served
+    t.join(60)
+    assert running["r"].status_code == 200
+    assert running["r"].json()["choices"][0]["finish_reason"] == "length"
+    fields = c.get("/admin/config").json()["fields"]
+    suspended = fields["server.suspended_keys"]
+    assert (suspended["value"], suspended["source"], suspended["live"]) == (
+        ["bad-tenant"],
+        "api",
+        True,
+    )
+
+    # Validation: an unknown name is a 422 naming the field and the name; 404 on the route.
+    bad_patch = c.patch("/admin/config", json={"server": {"suspended_keys": ["nobody"]}})
+    assert bad_patch.status_code == 422
+    assert bad_patch.json()["error"]["param"] == "server.suspended_keys"
+    assert "'nobody' is not a configured API key" in bad_patch.json()["error"]["message"]
+    missing = c.post("/admin/keys/nobody/suspend")
+    assert missing.status_code == 404 and "'nobody'" in missing.json()["error"]["message"]
+
+    # A config file reload of another key keeps the suspension (a live field).
+    path.write_text(path.read_text().replace("max_num_seqs = 8", "max_num_seqs = 6"))
+    deadline = time.monotonic() + 15
+    while c.get("/admin/config").json()["fields"]["engine.max_num_seqs"]["value"] != 6:
+        assert time.monotonic() < deadline, "the file edit was never applied"
+        time.sleep(0.1)
+    assert _complete(d, bad).status_code == 403
+
+    # The dashboard's client unsuspends (source tui): served again.
+    body = _client_call(d, "unsuspend_key", "bad-tenant")
+    assert body["suspended"] is False and body["suspended_keys"] == []
+    assert _complete(d, bad).status_code == 200
+    audit = [
+        (h["source"], h["actor"], h["old_value"], h["new_value"])
+        for h in _history(c, "server.suspended_keys")
+    ]
+    assert audit == [("tui", "ops", ["bad-tenant"], []), ("api", "ops", [], ["bad-tenant"])]
+
+
+def test_abort_key_aborts_exactly_that_keys_live_requests(make_daemon):
+    d = make_daemon(admin=True, api_keys=KEYS, engine={"max_num_seqs": 16, "max_model_len": 1024})
+    path = d.config_path
+    c = d.client(TOKEN)
     common = ["--rate", "0", "--requests", "4", "--prompt-len", "8-16", "--output-len", "900-900"]
     procs = [
         loadgen(d.url, *common, "--api-key", KEYS[0]["key"], "--model", MODEL),
@@ -191,56 +184,48 @@ def test_abort_key_aborts_exactly_that_keys_live_requests(tiny_model_dir, tmp_pa
         d.stop()
 
 
-def test_drain_resume_abort_are_audited_with_their_source(tiny_model_dir, tmp_path):
-    path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_model_len": 1024})
+def test_drain_resume_abort_are_audited_with_their_source(make_daemon):
     # No config file: embedded defaults as far as the daemon knows (nothing to save to).
-    d = InProcessDaemon(load_config(path, env={})).start()
-    c = api(d)
-    try:
-        assert c.post("/admin/drain", headers=SOURCE).json()["state"] == "draining"
-        assert c.post("/admin/drain").json()["state"] == "draining"  # no change: no row
-        assert c.post("/admin/resume").json()["state"] == "ready"
-        assert _client_call(d, "drain")["state"] == "draining"  # the dashboard's client
-        assert _client_call(d, "resume")["state"] == "ready"
-        states = [
-            (h["source"], h["actor"], h["old_value"], h["new_value"]) for h in _history(c, "state")
-        ]
-        assert states == [
-            ("tui", "ops", "draining", "ready"),
-            ("tui", "ops", "ready", "draining"),
-            ("api", "ops", "draining", "ready"),
-            ("tui", "ops", "ready", "draining"),
-        ]
+    d = make_daemon(admin=True, with_file=False, engine={"max_model_len": 1024})
+    c = d.client(TOKEN)
+    assert c.post("/admin/drain", headers=SOURCE).json()["state"] == "draining"
+    assert c.post("/admin/drain").json()["state"] == "draining"  # no change: no row
+    assert c.post("/admin/resume").json()["state"] == "ready"
+    assert _client_call(d, "drain")["state"] == "draining"  # the dashboard's client
+    assert _client_call(d, "resume")["state"] == "ready"
+    states = [
+        (h["source"], h["actor"], h["old_value"], h["new_value"]) for h in _history(c, "state")
+    ]
+    assert states == [
+        ("tui", "ops", "draining", "ready"),
+        ("tui", "ops", "ready", "draining"),
+        ("api", "ops", "draining", "ready"),
+        ("tui", "ops", "ready", "draining"),
+    ]
 
-        result: dict[str, Any] = {}
-        t = threading.Thread(
-            target=lambda: result.update(
-                r=_complete(d, "none", max_tokens=900, ignore_eos=True, prompt="long")
-            )
+    result: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            r=_complete(d, "none", max_tokens=900, ignore_eos=True, prompt="long")
         )
-        t.start()
-        (entry,) = _wait_live(c, lambda live: len(live) == 1)
-        assert _client_call(d, "abort", entry["id"]) == {"aborted": entry["id"]}
-        t.join(30)
-        assert result["r"].json()["choices"][0]["finish_reason"] == "abort"
-        (row,) = _history(c, "abort")
-        assert (row["source"], row["actor"], row["old_value"], row["new_value"]) == (
-            "tui",
-            "ops",
-            None,
-            f"request {entry['id']}",
-        )
+    )
+    t.start()
+    (entry,) = _wait_live(c, lambda live: len(live) == 1)
+    assert _client_call(d, "abort", entry["id"]) == {"aborted": entry["id"]}
+    t.join(30)
+    assert result["r"].json()["choices"][0]["finish_reason"] == "abort"
+    (row,) = _history(c, "abort")
+    assert (row["source"], row["actor"], row["old_value"], row["new_value"]) == (
+        "tui",
+        "ops",
+        None,
+        f"request {entry['id']}",
+    )
 
-        r = c.post("/admin/config/save")
-        assert r.status_code == 409
-        assert "embedded defaults" in r.json()["error"]["message"]
-        assert _history(c, "config_file") == []
-    finally:
-        d.stop()
-
-
-def _start(path: Path) -> InProcessDaemon:
-    return InProcessDaemon(load_config(path, env={}), config_path=path).start()
+    r = c.post("/admin/config/save")
+    assert r.status_code == 409
+    assert "embedded defaults" in r.json()["error"]["message"]
+    assert _history(c, "config_file") == []
 
 
 def test_restart_names_the_live_values_it_dropped(tiny_model_dir, tmp_path, caplog):
@@ -250,18 +235,15 @@ def test_restart_names_the_live_values_it_dropped(tiny_model_dir, tmp_path, capl
         engine={"max_num_seqs": 24, "max_model_len": 1024},
         server={"max_queue_len": 256},
     )
-    d = _start(path)
-    try:
-        assert api(d).get("/admin/config").json()["dropped_at_restart"] == []
+    with InProcessDaemon.from_file(path) as d:
+        assert d.client(TOKEN).get("/admin/config").json()["dropped_at_restart"] == []
         patch = {"engine": {"max_num_seqs": 12}, "server": {"max_queue_len": 16}}
-        assert api(d).patch("/admin/config", json=patch).status_code == 200
-    finally:
-        d.stop()
+        assert d.client(TOKEN).patch("/admin/config", json=patch).status_code == 200
 
     with caplog.at_level(logging.WARNING, logger="controlplane.daemon"):
-        d = _start(path)
-    try:
-        c = api(d)
+        d = InProcessDaemon.from_file(path).start()
+    with d:
+        c = d.client(TOKEN)
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart:")]
         assert lines == [
             "restart: dropped live values engine.max_num_seqs 12 (file: 24), "
@@ -278,19 +260,15 @@ def test_restart_names_the_live_values_it_dropped(tiny_model_dir, tmp_path, capl
             "dropped engine.max_num_seqs 12 (file: 24), server.max_queue_len 16 (file: 256)"
         )
         assert c.get("/admin/config").json()["fields"]["engine.max_num_seqs"]["value"] == 24
-    finally:
-        d.stop()
 
     # The run in between changed nothing live: the next restart drops nothing.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="controlplane.daemon"):
-        d = _start(path)
-    try:
-        assert api(d).get("/admin/config").json()["dropped_at_restart"] == []
+        d = InProcessDaemon.from_file(path).start()
+    with d:
+        assert d.client(TOKEN).get("/admin/config").json()["dropped_at_restart"] == []
         assert not [r for r in caplog.records if r.getMessage().startswith("restart:")]
-        assert len(_history(api(d), "restart")) == 1
-    finally:
-        d.stop()
+        assert len(_history(d.client(TOKEN), "restart")) == 1
 
 
 def test_save_writes_live_values_into_the_file_and_a_restart_keeps_them(tiny_model_dir, tmp_path):
@@ -306,9 +284,8 @@ def test_save_writes_live_values_into_the_file_and_a_restart_keeps_them(tiny_mod
         "# on-call: keep this file tidy\n"
         + original.replace("max_num_seqs = 24", "max_num_seqs = 24  # sized for the T4s")
     )
-    d = _start(path)
-    try:
-        c = api(d)
+    with InProcessDaemon.from_file(path) as d:
+        c = d.client(TOKEN)
         patch = {"engine": {"max_num_seqs": 10}, "server": {"suspended_keys": ["bad-tenant"]}}
         assert c.patch("/admin/config", json=patch).status_code == 200
         # `controlplane config save` (the CLI, through the endpoint).
@@ -339,19 +316,14 @@ def test_save_writes_live_values_into_the_file_and_a_restart_keeps_them(tiny_mod
         # The watcher sees the rewrite and finds nothing to change.
         time.sleep(1.0)
         assert [h for h in _history(c) if h["source"] == "file"] == []
-    finally:
-        d.stop()
-    d = _start(path)
-    try:
-        c = api(d)
+    with InProcessDaemon.from_file(path) as d:
+        c = d.client(TOKEN)
         assert c.get("/admin/config").json()["dropped_at_restart"] == []
         assert _history(c, "restart") == []
         fields = c.get("/admin/config").json()["fields"]
         assert fields["engine.max_num_seqs"]["value"] == 10
         assert fields["engine.max_num_seqs"]["source"] == "file"
         assert _complete(d, KEYS[1]["key"]).status_code == 403
-    finally:
-        d.stop()
 
 
 def test_a_key_name_that_needs_escaping_reaches_the_route(tiny_model_dir, tmp_path):
@@ -360,12 +332,9 @@ def test_a_key_name_that_needs_escaping_reaches_the_route(tiny_model_dir, tmp_pa
     name = "team x?y"
     keys = [{"name": name, "key": "sk-0123456789"}]
     path = admin_cfg(tmp_path, tiny_model_dir, api_keys=keys, engine={"max_model_len": 1024})
-    d = _start(path)
-    try:
+    with InProcessDaemon.from_file(path) as d:
         assert _client_call(d, "suspend_key", name)["suspended_keys"] == [name]
         assert _complete(d, "sk-0123456789").status_code == 403
-    finally:
-        d.stop()
 
 
 def test_latest_values_and_last_accounted_on_each_database(db_engine):

@@ -61,17 +61,12 @@ def names(s: dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("surface")
-    path = admin_cfg(
-        tmp,
-        tiny_model_dir,
+def daemon(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
+        admin=True,
         api_keys=[{"name": "team", "key": KEY}],
         engine={"max_num_seqs": 8, "max_model_len": 1024},
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture(scope="module")
@@ -80,25 +75,19 @@ def vllm_daemon(tiny_model_dir, tmp_path_factory):
     path = admin_cfg(tmp, tiny_model_dir, engine={"max_model_len": 1024})
     cfg = load_config(path, env={"CONTROLPLANE_SERVER__METRICS_PREFIX": "vllm"})
     assert cfg.server.metrics_prefix == "vllm"
-    d = InProcessDaemon(cfg, config_path=path).start()
-    with httpx.Client(base_url=d.url, timeout=60) as c:
-        r = c.post("/v1/completions", json={"model": "model", "prompt": "hi", "max_tokens": 3})
-        assert r.status_code == 200, r.text
-    d.daemon.runtime.pump_metrics()
-    yield d
-    d.stop()
-
-
-def v1(d: InProcessDaemon, key: str | None = KEY) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=d.url, headers=headers, timeout=60)
+    with InProcessDaemon(cfg, config_path=path) as d:
+        with d.client() as c:
+            r = c.post("/v1/completions", json={"model": "model", "prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200, r.text
+        d.daemon.runtime.pump_metrics()
+        yield d
 
 
 @pytest.fixture(scope="module")
 def served(daemon):
     """Three completions, one streamed chat, and a few HTTP outcomes; the scrapes around them."""
     before = samples(daemon.url)
-    with v1(daemon) as c:
+    with daemon.client(KEY) as c:
         for n in MAX_TOKENS:
             body = {"model": "model", "prompt": "count to ten", "max_tokens": n, "ignore_eos": True}
             r = c.post("/v1/completions", json=body)
@@ -116,9 +105,9 @@ def served(daemon):
         assert events[-1] == "data: [DONE]"
         assert c.get("/v1/models").status_code == 200
         assert c.get("/no/such/route").status_code == 404
-    with v1(daemon, key=None) as c:
+    with daemon.client() as c:
         assert c.get("/v1/models").status_code == 401
-    with v1(daemon, key=TOKEN) as c:
+    with daemon.client(TOKEN) as c:
         for rid in ("req-one", "req-two"):  # two ids, one route template
             assert c.post(f"/admin/requests/{rid}/abort").status_code == 404
     daemon.daemon.runtime.pump_metrics()
