@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", type=int, default=8, help="copies of each weight cycled through")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    layout = quant._int4_layout() if cpu_ops.available() else None
+    layout = quant.int4_layout() if cpu_ops.available() else None
     if layout is None:
         raise SystemExit(f"our int4 kernel is not in use here: {cpu_ops.build_error() or 'layout'}")
 

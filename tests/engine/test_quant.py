@@ -307,7 +307,7 @@ def test_int4_linear_is_torch_int4_kernel_bit_for_bit(n, k, group, scales_dtype,
     q = quant.quantize_int4(linear(k, n).weight, group)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
     scales = q.scales_and_zeros.to(scales_dtype)
-    layout = quant._int4_layout()
+    layout = quant.int4_layout()
     assert layout is not None  # this machine's torch packs a layout we read
     x = activations(rows, k).to(torch.bfloat16)
     ours = torch.ops.controlplane_cpu.int4_linear(x, packed, scales, group, *layout)
@@ -399,7 +399,7 @@ def test_int4_linear_bf16_is_batch_invariant_and_closer_than_torch_kernel(
     q = quant.Int4Weight(q.qvalues, q.scales_and_zeros.to(torch.bfloat16).float(), group)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.qvalues, 2)
     scales = q.scales_and_zeros.to(scales_dtype)
-    layout = quant._int4_layout()
+    layout = quant.int4_layout()
     op = torch.ops.controlplane_cpu.int4_linear_bf16
     x = activations(40, k).to(torch.bfloat16)
     ours = op(x, packed, scales, group, *layout, amx)
@@ -456,7 +456,7 @@ def test_amx_serves_only_where_the_cpu_has_its_tiles():
         pytest.skip("this CPU has AMX: the tiles' tests above run instead")
     assert not torch.ops.controlplane_cpu.amx_supported() and not quant.int4_amx_available()
     if quant.int4_bf16_dot_available():
-        x, packed, scales, group = quant._int4_probe(64)
+        x, packed, scales, group = quant.int4_probe(64)
         with pytest.raises(RuntimeError, match="amx=True on a CPU"):
             torch.ops.controlplane_cpu.int4_linear_bf16(x, packed, scales, group, 64, True, True)
 
@@ -499,7 +499,7 @@ def test_int4_bf16_dot_serves_where_the_cpu_has_avx512_bf16():
     if not flags.exists():
         pytest.skip("no /proc/cpuinfo")
     has = "avx512_bf16" in flags.read_text().split()
-    avx512 = quant._int4_layout() == (64, True)
+    avx512 = quant.int4_layout() == (64, True)
     assert torch.ops.controlplane_cpu.bf16_dot_supported() == (has and avx512)
     assert cpu_ops.bf16_dot_available() == quant.int4_bf16_dot_available() == (has and avx512)
 

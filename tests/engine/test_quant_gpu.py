@@ -1,7 +1,7 @@
 """The quantized linears and a quantized engine on an NVIDIA GPU (`-m gpu`; skipped without CUDA).
 
 On CUDA the int8 linears run torch's `_weight_int8pack_mm` and the int4 ones tinygemm
-(`_weight_int4pack_mm`, its own packing: quant._pack_int4). The CPU suite never reaches these
+(`_weight_int4pack_mm`, its own packing: quant.pack_int4). The CPU suite never reaches these
 kernels, so a packing or layout mistake shows only here: each kernel is checked against the
 dequantize-then-matmul fallback on the same quantized weights (odd shapes padded), exactly on
 weights already on the int4 grid, and inside whole engines (logits against the float engine on

@@ -49,7 +49,7 @@ def auto_dtype(
     many times slower there), and as stored on a GPU.
 
     With `quantized` linears on a CPU with native bf16 the activations are bfloat16 anyway
-    inside every quantized kernel (model/quant.kernel_dtype), so the whole layer runs in it:
+    inside every quantized kernel (model/quant/kernels.kernel_dtype), so the whole layer runs in it:
     no conversion to bf16 and back around each of the 120 matmuls of a SmolLM2 token. Measured
     here (SmolLM2 Q4_1, 2 cores): batch-1 decode 53.7 -> 60.8 tok/s, 16 sequences 265 -> 292;
     perplexity +0.2% over float32 activations.
