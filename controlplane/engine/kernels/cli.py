@@ -17,6 +17,9 @@ from typing import Any
 
 from controlplane.engine.kernels.caches import Caches, cache_root, use_caches
 
+# How long `status` waits for another process's build in progress before it says so.
+STATUS_LOCK_WAIT_S = 5.0
+
 
 def add_kernels_parser(sub: Any) -> None:
     kernels = sub.add_parser(
@@ -112,7 +115,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         library, why = cpu_ops.find_build()
     except Exception as exc:  # no compiler for inductor's ISA probe, say
         library, why = None, f"{type(exc).__name__}: {exc}"
-    # Load only what is built: status never starts a minute-long build.
+    # Load only what is built: status never starts a minute-long build, and waits only
+    # briefly for a build in progress (a daemon's) that holds the lock.
+    cpu_ops.configure(lock_wait_s=STATUS_LOCK_WAIT_S)
     ok = library is not None and cpu_ops.available()
     info: dict[str, Any] = cpu_ops.describe()
     if library is None:
