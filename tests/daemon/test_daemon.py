@@ -6,7 +6,6 @@ import json
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -29,37 +28,25 @@ MODEL = "model"  # the tiny demo model's directory name, served as the model id
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("daemon")
-    cfg_path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
+def served(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         engine={"max_model_len": 512, "max_num_seqs": 8},
         server={"max_queue_len": 64},
         store={"flush_interval_s": 0.1},
         prices=PRICES,
+        with_file=False,
     )
-    cfg = load_config(cfg_path, env={})
-    d = InProcessDaemon(cfg).start()
-    yield d, cfg
-    d.stop()
-
-
-@pytest.fixture
-def client(served) -> openai.OpenAI:
-    return served[0].openai()
 
 
 def test_models_and_health(served, client):
-    d, _ = served
+    d = served
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = httpx.get(d.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ready"
 
 
 def test_completion_usage_matches_sql_row_and_cost(served, client):
-    _d, cfg = served
+    cfg = served.cfg
     resp = client.completions.create(
         model=MODEL,
         prompt="hello there",
@@ -86,7 +73,7 @@ def test_completion_usage_matches_sql_row_and_cost(served, client):
 
 
 def test_cached_prompt_tokens_are_billed_at_the_cached_price(served, client):
-    _d, cfg = served
+    cfg = served.cfg
     prompt = list(range(200, 240))  # 40 tokens: two full 16-token blocks can be reused
     ids = []
     for _ in range(2):
@@ -123,7 +110,8 @@ def test_token_id_prompt(client):
 
 
 def test_chat_and_streaming_with_usage(served, client):
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     full = client.chat.completions.create(
         model=MODEL,
@@ -165,7 +153,7 @@ def test_chat_and_streaming_with_usage(served, client):
 
 
 def test_completion_stream_ends_with_done(served):
-    d, _ = served
+    d = served
     body = {
         "model": MODEL,
         "prompt": "abc",
@@ -294,7 +282,7 @@ def test_logprobs(client):
     ],
 )
 def test_errors_in_openai_shape(served, body, status, param, words):
-    d, _ = served
+    d = served
     r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -302,7 +290,7 @@ def test_errors_in_openai_shape(served, body, status, param, words):
 
 
 def test_invalid_json_and_unknown_route(served):
-    d, _ = served
+    d = served
     r = httpx.post(d.url + "/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = httpx.get(d.url + "/v1/nothing", timeout=10)
@@ -310,7 +298,7 @@ def test_invalid_json_and_unknown_route(served):
 
 
 def test_chat_errors(served):
-    d, _ = served
+    d = served
     r = httpx.post(
         d.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=10
     )
@@ -324,7 +312,8 @@ def test_chat_errors(served):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(served):
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     engine = d.daemon.aengine.engine
     body = {
         "model": MODEL,
@@ -348,78 +337,63 @@ def test_client_disconnect_aborts_and_frees_blocks(served):
     assert row["finish_reason"] == "abort" and row["completion_tokens"] < 400
 
 
-def test_queue_full_gives_429_with_retry_after(tiny_model_dir, tmp_path):
-    cfg = load_config(
-        write_config(
-            tmp_path / "cp.toml",
-            tmp_path / "data",
-            tiny_model_dir,
-            engine={"max_num_seqs": 1},
-            server={"max_queue_len": 1},
-            store={"record_requests": False},
-        ),
-        env={},
+def test_queue_full_gives_429_with_retry_after(make_daemon):
+    d = make_daemon(
+        with_file=False,
+        engine={"max_num_seqs": 1},
+        server={"max_queue_len": 1},
+        store={"record_requests": False},
     )
-    d = InProcessDaemon(cfg).start()
-    try:
-        body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "ignore_eos": True}
-        results: list[dict] = []
-        aeng = d.daemon.aengine
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 2000, "ignore_eos": True}
+    results: list[dict] = []
+    aeng = d.daemon.aengine
 
-        def call() -> None:
-            results.append(httpx.post(d.url + "/v1/completions", json=body, timeout=120).json())
+    def call() -> None:
+        results.append(httpx.post(d.url + "/v1/completions", json=body, timeout=120).json())
 
-        def wait(cond) -> None:
-            deadline = time.monotonic() + 30
-            while not cond():
-                assert time.monotonic() < deadline, (aeng.num_unfinished, aeng.stats(), results)
-                time.sleep(0.005)
+    def wait(cond) -> None:
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline, (aeng.num_unfinished, aeng.stats(), results)
+            time.sleep(0.005)
 
-        threads = [threading.Thread(target=call) for _ in range(2)]
-        threads[0].start()
-        wait(lambda: aeng.stats().num_running == 1)  # the first runs (max_num_seqs=1)...
-        threads[1].start()
-        wait(lambda: aeng.num_unfinished == 2)  # ...the second waits: the queue is at its maximum
-        r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert "max_queue_len 1" in r.json()["error"]["message"]
-        for rid in list(d.daemon.runtime.ledger.in_flight):
-            d.daemon.runtime.abort_request(rid, "test")
-        for t in threads:
-            t.join(60)
-        assert [x["choices"][0]["finish_reason"] for x in results] == ["abort", "abort"]
-    finally:
-        d.stop()
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    threads[0].start()
+    wait(lambda: aeng.stats().num_running == 1)  # the first runs (max_num_seqs=1)...
+    threads[1].start()
+    wait(lambda: aeng.num_unfinished == 2)  # ...the second waits: the queue is at its maximum
+    r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert "max_queue_len 1" in r.json()["error"]["message"]
+    for rid in list(d.daemon.runtime.ledger.in_flight):
+        d.daemon.runtime.abort_request(rid, "test")
+    for t in threads:
+        t.join(60)
+    assert [x["choices"][0]["finish_reason"] for x in results] == ["abort", "abort"]
 
 
-def test_api_keys(tiny_model_dir, tmp_path):
-    cfg_path = write_config(
-        tmp_path / "cp.toml",
-        tmp_path / "data",
-        tiny_model_dir,
+def test_api_keys(make_daemon):
+    d = make_daemon(
+        with_file=False,
         store={"flush_interval_s": 0.1},
         api_keys=[
             {"name": "team-a", "key": "sk-a-secret"},
             {"name": "team-b", "key": "sk-b-secret"},
         ],
     )
-    cfg = load_config(cfg_path, env={})
-    d = InProcessDaemon(cfg).start()
-    try:
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
-        assert httpx.post(d.url + "/v1/completions", json=body).status_code == 401
-        bad = httpx.post(
-            d.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope"}
-        )
-        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
-        ok = openai.OpenAI(base_url=d.url + "/v1", api_key="sk-b-secret").completions.create(**body)
-        (row,) = wait_rows(
-            cfg.store_url, lambda r: r and r[0]["status"] == "success", where=f"id = '{ok.id}'"
-        )
-        assert row["api_key_name"] == "team-b"
-        assert row["api_key_hash"] and "sk-b-secret" not in json.dumps(row, default=str)
-    finally:
-        d.stop()
+    cfg = d.cfg
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert httpx.post(d.url + "/v1/completions", json=body).status_code == 401
+    bad = httpx.post(
+        d.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope"}
+    )
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    ok = openai.OpenAI(base_url=d.url + "/v1", api_key="sk-b-secret").completions.create(**body)
+    (row,) = wait_rows(
+        cfg.store_url, lambda r: r and r[0]["status"] == "success", where=f"id = '{ok.id}'"
+    )
+    assert row["api_key_name"] == "team-b"
+    assert row["api_key_hash"] and "sk-b-secret" not in json.dumps(row, default=str)
 
 
 def test_health_and_requests_503_while_loading_then_sigterm_exits_0(tmp_path):
@@ -532,19 +506,13 @@ def _swallow(url: str, body: dict) -> None:
         pass
 
 
-def test_records_land_in_postgresql(tiny_model_dir, tmp_path, pg_url):
-    cfg = load_config(
-        write_config(
-            tmp_path / "cp.toml",
-            tmp_path / "data",
-            tiny_model_dir,
-            store={"url": pg_url, "flush_interval_s": 0.1},
-            prices=PRICES,
-        ),
-        env={},
+def test_records_land_in_postgresql(pg_url, make_daemon):
+    d = make_daemon(
+        with_file=False,
+        store={"url": pg_url, "flush_interval_s": 0.1},
+        prices=PRICES,
     )
-    d = InProcessDaemon(cfg).start()
-    try:
+    with d:
         c = d.openai()
         ids = {}
         for n in (3, 9):
@@ -556,8 +524,6 @@ def test_records_land_in_postgresql(tiny_model_dir, tmp_path, pg_url):
                 extra_body={"ignore_eos": True},
             )
             ids[resp.id] = resp.usage
-    finally:
-        d.stop()
     found = {r["id"]: r for r in rows(pg_url)}
     assert set(found) == set(ids)
     for rid, usage in ids.items():
@@ -591,37 +557,29 @@ def test_json_logs_and_metrics_behind_token(tiny_model_dir, tmp_path):
     assert all({"time", "level", "logger", "message"} <= set(e) for e in events)
 
 
-def test_engine_failure_is_reported_not_hung(tiny_model_dir, tmp_path):
-    cfg = load_config(
-        write_config(
-            tmp_path / "cp.toml", tmp_path / "data", tiny_model_dir, store={"flush_interval_s": 0.1}
-        ),
-        env={},
+def test_engine_failure_is_reported_not_hung(make_daemon):
+    d = make_daemon(with_file=False, store={"flush_interval_s": 0.1})
+    cfg = d.cfg
+    engine = d.daemon.aengine.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("simulated device fault")
+        return real_step()
+
+    engine.step = failing_step  # a real failure inside the engine thread
+    r = httpx.post(
+        d.url + "/v1/completions",
+        timeout=30,
+        json={"model": MODEL, "prompt": "x", "max_tokens": 50, "ignore_eos": True},
     )
-    d = InProcessDaemon(cfg).start()
-    try:
-        engine = d.daemon.aengine.engine
-        real_step = engine.step
-        calls = {"n": 0}
-
-        def failing_step():
-            calls["n"] += 1
-            if calls["n"] > 3:
-                raise RuntimeError("simulated device fault")
-            return real_step()
-
-        engine.step = failing_step  # a real failure inside the engine thread
-        r = httpx.post(
-            d.url + "/v1/completions",
-            timeout=30,
-            json={"model": MODEL, "prompt": "x", "max_tokens": 50, "ignore_eos": True},
-        )
-        assert r.status_code == 503 and "simulated device fault" in r.json()["error"]["message"]
-        h = httpx.get(d.url + "/health")
-        assert h.status_code == 503 and h.json()["status"] == "dead"
-        r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
-        assert r.status_code == 503
-        (row,) = wait_rows(cfg.store_url, lambda rows_: rows_ and rows_[0]["status"] == "error")
-        assert "simulated device fault" in row["error"]
-    finally:
-        d.stop()
+    assert r.status_code == 503 and "simulated device fault" in r.json()["error"]["message"]
+    h = httpx.get(d.url + "/health")
+    assert h.status_code == 503 and h.json()["status"] == "dead"
+    r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+    assert r.status_code == 503
+    (row,) = wait_rows(cfg.store_url, lambda rows_: rows_ and rows_[0]["status"] == "error")
+    assert "simulated device fault" in row["error"]
