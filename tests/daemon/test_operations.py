@@ -19,10 +19,10 @@ import pytest
 
 import controlplane
 import harness
-from controlplane.config import ENV_NON_KEYS, build_config, env_names, load_config
+from controlplane.config import ENV_NON_KEYS, build_config, env_names
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.runtime.logs import JSONFormatter
-from harness import DaemonProcess, InProcessDaemon, write_config
+from harness import DaemonProcess, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "ops-token-0123456789abcdef"
@@ -76,48 +76,42 @@ def test_probes_while_loading_then_ready(tmp_path):
         assert d.stop(signal.SIGTERM) == 0
 
 
-def test_probes_drain_resume_and_dead_step_loop(tiny_model_dir, tmp_path, caplog):
-    path = write_config(
-        tmp_path / "cp.toml",
-        tmp_path / "data",
-        tiny_model_dir,
+def test_probes_drain_resume_and_dead_step_loop(caplog, make_daemon):
+    d = make_daemon(
+        with_file=False,
         admin_tokens=[{"name": "ops", "token": TOKEN}],
     )
-    d = InProcessDaemon(load_config(path, env={})).start()
     admin = {"Authorization": f"Bearer {TOKEN}"}
 
     def status(path: str) -> tuple[int, dict]:
         r = httpx.get(d.url + path, timeout=10)
         return r.status_code, r.json()
 
-    try:
-        assert status("/health/live") == (200, {"status": "alive", "state": "ready"})
-        assert status("/health/ready") == (200, {"status": "ready"})
-        assert httpx.post(d.url + "/admin/drain", headers=admin).status_code == 200
-        # Draining: not ready (a load balancer stops sending), still alive (no restart).
-        assert status("/health/ready") == (503, {"status": "draining"})
-        assert status("/health/live") == (200, {"status": "alive", "state": "draining"})
-        assert status("/health")[0] == 503  # unchanged
-        assert httpx.post(d.url + "/admin/resume", headers=admin).status_code == 200
-        assert status("/health/ready") == (200, {"status": "ready"})
+    assert status("/health/live") == (200, {"status": "alive", "state": "ready"})
+    assert status("/health/ready") == (200, {"status": "ready"})
+    assert httpx.post(d.url + "/admin/drain", headers=admin).status_code == 200
+    # Draining: not ready (a load balancer stops sending), still alive (no restart).
+    assert status("/health/ready") == (503, {"status": "draining"})
+    assert status("/health/live") == (200, {"status": "alive", "state": "draining"})
+    assert status("/health")[0] == 503  # unchanged
+    assert httpx.post(d.url + "/admin/resume", headers=admin).status_code == 200
+    assert status("/health/ready") == (200, {"status": "ready"})
 
-        def dying_step():
-            raise RuntimeError("simulated step loop crash")
+    def dying_step():
+        raise RuntimeError("simulated step loop crash")
 
-        d.daemon.aengine.engine.step = dying_step  # the step thread dies on its next step
-        with caplog.at_level(logging.INFO):
-            r = httpx.post(
-                d.url + "/v1/completions",
-                json={"model": MODEL, "prompt": "x", "max_tokens": 4},
-                timeout=30,
-            )
-        assert r.status_code == 503
-        assert status("/health/live") == (503, {"status": "dead", "state": "ready"})
-        assert status("/health/ready") == (503, {"status": "dead"})
-        # server.access_log is off by default: the request ended, and no access line says so.
-        assert not [r for r in caplog.records if r.name == "controlplane.access"]
-    finally:
-        d.stop()
+    d.daemon.aengine.engine.step = dying_step  # the step thread dies on its next step
+    with caplog.at_level(logging.INFO):
+        r = httpx.post(
+            d.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 4},
+            timeout=30,
+        )
+    assert r.status_code == 503
+    assert status("/health/live") == (503, {"status": "dead", "state": "ready"})
+    assert status("/health/ready") == (503, {"status": "dead"})
+    # server.access_log is off by default: the request ended, and no access line says so.
+    assert not [r for r in caplog.records if r.name == "controlplane.access"]
 
 
 # -- start-up errors: the store -----------------------------------------------------------------
