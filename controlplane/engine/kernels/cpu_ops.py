@@ -261,10 +261,13 @@ def build_spec() -> tuple[str, list[str]]:
     # float16 scale of the int8-activation kernels converts in scalar code.
     if "-mavx512f" in flags and "-mf16c" not in flags:
         flags.append("-mf16c")
-    # The source's hash in the name: two versions of controlplane on one host (a rolling
-    # upgrade, a test checkout beside a daemon) each keep their own build rather than
-    # rebuilding over each other at every start.
-    digest = hashlib.sha256((sources_digest() + " ".join(flags)).encode()).hexdigest()
+    # The sources' hash and their folder in the name: two versions of controlplane on one host
+    # (a rolling upgrade, a test checkout beside a daemon) each keep their own build rather
+    # than rebuilding over each other at every start; so do two copies of the same sources
+    # (a clone and an installed wheel), since ninja's commands name the source files' paths
+    # and a build from the other copy is stale to it.
+    folder = str(SOURCES[0].parent.resolve())
+    digest = hashlib.sha256((sources_digest() + folder + " ".join(flags)).encode()).hexdigest()
     isa_name = "_".join(str(isa).split()) or "scalar"
     return f"controlplane_cpu_ops_{isa_name}_{digest[:12]}", flags
 
