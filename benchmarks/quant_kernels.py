@@ -28,7 +28,7 @@ a scalar reference loop) and torch.ao's quantized ``nn.Linear`` (int8 activation
 * ``torchao-int8`` / ``torchao-int4``: torchao's ``Int8WeightOnlyConfig`` /
   ``Int4WeightOnlyConfig`` applied to an ``nn.Linear`` (only if ``import torchao`` works; it is
   not a dependency: put a ``pip install --no-deps --target DIR torchao`` on ``PYTHONPATH``).
-* ``engine-int8`` / ``engine-int4``: the engine's own modules (controlplane/engine/model/quant.py)
+* ``engine-int8`` / ``engine-int4``: the engine's own modules (controlplane/engine/model/quant/)
   in the automatic activation dtype, i.e. what ``engine.quantization`` runs.
 
 bf16 rows are measured only where the CPU has native bf16 (AVX512-BF16 or AMX) unless
