@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,10 +20,10 @@ from controlplane.accounting.cli import add_report_parser
 from controlplane.accounting.reports import cost_report, cost_window
 from controlplane.accounting.rollup import run_rollup
 from controlplane.client.admin import AdminClient
-from controlplane.config import Price, load_config
+from controlplane.config import Price
 from controlplane.errors import FieldError
 from controlplane.store import RequestRow, sync_prices, time_buckets
-from harness import InProcessDaemon, wait_rows, write_config
+from harness import wait_rows
 
 PRICE = Price("*", datetime(2026, 1, 1, tzinfo=UTC), 0.10, 0.05, 0.40)
 T = datetime(2026, 3, 1, 12, 34, 17, tzinfo=UTC)  # a window start that is not a whole hour
@@ -337,71 +336,64 @@ TOKEN = "windows-token-0123456789ab"
 KEYS_CFG = [{"name": "alice", "key": "sk-alice-0"}, {"name": "bob", "key": "sk-bob-0"}]
 
 
-def test_admin_costs_five_minutes_by_key_and_user(tiny_model_dir, tmp_path: Path) -> None:
-    path = write_config(
-        tmp_path / "cp.toml",
-        tmp_path / "data",
-        tiny_model_dir,
+def test_admin_costs_five_minutes_by_key_and_user(make_daemon) -> None:
+    d = make_daemon(
         store={"flush_interval_s": 0.1},
         api_keys=KEYS_CFG,
         admin_tokens=[{"name": "ops", "token": TOKEN}],
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    try:
-        sent = [("sk-alice-0", "u1", 3), ("sk-alice-0", "u2", 5), ("sk-bob-0", "u1", 4)]
-        for key, user, n in sent:
-            body = {"model": "model", "prompt": "spend", "max_tokens": n, "ignore_eos": True,
-                    "user": user}  # fmt: skip
-            r = httpx.post(d.url + "/v1/completions", json=body, timeout=60,
-                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
-            assert r.status_code == 200, r.text
-        done = wait_rows(cfg.store_url, lambda f: len(f) == 3, where="status = 'success'")
-        (instance,) = {r["instance_id"] for r in done}
-        db = sa.create_engine(cfg.store_url)
-        # Another instance's request on the same database: fleet scope counts it.
-        add(db, "elsewhere", datetime.now(UTC) - timedelta(minutes=1), pid=done[0]["price_id"],
-            instance="other-instance", key="bob", user="u9", model="model")  # fmt: skip
-        c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-        groups = ["api_key", "end_user"]
-        for scope, only in (("fleet", None), ("instance", instance)):
-            got = c.get("/admin/costs", params={"since": "5m", "group_by": "api_key,end_user", "scope": scope})  # fmt: skip
-            assert got.status_code == 200, got.text
-            doc = got.json()
-            assert (doc["source"], doc["scope"], doc["instance_id"]) == ("requests", scope, only)
-            since, until = (datetime.fromisoformat(doc[k]) for k in ("since", "until"))
-            assert until - since == timedelta(minutes=5)
-            expected = sql_sums(db, since, until, groups, instance=only)
-            rows = {(r["api_key"], r["end_user"]): r for r in doc["rows"]}
-            assert rows.keys() == expected.keys()
-            for k, want in expected.items():
-                assert figures(rows[k])[:4] == want[:4], k
-                assert rows[k]["list_cost_usd"] == pytest.approx(want[4], rel=1e-12)
-            want_keys = {("alice", "u1"), ("alice", "u2"), ("bob", "u1")}
-            assert set(rows) == (want_keys | ({("bob", "u9")} if scope == "fleet" else set()))
-            assert rows[("alice", "u2")]["completion_tokens"] == 5
+    cfg = d.cfg
+    sent = [("sk-alice-0", "u1", 3), ("sk-alice-0", "u2", 5), ("sk-bob-0", "u1", 4)]
+    for key, user, n in sent:
+        body = {"model": "model", "prompt": "spend", "max_tokens": n, "ignore_eos": True,
+                "user": user}  # fmt: skip
+        r = httpx.post(d.url + "/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+    done = wait_rows(cfg.store_url, lambda f: len(f) == 3, where="status = 'success'")
+    (instance,) = {r["instance_id"] for r in done}
+    db = sa.create_engine(cfg.store_url)
+    # Another instance's request on the same database: fleet scope counts it.
+    add(db, "elsewhere", datetime.now(UTC) - timedelta(minutes=1), pid=done[0]["price_id"],
+        instance="other-instance", key="bob", user="u9", model="model")  # fmt: skip
+    c = d.client(TOKEN, timeout=30)
+    groups = ["api_key", "end_user"]
+    for scope, only in (("fleet", None), ("instance", instance)):
+        got = c.get("/admin/costs", params={"since": "5m", "group_by": "api_key,end_user", "scope": scope})  # fmt: skip
+        assert got.status_code == 200, got.text
+        doc = got.json()
+        assert (doc["source"], doc["scope"], doc["instance_id"]) == ("requests", scope, only)
+        since, until = (datetime.fromisoformat(doc[k]) for k in ("since", "until"))
+        assert until - since == timedelta(minutes=5)
+        expected = sql_sums(db, since, until, groups, instance=only)
+        rows = {(r["api_key"], r["end_user"]): r for r in doc["rows"]}
+        assert rows.keys() == expected.keys()
+        for k, want in expected.items():
+            assert figures(rows[k])[:4] == want[:4], k
+            assert rows[k]["list_cost_usd"] == pytest.approx(want[4], rel=1e-12)
+        want_keys = {("alice", "u1"), ("alice", "u2"), ("bob", "u1")}
+        assert set(rows) == (want_keys | ({("bob", "u9")} if scope == "fleet" else set()))
+        assert rows[("alice", "u2")]["completion_tokens"] == 5
 
-        # The dashboard's client asks the same.
-        async def via_client() -> dict:
-            client = AdminClient(d.url, TOKEN)
-            try:
-                return await client.costs("5m", group_by="api_key,end_user", scope="instance")
-            finally:
-                await client.aclose()
+    # The dashboard's client asks the same.
+    async def via_client() -> dict:
+        client = AdminClient(d.url, TOKEN)
+        try:
+            return await client.costs("5m", group_by="api_key,end_user", scope="instance")
+        finally:
+            await client.aclose()
 
-        doc = asyncio.run(via_client())
-        assert doc["scope"] == "instance" and doc["totals"]["requests"] == 3
-        # Windows it cannot answer: 422 naming the parameter and the limit.
-        for params, param, words in (
-            ({"since": "0.5m"}, "since", "at least 1m"),
-            ({"since": "2d", "group_by": "end_user"}, "since", "at most 24h"),
-            ({"since": "soon"}, "since", "expected a duration"),
-            ({"since": "10m", "scope": "galaxy"}, "scope", "fleet or instance"),
-        ):
-            r = c.get("/admin/costs", params=params)
-            assert r.status_code == 422, (params, r.text)
-            err = r.json()["error"]
-            assert err["param"] == param and words in err["message"], err
-        db.dispose()
-    finally:
-        d.stop()
+    doc = asyncio.run(via_client())
+    assert doc["scope"] == "instance" and doc["totals"]["requests"] == 3
+    # Windows it cannot answer: 422 naming the parameter and the limit.
+    for params, param, words in (
+        ({"since": "0.5m"}, "since", "at least 1m"),
+        ({"since": "2d", "group_by": "end_user"}, "since", "at most 24h"),
+        ({"since": "soon"}, "since", "expected a duration"),
+        ({"since": "10m", "scope": "galaxy"}, "scope", "fleet or instance"),
+    ):
+        r = c.get("/admin/costs", params=params)
+        assert r.status_code == 422, (params, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+    db.dispose()

@@ -79,7 +79,7 @@ def test_short_run_on_defaults_reports_cost_before_and_after_sigterm(
     )
     url = load_config(path, env={}).store_url
     d = DaemonProcess.start(path)
-    c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    c = d.client(TOKEN, timeout=30)
     try:
         for n in (3, 5, 8):
             body = {"model": MODEL, "prompt": "cost me", "max_tokens": n, "ignore_eos": True}

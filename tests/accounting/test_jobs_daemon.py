@@ -12,9 +12,6 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from controlplane.config import load_config
-from harness import InProcessDaemon, write_config
-
 TOKEN = "jobs-token-0123456789abcdef"
 MODEL = "model"
 
@@ -36,11 +33,8 @@ def wait_for(cond, timeout: float = 30) -> None:
 
 
 @pytest.fixture
-def jobs_daemon(tiny_model_dir, tmp_path):
-    path = write_config(
-        tmp_path / "cp.toml",
-        tmp_path / "data",
-        tiny_model_dir,
+def jobs_daemon(make_daemon):
+    return make_daemon(
         admin_tokens=[{"name": "ops", "token": TOKEN}],
         store={"flush_interval_s": 0.1},
         jobs={"utilization_interval_s": 0.5, "rollup_interval_s": 1.0, "gpu_hourly_usd": 3.6},
@@ -54,15 +48,12 @@ def jobs_daemon(tiny_model_dir, tmp_path):
             }
         ],
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    yield d, cfg
-    d.stop()
 
 
 def test_jobs_write_samples_and_rollups_and_admin_matches_cli(jobs_daemon):
-    d, cfg = jobs_daemon
-    c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    d = jobs_daemon
+    cfg = d.cfg
+    c = d.client(TOKEN, timeout=30)
     for n in (5, 7, 9):
         r = httpx.post(
             d.url + "/v1/completions",
@@ -108,8 +99,9 @@ def test_jobs_write_samples_and_rollups_and_admin_matches_cli(jobs_daemon):
 
 
 def test_job_intervals_are_live(jobs_daemon):
-    d, cfg = jobs_daemon
-    c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    d = jobs_daemon
+    cfg = d.cfg
+    c = d.client(TOKEN, timeout=30)
     from controlplane.jobs.periodic import AUTOPILOT_JOB, ROLLUP_JOB, SAMPLE_JOB
 
     assert d.daemon.jobs.intervals() == {SAMPLE_JOB: 0.5, ROLLUP_JOB: 1.0, AUTOPILOT_JOB: 10.0}
@@ -135,7 +127,8 @@ def test_job_intervals_are_live(jobs_daemon):
 
 
 def test_no_gpu_telemetry_is_one_log_line_and_null_fields(jobs_daemon, caplog):
-    d, cfg = jobs_daemon
+    d = jobs_daemon
+    cfg = d.cfg
     wait_for(lambda: count(cfg.store_url, "utilization_samples") >= 2)
     assert count(cfg.store_url, "gpu_samples") == 0
     assert d.daemon.jobs.gpus.available is False

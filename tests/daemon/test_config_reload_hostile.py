@@ -60,7 +60,7 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     path.write_text(render(tmp, tiny_model_dir, 6))
     d = DaemonProcess.start(path)
     STARTED.remove(d.proc)  # shared by the module's tests: this fixture stops it
-    c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    c = d.client(TOKEN, timeout=5)
     yield d, c, path, tmp, tiny_model_dir
     c.close()
     try:

@@ -69,7 +69,7 @@ def _start(tmp: Path, model: Path) -> tuple[DaemonProcess, httpx.Client, Path]:
     path = tmp / "cp.toml"
     path.write_text(render(tmp, model, 6))
     d = DaemonProcess.start(path)
-    c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    c = d.client(TOKEN, timeout=5)
     return d, c, path
 
 

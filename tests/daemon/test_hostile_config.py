@@ -40,10 +40,6 @@ def config(tmp_path: Path, model: Path | None, **sections) -> Path:
     )
 
 
-def client(d: DaemonProcess) -> httpx.Client:
-    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-
-
 def serve(config_path: Path | None, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`controlplane serve` as an operator runs it; only `env` among CONTROLPLANE_* variables."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("CONTROLPLANE_")}
@@ -166,7 +162,7 @@ PATCH_CASES = [
 def test_patch_and_reload_refuse_non_finite_values(tiny_model_dir, tmp_path):
     path = config(tmp_path, tiny_model_dir)
     d = DaemonProcess.start(path)
-    c = client(d)
+    c = d.client(TOKEN, timeout=30)
     try:
         before = c.get("/admin/config").json()["fields"]
         for body, field in PATCH_CASES:
@@ -249,7 +245,7 @@ def test_audit_failure_on_sqlite_applies_nothing(tiny_model_dir, tmp_path):
     path = config(tmp_path, tiny_model_dir)
     db = tmp_path / "data" / "controlplane.db"
     d = DaemonProcess.start(path)
-    c = client(d)
+    c = d.client(TOKEN, timeout=30)
 
     def sql(statement: str) -> int:
         with sqlite3.connect(db, timeout=30) as conn:
@@ -271,7 +267,7 @@ def test_audit_failure_with_postgres_unreachable_applies_nothing(tiny_model_dir,
     name = make_url(pg_url).database
     path = config(tmp_path, tiny_model_dir, store={"url": pg_url})
     d = DaemonProcess.start(path)
-    c = client(d)
+    c = d.client(TOKEN, timeout=30)
     admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=10)
 
     def count_prices() -> int:
