@@ -13,29 +13,13 @@ import pytest
 
 from controlplane.engine import Engine, InvalidSettingError, SamplingParams
 from controlplane.engine.types import RequestOutput
+from harness import assert_no_leaks, drain
 
 BS = 8
 
 
 def make(tiny_model_dir: Path, **kw: Any) -> Engine:
     return Engine(model=str(tiny_model_dir), block_size=BS, max_model_len=512, **kw)
-
-
-def check_released(engine: Engine) -> None:
-    pool = engine.block_pool
-    assert not engine.has_unfinished_requests()
-    assert pool.num_used == 0, "blocks still held"
-    assert pool.num_empty + pool.num_evictable == pool.num_blocks
-    assert engine.swap_pool.num_used == 0
-
-
-def drain(engine: Engine) -> dict[tuple[str, int], RequestOutput]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id, out.index] = out
-    return done
 
 
 def run(
@@ -52,10 +36,10 @@ def run(
     for group, tag in ((leaders, "lead"), (followers, "follow")):
         for i, prompt in enumerate(group):
             engine.add_request(prompt, params, request_id=f"{tag}-{i}")
-        for (rid, index), o in drain(engine).items():
+        for (rid, index), o in drain(engine, by_index=True).items():
             assert o.finish_reason == "length", o.error
             out[f"{rid}#{index}"] = list(o.token_ids)
-    check_released(engine)
+    assert_no_leaks(engine)
     return out
 
 
@@ -110,14 +94,14 @@ def test_whole_prompt_cached_still_computes_its_last_token(tiny_model_dir, lengt
     eng = make(tiny_model_dir)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     eng.add_request(p, params, request_id="first")
-    first = drain(eng)["first", 0]
+    first = drain(eng, by_index=True)["first", 0]
     eng.add_request(p, params, request_id="again")
-    again = drain(eng)["again", 0]
+    again = drain(eng, by_index=True)["again", 0]
     assert again.token_ids == first.token_ids
     # The last prompt token's logits are needed: a prompt of exactly 3 blocks reuses 2.
     assert again.metrics.num_cached_tokens == (length - 1) // BS * BS
     assert first.metrics.num_cached_tokens == 0
-    check_released(eng)
+    assert_no_leaks(eng)
 
 
 def test_chunked_prefill_with_cache_hits(tiny_model_dir):
@@ -179,7 +163,7 @@ def test_toggle_live_and_reset(tiny_model_dir):
 
     def once(rid: str) -> RequestOutput:
         eng.add_request(p, params, request_id=rid)
-        return drain(eng)[rid, 0]
+        return drain(eng, by_index=True)[rid, 0]
 
     ref = once("a")
     assert eng.block_pool.num_evictable > 0
@@ -192,7 +176,7 @@ def test_toggle_live_and_reset(tiny_model_dir):
     assert eng.reset_prefix_cache() > 0
     assert eng.block_pool.num_evictable == 0 and eng.block_pool.num_cached == 0
     assert once("e").metrics.num_cached_tokens == 0
-    check_released(eng)
+    assert_no_leaks(eng)
 
 
 def test_abort_releases_cache_and_shared_blocks(tiny_model_dir):
@@ -207,7 +191,7 @@ def test_abort_releases_cache_and_shared_blocks(tiny_model_dir):
     assert sorted(o.index for o in aborted) == [0, 1, 2]
     assert all(o.finish_reason == "abort" for o in aborted)
     eng.abort("y")
-    check_released(eng)
+    assert_no_leaks(eng)
 
 
 # -- parallel sampling ----------------------------------------------------------------------
@@ -224,12 +208,12 @@ def test_choices_share_the_prompt_blocks(tiny_model_dir):
     assert [pool.ref_counts[b] for b in eng.scheduler.running[0].block_table] == [4, 4, 4]
     eng.step()  # each choice writes into the partial block: three copy it, the last keeps it
     assert pool.num_used == 3 + 3
-    done = drain(eng)
+    done = drain(eng, by_index=True)
     outs = [done["req-0", i].token_ids for i in range(4)]
     assert all(o == outs[0] for o in outs)  # greedy: every choice is the same
     eng.add_request(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    assert drain(eng)["req-1", 0].token_ids == outs[0]
-    check_released(eng)
+    assert drain(eng, by_index=True)["req-1", 0].token_ids == outs[0]
+    assert_no_leaks(eng)
 
 
 def test_seeded_choices_are_reproducible(tiny_model_dir):
@@ -241,7 +225,7 @@ def test_seeded_choices_are_reproducible(tiny_model_dir):
         rid = eng.add_request(p, params)
         # Something else in the batch must not change what a seeded choice draws.
         eng.add_request(prompt(300, 7), SamplingParams(max_tokens=5, temperature=1.0))
-        done = drain(eng)
+        done = drain(eng, by_index=True)
         return [done[rid, i].token_ids for i in range(n)]
 
     three = sample(3, 5)
@@ -249,7 +233,7 @@ def test_seeded_choices_are_reproducible(tiny_model_dir):
     assert sample(1, 5) == three[:1]  # choice 0 uses the request's seed
     assert len({tuple(c) for c in three}) == 3  # the choices differ
     assert sample(3, 6) != three
-    check_released(eng)
+    assert_no_leaks(eng)
 
 
 def test_choices_sum_output_tokens_and_rank_by_logprob(tiny_model_dir):
@@ -257,7 +241,7 @@ def test_choices_sum_output_tokens_and_rank_by_logprob(tiny_model_dir):
     rid = eng.add_request(
         prompt(19, 9), SamplingParams(max_tokens=7, temperature=1.0, seed=1, ignore_eos=True, n=3)
     )
-    done = drain(eng)
+    done = drain(eng, by_index=True)
     outs = [done[rid, i] for i in range(3)]
     assert outs[0].metrics is outs[1].metrics  # one request, one record
     assert outs[0].metrics.num_output_tokens == 21
