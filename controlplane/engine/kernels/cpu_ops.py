@@ -3,7 +3,7 @@ loaded once per process.
 
 One library, op namespace `controlplane_cpu`, whose schemas and fakes are all in ops.py:
 attention (cpu_ops.cpp, used by attention/cpu.py), int4 and int8 linears (int4_linear.cpp,
-int4_linear_bf16.cpp, int8_linear.cpp, int8_activations.cpp, used by model/quant.py), packed
+int4_linear_bf16.cpp, int8_linear.cpp, int8_activations.cpp, used by model/quant/), packed
 float and bf16 linears (packed_linear.cpp, bf16_linear.cpp, used by model/linear.py).
 
 They are built for this machine's vector ISA, the one inductor picks (`pick_vec_isa`: its

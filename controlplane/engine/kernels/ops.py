@@ -61,7 +61,7 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Te
     return torch.empty_like(q)
 
 
-# -- int4 weights (csrc/int4_linear.cpp, int4_linear_bf16.cpp; used by model/quant.py) --------
+# -- int4 weights (csrc/int4_linear.cpp, int4_linear_bf16.cpp; used by model/quant/) --------
 
 
 @torch.library.register_fake(

@@ -7,7 +7,7 @@ Each format lists its kernels in order of preference (`POSSIBLE_KERNELS`); each 
 whether it can serve a layer's shape on its device and why not (kernels.py), the first that can
 builds the layer, and the start-up log says, per kind of layer, which served and why the ones
 ahead of it were passed over. Which kernels those are and where each wins: int8.py and
-int4.py; the measurements: README "Quantization" and docs/benchmarks.md.
+int4.py; the measurements: docs/benchmarks.md#quantized-weights.
 """
 
 from __future__ import annotations

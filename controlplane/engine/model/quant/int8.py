@@ -36,7 +36,7 @@ class Int8Linear(nn.Module):
     (W8A8 with the `w8a8_cpu` kernel: engine.quantize_activations)."""
 
     # From this many rows (prefill chunks) on, dequantizing the weight once and running the
-    # float GEMM beats the packed kernel, whose speed stays per row (README "Quantization").
+    # float GEMM beats the packed kernel, whose speed stays per row (docs/benchmarks.md#quantized-weights).
     dequant_min_rows = 64
 
     def __init__(
