@@ -8,7 +8,8 @@ follows the sequence through preemption, swapping and speculation, and is droppe
 sequence ends.
 
 Torch-free (the /v1 parser builds StructuredOutput); the per-step masks are in
-controlplane.engine.grammar_mask. Why llguidance and not xgrammar: docs/structured-outputs.md, "Why llguidance, not xgrammar".
+controlplane.engine.grammar_mask. Why llguidance and not xgrammar: docs/structured-outputs.md,
+"Why llguidance, not xgrammar".
 """
 
 from __future__ import annotations
