@@ -214,7 +214,7 @@ def test_migration_adds_the_incident_columns_from_the_previous_head(db_url: str)
 
 
 def test_two_daemons_the_overloaded_one_first_with_its_incident_figures(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, make_daemon
 ) -> None:
     """Two real daemons on one SQLite file: one flooded (one sequence at a time, a dozen long
     requests, an SLO target no request meets), one idle. GET /admin/fleet lists the flooded one
@@ -224,7 +224,6 @@ def test_two_daemons_the_overloaded_one_first_with_its_incident_figures(
 
     import httpx
 
-    from controlplane.config import load_config
     from harness import InProcessDaemon
     from tests.fleet.test_fleet import TOKEN, admin_get, fleet_config
 
@@ -232,7 +231,7 @@ def test_two_daemons_the_overloaded_one_first_with_its_incident_figures(
     daemons: dict[str, InProcessDaemon] = {}
     for name, seqs in (("a-idle", 4), ("b-busy", 1)):
         path = fleet_config(tmp_path, name, tiny_model_dir, url, max_num_seqs=seqs)
-        daemons[name] = InProcessDaemon(load_config(path, env={}), config_path=path).start()
+        daemons[name] = make_daemon.from_file(path)
     idle, busy = daemons["a-idle"].url, daemons["b-busy"].url
     auth = {"Authorization": f"Bearer {TOKEN}"}
     statuses: list[int] = []
@@ -252,49 +251,43 @@ def test_two_daemons_the_overloaded_one_first_with_its_incident_figures(
                 "ignore_eos": True}  # fmt: skip
         statuses.append(httpx.post(busy + "/v1/completions", json=body, timeout=120).status_code)
 
-    try:
-        # A TTFT target no request meets (0.01 ms): its minute's p99 misses it.
-        r = httpx.patch(busy + "/admin/config", json={"autopilot": {"ttft_p99_ms": 0.01}},
-                        headers=auth, timeout=30)  # fmt: skip
-        assert r.status_code == 200, r.text
-        complete(4)
-        flood = [threading.Thread(target=complete, args=(200,)) for _ in range(12)]
-        for t in flood:
-            t.start()
-        found = wait_for(
-            "a queue in b-busy's heartbeat",
-            lambda f: (
-                f[0]["id"] == "b-busy"
-                and (f[0]["num_waiting"] or 0) > 0
-                and (f[0]["oldest_waiting_s"] or 0) > 0
-            ),
-        )
-        stats = admin_get(busy, "/admin/stats")
-        top, other = found
-        assert top["id"] == "b-busy" and other["id"] == "a-idle"
-        assert top["slo_met"] is False and stats["slo"]["met"] is False
-        assert top["ttft_p99_ms"] > 0.01 and stats["ttft_p99_ms"] > 0.01
-        assert (other["oldest_waiting_s"], other["ttft_p99_ms"], other["slo_met"]) == (
-            None,
-            None,
-            None,
-        )
-        assert other["num_waiting"] == 0
-        for t in flood:
-            t.join(300)
-        assert statuses == [200] * 13
-        # The queue drained: the oldest wait clears; missing the SLO keeps it first.
-        found = wait_for(
-            "b-busy's queue empty in the table",
-            lambda f: (
-                {m["id"]: (m["num_waiting"], m["oldest_waiting_s"]) for m in f}
-                == {"a-idle": (0, None), "b-busy": (0, None)}
-            ),
-        )
-        assert [m["id"] for m in found] == ["b-busy", "a-idle"]
-        assert (
-            found[0]["slo_met"] is False and admin_get(busy, "/admin/stats")["slo"]["met"] is False
-        )
-    finally:
-        for d in daemons.values():
-            d.stop()
+    # A TTFT target no request meets (0.01 ms): its minute's p99 misses it.
+    r = httpx.patch(busy + "/admin/config", json={"autopilot": {"ttft_p99_ms": 0.01}},
+                    headers=auth, timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
+    complete(4)
+    flood = [threading.Thread(target=complete, args=(200,)) for _ in range(12)]
+    for t in flood:
+        t.start()
+    found = wait_for(
+        "a queue in b-busy's heartbeat",
+        lambda f: (
+            f[0]["id"] == "b-busy"
+            and (f[0]["num_waiting"] or 0) > 0
+            and (f[0]["oldest_waiting_s"] or 0) > 0
+        ),
+    )
+    stats = admin_get(busy, "/admin/stats")
+    top, other = found
+    assert top["id"] == "b-busy" and other["id"] == "a-idle"
+    assert top["slo_met"] is False and stats["slo"]["met"] is False
+    assert top["ttft_p99_ms"] > 0.01 and stats["ttft_p99_ms"] > 0.01
+    assert (other["oldest_waiting_s"], other["ttft_p99_ms"], other["slo_met"]) == (
+        None,
+        None,
+        None,
+    )
+    assert other["num_waiting"] == 0
+    for t in flood:
+        t.join(300)
+    assert statuses == [200] * 13
+    # The queue drained: the oldest wait clears; missing the SLO keeps it first.
+    found = wait_for(
+        "b-busy's queue empty in the table",
+        lambda f: (
+            {m["id"]: (m["num_waiting"], m["oldest_waiting_s"]) for m in f}
+            == {"a-idle": (0, None), "b-busy": (0, None)}
+        ),
+    )
+    assert [m["id"] for m in found] == ["b-busy", "a-idle"]
+    assert found[0]["slo_met"] is False and admin_get(busy, "/admin/stats")["slo"]["met"] is False

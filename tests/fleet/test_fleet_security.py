@@ -25,7 +25,7 @@ import httpx
 import pytest
 from sqlalchemy import delete, insert
 
-from controlplane.config import build_config, load_config
+from controlplane.config import build_config
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.fleet.registry import INSTANCES, Heartbeat, member, members, register
 from controlplane.store import make_engine
@@ -154,7 +154,7 @@ def bearer() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir, tmp_path_factory, pg_database) -> Iterator[Fleet]:
+def fleet(tiny_model_dir, tmp_path_factory, pg_database, make_module_daemon) -> Fleet:
     db_url = reset_pg(pg_database)
     tmp = tmp_path_factory.mktemp("fleet_security")
     configs, daemons = {}, {}
@@ -167,14 +167,9 @@ def fleet(tiny_model_dir, tmp_path_factory, pg_database) -> Iterator[Fleet]:
             engine={"max_num_seqs": 4, "max_model_len": 256, "num_kv_blocks": 64},
             admin_tokens=[{"name": "ops", "token": TOKEN}],
         )  # fmt: skip
-    try:
-        for name in NAMES:  # one at a time: they migrate the empty database at start
-            cfg = load_config(configs[name], env={})
-            daemons[name] = InProcessDaemon(cfg, config_path=configs[name]).start()
-        yield Fleet(db_url, daemons, configs)
-    finally:
-        for d in daemons.values():
-            d.stop()
+    for name in NAMES:  # one at a time: they migrate the empty database at start
+        daemons[name] = make_module_daemon.from_file(configs[name])
+    return Fleet(db_url, daemons, configs)
 
 
 @pytest.fixture
