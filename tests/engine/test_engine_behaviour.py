@@ -21,6 +21,7 @@ from controlplane.engine import (
     RestartRequiredError,
     SamplingParams,
 )
+from harness import drain
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +29,8 @@ def engine(tiny_model_dir: Path) -> Engine:
     return Engine(model=str(tiny_model_dir), max_model_len=256, block_size=8)
 
 
-@pytest.fixture(autouse=True)
-def _no_leaks(request):
-    yield
-    if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        assert not eng.has_unfinished_requests()
-        assert eng.block_pool.num_used == 0, "a test left KV blocks allocated"
-
-
-def drain(engine: Engine) -> dict[str, object]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+# After each test that used the module's engine: no request and no KV block left held.
+pytestmark = pytest.mark.usefixtures("engine_left_clean")
 
 
 @pytest.mark.parametrize(

@@ -24,10 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import controlplane.engine.sampler as sampler_module
-from controlplane.config import load_config
 from controlplane.engine import AsyncEngine, Engine, InvalidSettingError, SamplingParams
 from controlplane.engine.engine import MAX_CONSECUTIVE_FAILED_STEPS
-from harness import InProcessDaemon, wait_rows, write_config
+from harness import InProcessDaemon, drain, wait_rows
 
 MODEL = "model"  # the tiny demo model's directory name, served as the model id
 TOKEN = "faults-admin-token-0123456789"
@@ -115,22 +114,8 @@ def engine(tiny_model_dir: Path) -> Engine:
     return Engine(model=str(tiny_model_dir), max_model_len=256, block_size=8, max_num_seqs=8)
 
 
-@pytest.fixture(autouse=True)
-def _no_leaks(request):
-    yield
-    if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        assert not eng.has_unfinished_requests()
-        assert eng.block_pool.num_used == 0, "a test left KV blocks allocated"
-
-
-def drain(engine: Engine) -> dict[str, Any]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+# After each test that used the module's engine: no request and no KV block left held.
+pytestmark = pytest.mark.usefixtures("engine_left_clean")
 
 
 PROMPTS = [[3, 4, 5], [10, 11, 12, 13, 14, 15, 16, 17, 18], list(range(30, 47)), [7] * 25]
@@ -354,20 +339,13 @@ def test_async_engine_survives_a_failing_request(tiny_model_dir, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("faults")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
+def served(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         engine={"max_model_len": 512, "max_num_seqs": 8},
         store={"flush_interval_s": 0.1},
         admin_tokens=[{"name": "ops", "token": TOKEN}],
+        with_file=False,
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg).start()
-    yield d, cfg
-    d.stop()
 
 
 def post_raw(d: InProcessDaemon, text: str, timeout: float = 60) -> httpx.Response:
@@ -411,7 +389,7 @@ def assert_serving(d: InProcessDaemon) -> None:
     ],
 )
 def test_out_of_range_numbers_get_400_and_the_daemon_serves_on(served, field, raw):
-    d, _ = served
+    d = served
     fields = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 1.0}
     fields.pop(field, None)
     text = json.dumps(fields)[:-1] + f', "{field}": {raw}}}'
@@ -423,7 +401,7 @@ def test_out_of_range_numbers_get_400_and_the_daemon_serves_on(served, field, ra
 
 
 def test_stop_token_ids_beyond_the_vocabulary_get_400(served):
-    d, _ = served
+    d = served
     vocab = d.daemon.aengine.engine.model_config.vocab_size
     r = complete(d, stop_token_ids=[vocab])
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
@@ -431,7 +409,7 @@ def test_stop_token_ids_beyond_the_vocabulary_get_400(served):
 
 
 def test_tiny_temperature_is_served_greedy(served):
-    d, _ = served
+    d = served
     greedy_text = complete(d, prompt="tiny temperature", max_tokens=10, temperature=0)
     raw = json.dumps({"model": MODEL, "prompt": "tiny temperature", "max_tokens": 10})
     tiny = post_raw(d, raw[:-1] + ', "ignore_eos": true, "temperature": 1e-320}')
@@ -444,7 +422,8 @@ VICTIM_PROMPT = [61, 62, 63, 64, 65]
 
 
 def test_a_failing_request_gets_500_and_the_others_are_served(served, monkeypatch):
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     others = [{"prompt": [3 + i, 4, 5 + i], "max_tokens": 12, "temperature": 0} for i in range(4)]
     clean = [complete(d, **body).json()["choices"][0]["text"] for body in others]
     real = sampler_module._filter
@@ -500,8 +479,8 @@ def _gauges(d: InProcessDaemon) -> dict[str, float]:
 
 
 def test_admin_stats_and_metrics_agree_with_the_block_map_right_after_an_abort(served):
-    d, _ = served
-    admin = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    d = served
+    admin = d.client(TOKEN, timeout=30)
     result: dict[str, Any] = {}
 
     def long_request() -> None:

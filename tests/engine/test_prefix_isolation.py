@@ -21,34 +21,18 @@ SECRET = [(11 * i) % 800 + 50 for i in range(2 * BS)]  # A's secret: 2 blocks
 WRONG = [(13 * i) % 700 + 60 for i in range(2 * BS)]  # B's wrong guess: 2 blocks
 
 
-def _daemon(tmp, model, **engine):
-    path = admin_cfg(
-        tmp,
-        model,
-        engine={"max_num_seqs": 8, "max_model_len": 1024, **engine},
-        api_keys=[{"name": "tenant-a", "key": KEY_A}, {"name": "tenant-b", "key": KEY_B}],
-    )
-    return InProcessDaemon(load_config(path, env={}), config_path=path).start()
+ENGINE = {"max_num_seqs": 8, "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_model_dir, tmp_path_factory):
-    d = _daemon(tmp_path_factory.mktemp("isolation"), tiny_model_dir)
-    yield d
-    d.stop()
+def keyed(make_module_daemon) -> InProcessDaemon:
+    keys = [{"name": "tenant-a", "key": KEY_A}, {"name": "tenant-b", "key": KEY_B}]
+    return make_module_daemon(admin=True, engine=ENGINE, api_keys=keys)
 
 
 @pytest.fixture(scope="module")
-def open_api(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("isolation-open")
-    path = admin_cfg(tmp, tiny_model_dir, engine={"max_num_seqs": 8, "max_model_len": 1024})
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
-
-
-def as_(d: InProcessDaemon, key: str) -> httpx.Client:
-    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+def open_api(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(admin=True, engine=ENGINE)
 
 
 def cached(c: httpx.Client, prompt: list[int], **extra) -> int:
@@ -59,12 +43,12 @@ def cached(c: httpx.Client, prompt: list[int], **extra) -> int:
 
 
 def reset(d: InProcessDaemon) -> None:
-    with as_(d, TOKEN) as admin:
+    with d.client(TOKEN) as admin:
         assert admin.post("/admin/cache/reset").status_code == 200
 
 
 def set_isolation(d: InProcessDaemon, value: str) -> None:
-    with as_(d, TOKEN) as admin:
+    with d.client(TOKEN) as admin:
         r = admin.patch("/admin/config", json={"engine": {"prefix_cache_isolation": value}})
         assert r.status_code == 200, r.text
 
@@ -73,7 +57,7 @@ def probe(d: InProcessDaemon) -> dict[str, int]:
     """The issue's attack: A sends PREFIX + SECRET; B, whose own requests cached PREFIX, sends
     the right guess and a wrong one (fresh tails, so only the guess can hit)."""
     reset(d)
-    with as_(d, KEY_A) as a, as_(d, KEY_B) as b:
+    with d.client(KEY_A) as a, d.client(KEY_B) as b:
         cached(a, [*PREFIX, *SECRET, 1, 2, 3])
         cached(b, [*PREFIX, 4, 5, 6])  # B's own request with the shared system prompt
         return {
@@ -101,7 +85,7 @@ def test_isolation_none_shares_between_keys(keyed):
 
 def test_cache_salt_with_keys(keyed):
     reset(keyed)
-    with as_(keyed, KEY_A) as a, as_(keyed, KEY_B) as b:
+    with keyed.client(KEY_A) as a, keyed.client(KEY_B) as b:
         cached(a, [*PREFIX, 1], cache_salt="s1")
         assert cached(a, [*PREFIX, 2], cache_salt="s1") == 3 * BS
         assert cached(a, [*PREFIX, 3], cache_salt="s2") == 0
@@ -109,7 +93,7 @@ def test_cache_salt_with_keys(keyed):
         assert cached(b, [*PREFIX, 5], cache_salt="s1") == 0  # the salt does not cross keys
     set_isolation(keyed, "none")
     try:
-        with as_(keyed, KEY_A) as a, as_(keyed, KEY_B) as b:
+        with keyed.client(KEY_A) as a, keyed.client(KEY_B) as b:
             cached(a, [*PREFIX, 6], cache_salt="team")
             assert cached(b, [*PREFIX, 7], cache_salt="team") == 3 * BS
             assert cached(b, [*PREFIX, 8], cache_salt="other") == 0
@@ -118,7 +102,7 @@ def test_cache_salt_with_keys(keyed):
 
 
 def test_open_api_shares_unless_salted(open_api):
-    c = httpx.Client(base_url=open_api.url, timeout=60)
+    c = open_api.client()
     with c:
         cached(c, [*PREFIX, 1])
         assert cached(c, [*PREFIX, 2]) == 3 * BS  # open API: one shared cache, as before
