@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from torch import nn
@@ -33,7 +32,7 @@ from controlplane.engine.settings import (
     check,
     validate_changes,
 )
-from harness import InProcessDaemon, write_config
+from harness import drain, write_config
 from tests.conftest import require_smollm2, traced_logits
 
 TEXT = Path(__file__).parents[1] / "data" / "perplexity.txt"
@@ -750,12 +749,8 @@ def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     from controlplane.engine import SamplingParams
 
     ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0)) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
-    return [done[i] for i in ids]
+    done = drain(engine)
+    return [list(done[i].token_ids) for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -829,46 +824,37 @@ def test_quantization_auto_leaves_a_float_checkpoint_float(tiny_model_dir):
 # -- a real daemon -----------------------------------------------------------------------------
 
 
-def test_admin_config_and_stats_show_quantization_and_memory(tiny_model_dir, tmp_path):
-    path = write_config(
-        tmp_path / "cp.toml",
-        tmp_path / "data",
-        tiny_model_dir,
+def test_admin_config_and_stats_show_quantization_and_memory(make_daemon):
+    d = make_daemon(
         engine={"quantization": "int4", "quantization_group_size": 64, "max_model_len": 256},
         admin_tokens=[{"name": "ops", "token": TOKEN}],
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    try:
-        c = httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-        fields = c.get("/admin/config").json()["fields"]
-        assert fields["engine.quantization"]["choices"] == ["auto", "none", "int8", "int4"]
-        assert {k: fields["engine.quantization"][k] for k in ("value", "source", "live")} == {
-            "value": "int4",
-            "source": "file",
-            "live": False,
-        }
-        assert fields["engine.quantization_group_size"]["value"] == 64
-        assert fields["engine.quantize_lm_head"] == {
-            "value": False,
-            "source": "default",
-            "live": False,
-            "type": "bool",
-            "choices": [True, False],
-        }
-        r = c.patch("/admin/config", json={"engine": {"quantization": "int8"}})
-        assert r.status_code == 409, r.text  # restart-only
-        assert r.json()["error"]["param"] == "engine.quantization" and "restart" in r.text
-        mem = c.get("/admin/stats").json()["memory"]
-        eng = d.daemon.aengine.engine
-        assert mem["quantization"] == "int4"
-        assert mem["weights_bytes"] == quant.weight_bytes(eng.model) > 0
-        assert (
-            mem["kv_cache_bytes"] == eng.block_pool.num_blocks * eng.kv_cache.spec.bytes_per_block
-        )
-        assert isinstance(eng.model.model.layers[0].mlp.gate_up_proj, quant.Int4Linear)
-        assert eng.model.model.layers[0].mlp.gate_up_proj.group_size == 64
-    finally:
-        d.stop()
+    c = d.client(TOKEN, timeout=30)
+    fields = c.get("/admin/config").json()["fields"]
+    assert fields["engine.quantization"]["choices"] == ["auto", "none", "int8", "int4"]
+    assert {k: fields["engine.quantization"][k] for k in ("value", "source", "live")} == {
+        "value": "int4",
+        "source": "file",
+        "live": False,
+    }
+    assert fields["engine.quantization_group_size"]["value"] == 64
+    assert fields["engine.quantize_lm_head"] == {
+        "value": False,
+        "source": "default",
+        "live": False,
+        "type": "bool",
+        "choices": [True, False],
+    }
+    r = c.patch("/admin/config", json={"engine": {"quantization": "int8"}})
+    assert r.status_code == 409, r.text  # restart-only
+    assert r.json()["error"]["param"] == "engine.quantization" and "restart" in r.text
+    mem = c.get("/admin/stats").json()["memory"]
+    eng = d.daemon.aengine.engine
+    assert mem["quantization"] == "int4"
+    assert mem["weights_bytes"] == quant.weight_bytes(eng.model) > 0
+    assert mem["kv_cache_bytes"] == eng.block_pool.num_blocks * eng.kv_cache.spec.bytes_per_block
+    assert isinstance(eng.model.model.layers[0].mlp.gate_up_proj, quant.Int4Linear)
+    assert eng.model.model.layers[0].mlp.gate_up_proj.group_size == 64
 
 
 def test_invalid_quantization_in_the_config_file_names_the_field(tmp_path):
