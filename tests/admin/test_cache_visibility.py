@@ -14,10 +14,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.config import load_config
-from controlplane.tui.app import DashboardApp
+from controlplane.tui.confirm import ConfirmScreen
+from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.history import fmt_pct
-from controlplane.tui.screens import ConfirmScreen, TuneScreen
+from controlplane.tui.tune import TuneScreen
 from harness import DaemonProcess, InProcessDaemon, wait_rows
 from tests.admin.test_admin_api import TOKEN, admin_cfg
 from tests.tui.test_tui import screen_text, wait_until
@@ -27,16 +27,8 @@ SHARED = [(7 * i) % 900 + 10 for i in range(5 * BS)]  # five full blocks
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cachevis")
-    path = admin_cfg(tmp, tiny_model_dir, engine={"max_num_seqs": 8, "max_model_len": 1024})
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
-
-
-def api(d: InProcessDaemon) -> httpx.Client:
-    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+def daemon(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(admin=True, engine={"max_num_seqs": 8, "max_model_len": 1024})
 
 
 def complete(c: httpx.Client, prompt: list, max_tokens: int = 4) -> dict:
@@ -56,7 +48,7 @@ def metric(c: httpx.Client, name: str, **labels: str) -> float:
 
 
 def test_prefix_cache_hits_show_in_metrics_stats_and_usage(daemon):
-    with api(daemon) as c:
+    with daemon.client(TOKEN) as c:
         first = complete(c, [*SHARED, 1, 2, 3])
         second = complete(c, [*SHARED, 4, 5])
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -96,7 +88,7 @@ def first_stats_event(c: httpx.Client) -> dict:
 
 
 def test_cache_reset_is_authenticated_audited_and_empties_the_cache(daemon):
-    with api(daemon) as c:
+    with daemon.client(TOKEN) as c:
         complete(c, [*SHARED, 9, 9])
         before = c.get("/admin/stats").json()["kv_blocks_evictable"]
         assert before > 0
@@ -120,7 +112,7 @@ def test_cache_reset_is_authenticated_audited_and_empties_the_cache(daemon):
 
 def test_speculation_counters_and_state_follow_live_changes(daemon):
     repetitive = [11, 12, 13, 14, 15, 16] * 8
-    with api(daemon) as c:
+    with daemon.client(TOKEN) as c:
         r = c.patch(
             "/admin/config",
             json={"engine": {"speculative_method": "ngram", "speculative_ngram_min": 1}},
@@ -187,13 +179,13 @@ def shows_kv_line(app: DashboardApp, c: httpx.Client) -> bool:
 
 
 def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
-    c = api(daemon)
+    c = daemon.client(TOKEN)
     complete(c, [*SHARED, 8, 8])  # something cached to reset
 
     async def main() -> None:
         app = DashboardApp(daemon.url, TOKEN)
         async with app.run_test(size=(120, 50)) as pilot:
-            await wait_until(pilot, lambda: app.fields, 5, "config loaded")
+            await wait_until(pilot, lambda: app.dashboard.fields, 5, "config loaded")
             # The KV panel shows the daemon's hit rate (last minute) and its cached blocks.
             await wait_until(pilot, lambda: shows_kv_line(app, c), 10, "hit rate shown")
             # Waited for, like every other line: a capture of the compositor between two
@@ -261,28 +253,24 @@ def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
         c.close()
 
 
-def test_cache_reset_on_a_dead_engine_is_503_and_not_audited(tiny_model_dir, tmp_path):
-    path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_model_len": 256})
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    try:
-        engine = d.daemon.aengine.engine
+def test_cache_reset_on_a_dead_engine_is_503_and_not_audited(make_daemon):
+    d = make_daemon(admin=True, engine={"max_model_len": 256})
+    engine = d.daemon.aengine.engine
 
-        def failing_step():
-            raise RuntimeError("simulated device fault")
+    def failing_step():
+        raise RuntimeError("simulated device fault")
 
-        engine.step = failing_step  # a real failure inside the engine thread: the loop dies
-        with api(d) as c:
-            body = {"model": "model", "prompt": "x", "max_tokens": 4}
-            assert c.post("/v1/completions", json=body).status_code == 503
-            assert c.get("/admin/stats").json()["state"] == "dead"
+    engine.step = failing_step  # a real failure inside the engine thread: the loop dies
+    with d.client(TOKEN) as c:
+        body = {"model": "model", "prompt": "x", "max_tokens": 4}
+        assert c.post("/v1/completions", json=body).status_code == 503
+        assert c.get("/admin/stats").json()["state"] == "dead"
 
-            r = c.post("/admin/cache/reset")
-            assert r.status_code == 503, r.text
-            assert "engine" in r.json()["error"]["message"]
-            changes = c.get("/admin/config/history").json()["changes"]
-            assert all(e["field"] != "engine.prefix_cache_reset" for e in changes)
-    finally:
-        d.stop()
+        r = c.post("/admin/cache/reset")
+        assert r.status_code == 503, r.text
+        assert "engine" in r.json()["error"]["message"]
+        changes = c.get("/admin/config/history").json()["changes"]
+        assert all(e["field"] != "engine.prefix_cache_reset" for e in changes)
 
 
 def test_cache_reset_while_loading_is_503(tmp_path):

@@ -12,11 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from controlplane.config import load_config
-from controlplane.tui.app import DashboardApp
-from controlplane.tui.widgets import ChangesTable
+from controlplane.tui.dashboard_app import DashboardApp
+from controlplane.tui.tables import ChangesTable
 from harness import InProcessDaemon
-from tests.admin.test_admin_api import TOKEN, admin_cfg, loadgen
+from tests.admin.test_admin_api import TOKEN, loadgen
 from tests.tui.test_tui import screen_text, wait_until
 
 FAST = {
@@ -30,29 +29,15 @@ FAST = {
 
 
 @pytest.fixture
-def pilot_daemon(tiny_model_dir, tmp_path):
+def pilot_daemon(make_daemon) -> Callable[..., InProcessDaemon]:
     def start(**autopilot: Any) -> InProcessDaemon:
-        path = admin_cfg(
-            tmp_path,
-            tiny_model_dir,
+        return make_daemon(
+            admin=True,
             engine={"max_num_seqs": 8, "max_model_len": 512},
             autopilot={**FAST, **autopilot},
         )
-        return InProcessDaemon(load_config(path, env={}), config_path=path).start()
 
-    started: list[InProcessDaemon] = []
-
-    def factory(**autopilot: Any) -> InProcessDaemon:
-        started.append(start(**autopilot))
-        return started[-1]
-
-    yield factory
-    for d in started:
-        d.stop()
-
-
-def client(d: InProcessDaemon) -> httpx.Client:
-    return httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    return start
 
 
 def wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -75,7 +60,7 @@ def autopilot_rows(c: httpx.Client) -> list[dict]:
 
 def test_impossible_itl_target_lowers_batch_operator_pins_drain_turns_off(pilot_daemon):
     d = pilot_daemon(enabled=True, itl_p99_ms=1.0)  # 1 ms between tokens: never met
-    c = client(d)
+    c = d.client(TOKEN)
     gen = loadgen(
         d.url, "--rate", "40", "--requests", "400", "--prompt-len", "8-32",
         "--output-len", "20-40", "--stream",
@@ -144,7 +129,7 @@ def test_impossible_itl_target_lowers_batch_operator_pins_drain_turns_off(pilot_
 
 def test_easy_target_with_a_queue_raises_batch(pilot_daemon):
     d = pilot_daemon(enabled=True, itl_p99_ms=60_000.0, ttft_p99_ms=600_000.0)
-    c = client(d)
+    c = d.client(TOKEN)
     # Start small (an operator's value, not pinned: operator_hold_s 0), with a standing queue.
     r = c.patch("/admin/autopilot", json={"operator_hold_s": 0})
     assert r.status_code == 200, r.text
@@ -201,5 +186,5 @@ def test_tui_shows_autopilot_state_and_its_reasons(pilot_daemon):
     finally:
         gen.kill()
         gen.wait()
-    rows = autopilot_rows(client(d))
+    rows = autopilot_rows(d.client(TOKEN))
     assert any(r["reason"] and r["reason"].startswith("itl_p99") for r in rows)
