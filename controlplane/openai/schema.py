@@ -1,7 +1,8 @@
 """The /v1 request bodies as JSON Schema: the OpenAPI documentation, what schemathesis fuzzes,
 and the one list of the fields each endpoint reads (COMPLETION_FIELDS, CHAT_FIELDS, derived from
-the schemas). The schemas document; the hand parser (controlplane.openai.protocol) decides, so
-that every error names its field the way OpenAI's API does.
+the schemas). The schemas document; the parser (controlplane.openai.bodies' structs, then
+controlplane.openai.protocol's rules) decides, so that every error names its field the way
+OpenAI's API does.
 """
 
 from __future__ import annotations
