@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 
 from controlplane.engine import Engine, SamplingParams
+from harness import assert_no_leaks, drain
 
 NUM_REQUESTS = 16
 MAX_NEW = 24
@@ -56,18 +58,10 @@ def run_all(engine: Engine, prompts, outs, on_step=None) -> list[list[int]]:
         engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         for p, n in zip(prompts, outs, strict=True)
     ]
-    done = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
-        steps += 1
-        if on_step:
-            on_step(engine, steps)
-    assert engine.block_pool.num_used == 0, "blocks leaked"
-    assert engine.swap_pool.num_used == 0, "swap blocks leaked"
-    return [done[i] for i in ids]
+    steps = itertools.count(1)  # on_step is told how many steps have run
+    done = drain(engine, on_step and (lambda e: on_step(e, next(steps))))
+    assert_no_leaks(engine)
+    return [list(done[i].token_ids) for i in ids]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

@@ -16,6 +16,7 @@ from controlplane.engine.demo_model import write_demo_model
 from controlplane.engine.model_runner import samples
 from controlplane.engine.spec_decode import ngram_propose
 from controlplane.engine.structured import StructuredOutput
+from harness import assert_no_leaks, drain
 
 BS = 8
 
@@ -45,25 +46,6 @@ def make(tiny_model_dir: Path, **kw: Any) -> Engine:
     return Engine(model=str(tiny_model_dir), block_size=BS, max_model_len=512, **kw)
 
 
-def check_released(engine: Engine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert engine.block_pool.num_used == 0
-    assert engine.swap_pool.num_used == 0
-    if engine.draft is not None:
-        assert engine.draft.pool.num_used == 0
-
-
-def drain(engine: Engine, on_step=None) -> dict[str, Any]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if on_step is not None:
-            on_step(engine)
-    return done
-
-
 # Sixteen mixed requests: repetitive ones (n-gram proposals hit), a shared prefix (cache
 # hits), long and short prompts.
 SHARED = [(3 + 5 * i) % 700 + 4 for i in range(3 * BS)]
@@ -80,7 +62,7 @@ def greedy_run(engine: Engine, max_tokens: int = 30, on_step=None) -> dict[str, 
         params = SamplingParams(max_tokens=max_tokens + i % 7, temperature=0, ignore_eos=True)
         engine.add_request(p, params, request_id=f"r{i}")
     out = {rid: o.token_ids for rid, o in drain(engine, on_step).items()}
-    check_released(engine)
+    assert_no_leaks(engine)
     return out
 
 
@@ -174,7 +156,7 @@ def test_speculation_pauses_above_the_batch_limit(tiny_model_dir):
     eng.step()
     assert eng.stats().speculation == "active"
     drain(eng)
-    check_released(eng)
+    assert_no_leaks(eng)
 
 
 def test_stop_inside_an_accepted_run_ends_there(tiny_model_dir, other_model_dir, reference):
@@ -198,7 +180,7 @@ def test_stop_inside_an_accepted_run_ends_there(tiny_model_dir, other_model_dir,
         done = drain(eng)
         assert done["s"].token_ids == out[: first + 1] and done["s"].finish_reason == "stop"
         assert done["m"].token_ids == out[:7] and done["m"].finish_reason == "length"
-        check_released(eng)
+        assert_no_leaks(eng)
 
 
 def test_abort_during_speculation_frees_everything(tiny_model_dir, other_model_dir):
@@ -214,7 +196,7 @@ def test_abort_during_speculation_frees_everything(tiny_model_dir, other_model_d
     assert eng.draft.pool.num_used > 0 and eng.stats().spec_decode_num_drafts_total > 0
     for i in range(6):
         eng.abort(f"a{i}")
-    check_released(eng)
+    assert_no_leaks(eng)
 
 
 def test_draft_settings_are_validated(tiny_model_dir):
@@ -310,7 +292,7 @@ def sample_tokens(engine: Engine, prompt: list[int], n: int, depth: int) -> list
     for i in range(n):
         engine.add_request(prompt, params, request_id=f"d{i}")
     done = drain(engine)
-    check_released(engine)
+    assert_no_leaks(engine)
     return [done[f"d{i}"].token_ids for i in range(n)]
 
 
@@ -390,7 +372,7 @@ def test_constrained_greedy_outputs_are_identical_with_speculation(
             params = SamplingParams(max_tokens=80, temperature=0, structured=out)
             engine.add_request(p, params, request_id=f"r{i}")
         texts = {rid: o.text for rid, o in drain(engine).items()}
-        check_released(engine)
+        assert_no_leaks(engine)
         assert engine.stats().grammar_states == 0
         return texts
 
@@ -480,7 +462,7 @@ def _mixed_step_run(tiny_model_dir: Path, seed: int) -> tuple[set[str], list[str
         for out in outs[rid]:
             tokens.setdefault(out.index, []).extend(out.new_token_ids)
         assert len({tuple(t) for t in tokens.values()}) == 1, (rid, tokens)
-    check_released(eng)
+    assert_no_leaks(eng)
     assert eng.stats().grammar_states == 0
     return seen, errors
 
