@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import DaemonProcess, write_config
+from harness import DaemonProcess, assert_no_leaks, drain, write_config
 from tests.conftest import require_smollm2
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,13 +87,9 @@ def run(engine, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, li
         engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0))
         for p, n in zip(prompts, max_tokens, strict=True)
     ]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
-    assert engine.block_pool.num_used == 0, "blocks leaked"
-    return {i: done[i] for i in ids}
+    done = drain(engine)
+    assert_no_leaks(engine)
+    return {i: list(done[i].token_ids) for i in ids}
 
 
 def chat_ids(engine, messages: list[dict]) -> list[int]:

@@ -14,6 +14,7 @@ import pytest
 from controlplane.engine import LLM, SamplingParams
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.structured import StructuredOutput
+from harness import assert_no_leaks
 from tests.conftest import require_smollm2
 from tests.json_schemas import generate_schemas
 
@@ -52,10 +53,8 @@ def chat(llm: LLM, text: str) -> list[int]:
 
 def assert_released(llm: LLM) -> None:
     engine = llm.engine
-    assert not engine.has_unfinished_requests()
+    assert_no_leaks(engine)
     assert engine.stats().grammar_states == engine._grammar_states == 0
-    assert engine.block_pool.num_used == 0
-    assert engine.swap_pool.num_used == 0
 
 
 def check_json(out, schema) -> None:

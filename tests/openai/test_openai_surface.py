@@ -16,9 +16,7 @@ import openai
 import pytest
 
 import controlplane
-from controlplane.config import load_config
 from harness import InProcessDaemon
-from tests.admin.test_admin_api import admin_cfg
 from tests.conftest import require_smollm2
 
 KEY, SUSPENDED = "surface-key-0123456789abcdef", "surface-suspended-0123456789"
@@ -44,24 +42,20 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(make_module_daemon) -> InProcessDaemon:
     model = require_smollm2()
-    tmp = tmp_path_factory.mktemp("surface")
-    path = admin_cfg(
-        tmp,
+    return make_module_daemon(
         model,
+        admin=True,
         engine={"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4},
         server={"suspended_keys": ["suspended"]},
         api_keys=[{"name": "tenant", "key": KEY}, {"name": "suspended", "key": SUSPENDED}],
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
 
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
+    return served.openai(KEY)
 
 
 @pytest.fixture

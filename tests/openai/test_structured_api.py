@@ -13,12 +13,10 @@ from typing import Any
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from controlplane.config import load_config
-from harness import InProcessDaemon, wait_rows, write_config
+from harness import InProcessDaemon, wait_rows
 from tests.conftest import require_smollm2
 from tests.engine.test_structured import FAILS_LATER, PERSON
 
@@ -64,26 +62,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time i
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("structured")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
+def served(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         require_smollm2(),
         engine={"max_model_len": 1024, "max_num_seqs": 8},
         server={"max_grammar_bytes": 60_000},
         store={"flush_interval_s": 0.05},
         admin_tokens=[{"name": "ops", "token": TOKEN}],
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    yield d, cfg
-    d.stop()
-
-
-@pytest.fixture
-def client(served) -> openai.OpenAI:
-    return served[0].openai()
 
 
 def _post(d: InProcessDaemon, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -116,7 +102,8 @@ def _row(cfg: Any, row_id: str) -> dict[str, Any]:
 
 
 def test_openai_parse_with_pydantic_and_rows_record_the_compile(served, client) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
 
     class City(BaseModel):  # bounded: greedy decoding can loop in an open string or number
         name: str = Field(max_length=30)
@@ -150,7 +137,7 @@ def test_openai_parse_with_pydantic_and_rows_record_the_compile(served, client) 
 def test_langchain_with_structured_output_json_schema(served) -> None:
     from langchain_openai import ChatOpenAI
 
-    d, _ = served
+    d = served
     llm = ChatOpenAI(
         base_url=d.url + "/v1", api_key="none", model=MODEL, temperature=0, max_tokens=80
     )
@@ -162,7 +149,7 @@ def test_langchain_with_structured_output_json_schema(served) -> None:
 
 
 def test_vllm_fields_constrain_completions_and_chat(served) -> None:
-    d, _ = served
+    d = served
     r = _post(
         d, "/v1/completions", {"prompt": "The best colour is", "guided_choice": ["red", "blue"]}
     )
@@ -203,7 +190,8 @@ def _arguments_valid(call: dict[str, Any], tools: list[dict[str, Any]]) -> None:
     "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
 )
 def test_forced_tool_calls_validate_and_stream_as_openai_does(served, choice) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     tools = [WEATHER, TIME]
     body = {"messages": ASK, "tools": tools, "tool_choice": choice, "max_tokens": 120}
     # One call: the grammar bounds it (strings of at most 30 characters, no free whitespace)
@@ -283,7 +271,7 @@ def test_openai_client_streams_tool_call_deltas(client) -> None:
 
 
 def test_legacy_functions_answer_in_the_function_call_shape(served) -> None:
-    d, _ = served
+    d = served
     body = {
         "messages": ASK,
         "functions": [WEATHER["function"]],
@@ -336,7 +324,7 @@ def test_tool_messages_in_the_conversation_are_accepted(client) -> None:
 
 
 def test_client_disconnect_and_admin_abort_release_grammar_states(served) -> None:
-    d, _ = served
+    d = served
     body = {
         "model": MODEL,
         "messages": ASK,
@@ -421,7 +409,7 @@ def test_client_disconnect_and_admin_abort_release_grammar_states(served) -> Non
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(served, extra, param, words) -> None:
-    d, _ = served
+    d = served
     r = _post(d, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -430,7 +418,8 @@ def test_bad_constraints_are_400s_naming_the_field(served, extra, param, words) 
 
 
 def test_grammar_failing_part_way_is_a_400_naming_the_field_streamed_or_not(served) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     body = {"messages": ASK, "max_tokens": 40, "temperature": 0, "guided_json": FAILS_LATER}
     r = _post(d, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
@@ -452,7 +441,7 @@ def test_grammar_failing_part_way_is_a_400_naming_the_field_streamed_or_not(serv
 
 
 def test_compile_timeout_is_a_400_and_the_grammar_is_cached_after(served) -> None:
-    d, _ = served
+    d = served
     big = {
         "type": "object",
         "properties": {
@@ -488,7 +477,7 @@ def test_compile_timeout_is_a_400_and_the_grammar_is_cached_after(served) -> Non
 
 
 def test_stats_and_metrics_show_constrained_requests(served) -> None:
-    d, _ = served
+    d = served
     for i in range(2):
         _post(d, "/v1/completions", {"prompt": f"{i}", "max_tokens": 4})
         _post(d, "/v1/completions", {"prompt": f"{i}", "max_tokens": 8, "guided_json": PERSON})
