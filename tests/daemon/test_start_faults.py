@@ -244,7 +244,7 @@ def test_a_start_past_its_deadline_reports_dead_and_exits_1(tmp_path, tiny_model
         cfg, wait_ready=False, timeout=90, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     )
     seen: list[tuple[int, str]] = []
-    with httpx.Client(base_url=d.url, timeout=5) as c:
+    with d.client(timeout=5) as c:
         while d.proc.poll() is None:
             try:
                 r = c.get("/health/live")

@@ -20,7 +20,6 @@ import httpx
 import pytest
 import torch
 
-from controlplane.config import load_config
 from controlplane.engine import Engine, SamplingParams
 from controlplane.engine import compiled as compiled_module
 from controlplane.engine.attention.backend import SeqSpan
@@ -28,8 +27,7 @@ from controlplane.engine.compiled import compile_mode
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.model.linear import cpu_has_native_bf16
 from controlplane.engine.structured import StructuredOutput
-from harness import InProcessDaemon
-from tests.admin.test_admin_api import MODEL, TOKEN, admin_cfg
+from tests.admin.test_admin_api import MODEL, TOKEN
 from tests.conftest import (
     MIXED_ENGINE,
     mixed_workload,
@@ -368,29 +366,23 @@ def test_compiled_decode_on_smollm2(dtype):
         assert compiled.runner.compiled.steps - before >= 20  # the decode steps ran compiled
 
 
-def test_a_daemon_serves_while_its_step_compiles(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_daemon_serves_while_its_step_compiles(monkeypatch, make_daemon):
     """The daemon's default on a CPU: it answers from the start while the decode step
     compiles, `/admin/stats` says `warming` then `ready`, and once ready its step thread (not
     the thread that warmed up) runs the compiled step, with the same greedy text."""
     monkeypatch.setattr(compiled_module, "CPU_AUTO", "background")
-    path = admin_cfg(tmp_path, tiny_model_dir, engine={"max_num_seqs": 4})
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    try:
-        admin = httpx.Client(
-            base_url=d.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
-        )
-        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 12, "temperature": 0}
-        assert admin.get("/admin/stats").json()["compiled_step"] == "warming"
-        first = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
-        assert first.status_code == 200, first.text
-        deadline = time.monotonic() + 600
-        while (state := admin.get("/admin/stats").json()["compiled_step"]) == "warming":
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        assert state == "ready"
-        compiled = d.daemon.aengine.engine.runner.compiled
-        again = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
-        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
-        assert compiled.steps >= 10 and not compiled._eager_rows  # the step thread ran it
-    finally:
-        d.stop()
+    d = make_daemon(admin=True, engine={"max_num_seqs": 4})
+    admin = d.client(TOKEN)
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 12, "temperature": 0}
+    assert admin.get("/admin/stats").json()["compiled_step"] == "warming"
+    first = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    deadline = time.monotonic() + 600
+    while (state := admin.get("/admin/stats").json()["compiled_step"]) == "warming":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert state == "ready"
+    compiled = d.daemon.aengine.engine.runner.compiled
+    again = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert compiled.steps >= 10 and not compiled._eager_rows  # the step thread ran it

@@ -8,8 +8,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from controlplane.config import load_config
-from harness import InProcessDaemon, write_config
+from harness import InProcessDaemon
 
 TOKEN = "fuzz-token-0123456789abcdef"
 MODEL = "model"  # the tiny demo model's directory name
@@ -19,18 +18,11 @@ SKIP = {("POST", "/admin/drain")}
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
-        tiny_model_dir,
+def fuzz_daemon(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         admin_tokens=[{"name": "fuzz", "token": TOKEN}],
         engine={"max_model_len": 256},
     )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
 
 
 def test_no_operation_returns_5xx(fuzz_daemon):
