@@ -18,8 +18,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from controlplane.config import load_config
-from harness import InProcessDaemon, wait_rows, write_config
+from harness import InProcessDaemon, wait_rows
 from tests.conftest import require_smollm2
 from tests.engine.test_structured import FAILS_LATER
 
@@ -62,11 +61,8 @@ CITY = {
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("responses")
-    path = write_config(
-        tmp / "cp.toml",
-        tmp / "data",
+def served(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(
         require_smollm2(),
         engine={"max_model_len": 1024, "max_num_seqs": 8},
         server={"max_grammar_bytes": 60_000},  # FAILS_LATER's size
@@ -74,15 +70,6 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         prices=PRICES,
         admin_tokens=[{"name": "ops", "token": TOKEN}],
     )
-    cfg = load_config(path, env={})
-    d = InProcessDaemon(cfg, config_path=path).start()
-    yield d, cfg
-    d.stop()
-
-
-@pytest.fixture
-def client(served) -> openai.OpenAI:
-    return served[0].openai()
 
 
 def _row(cfg: Any, row_id: str) -> dict[str, Any]:
@@ -105,7 +92,7 @@ def _cost(usage: Any) -> float:
 
 
 def test_text_response_shape_usage_and_its_priced_row(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     r = client.responses.create(
         model=MODEL,
         instructions="Answer in one short sentence.",
@@ -157,7 +144,7 @@ def test_the_same_conversation_as_items_is_the_same_prompt(served, client) -> No
 
 
 def test_max_output_tokens_makes_it_incomplete(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     r = client.responses.create(
         model=MODEL,
         input="Tell me a long story about a dragon.",
@@ -171,7 +158,7 @@ def test_max_output_tokens_makes_it_incomplete(served, client) -> None:
 
 
 def test_json_schema_through_text_format(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     r = client.responses.create(
         model=MODEL,
         input="Describe Paris as JSON.",
@@ -196,7 +183,7 @@ def test_json_schema_through_text_format(served, client) -> None:
 
 
 def test_function_call_round_trip(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     ask = {"role": "user", "content": "What is the weather in Paris?"}
     first = client.responses.create(
         model=MODEL,
@@ -273,7 +260,7 @@ def _checked_order(events: list[Any]) -> None:
 
 
 def test_stream_text_deltas_make_the_final_text(served, client) -> None:
-    _d, cfg = served
+    cfg = served.cfg
     with client.responses.stream(
         model=MODEL, input="Say hello to Ada.", max_output_tokens=60, temperature=0
     ) as stream:
@@ -301,7 +288,7 @@ def test_stream_text_deltas_make_the_final_text(served, client) -> None:
 
 
 def test_stream_ends_incomplete_at_max_output_tokens(served) -> None:
-    d, _cfg = served
+    d = served
     body = {"input": "Tell me a long story.", "max_output_tokens": 4, "stream": True}
     with httpx.stream("POST", d.url + "/v1/responses", json={"model": MODEL, **body}) as resp:
         assert resp.status_code == 200
@@ -353,7 +340,8 @@ def test_assistant_output_goes_back_as_input(served, client) -> None:
 
 
 def test_grammar_failing_part_way_names_text_format_streamed_or_not(served) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     fmt = {"type": "json_schema", "name": "x", "schema": FAILS_LATER}
     body = {"input": "Some JSON please.", "text": {"format": fmt}, "max_output_tokens": 40}
     r = _post(d, {**body, "temperature": 0})
@@ -374,7 +362,8 @@ def test_grammar_failing_part_way_names_text_format_streamed_or_not(served) -> N
 
 
 def test_an_operator_abort_cancels_the_stream(served) -> None:
-    d, cfg = served
+    d = served
+    cfg = d.cfg
     body = {"model": MODEL, "input": "Write a very long essay about rivers.", "stream": True}
     body["max_output_tokens"] = 800
     data = []
@@ -489,7 +478,7 @@ CALL = {"type": "function_call", "call_id": "c1", "name": "get_weather", "argume
     ],
 )
 def test_malformed_requests_are_400_naming_the_field(served, body, param) -> None:
-    d, _cfg = served
+    d = served
     r = _post(d, body)
     assert r.status_code == 400, (r.status_code, r.text)
     error = r.json()["error"]
@@ -498,7 +487,7 @@ def test_malformed_requests_are_400_naming_the_field(served, body, param) -> Non
 
 
 def test_unknown_model_and_non_object_bodies(served) -> None:
-    d, _cfg = served
+    d = served
     r = httpx.post(d.url + "/v1/responses", json={"model": "nope", "input": "hi"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(d.url + "/v1/responses", json=[1, 2])
@@ -527,14 +516,8 @@ def test_unknown_fields_are_ignored(served, client) -> None:
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("responses-fuzz")
-    path = write_config(
-        tmp / "cp.toml", tmp / "data", tiny_model_dir, engine={"max_model_len": 256}
-    )
-    d = InProcessDaemon(load_config(path, env={}), config_path=path).start()
-    yield d
-    d.stop()
+def fuzz_daemon(make_module_daemon) -> InProcessDaemon:
+    return make_module_daemon(engine={"max_model_len": 256})
 
 
 @pytest.mark.parametrize(
