@@ -15,7 +15,6 @@ import torch
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.utils.cpp_extension import _get_build_directory
 
 from controlplane.engine import compiled
@@ -26,6 +25,9 @@ from harness import InProcessDaemon, assert_no_leaks, drain
 # says it up front (where no GPU runs the kernels natively).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Only now: importing inductor's cache helpers imports triton, which fixes interpreter-or-not.
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 # `engine.compile = auto` compiles the decode step in the background in a daemon on a CPU: the
 # suite's dozens of short-lived daemons would each spend 10-160 s of its two cores on it.
