@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tui_parser(sub)
 
-    from controlplane.engine.kernels.cli import add_kernels_parser
+    from controlplane.kernels_cli import add_kernels_parser
 
     add_kernels_parser(sub)
 

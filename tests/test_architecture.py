@@ -33,8 +33,9 @@ ENGINE_PUBLIC = {
     "controlplane.engine.structured",  # StructuredOutput (the /v1 request parser)
     "controlplane.engine.gguf.known",  # model catalog: default model paths and names
     "controlplane.engine.demo_model",  # `controlplane demo-model` and the default model
-    "controlplane.engine.kernels.cli",  # `controlplane kernels build|status` (torch-free import)
     "controlplane.engine.kernels.caches",  # the daemon's kernel and inductor cache directories
+    "controlplane.engine.kernels.cpu_ops",  # `controlplane kernels`: build, load, state
+    "controlplane.engine.kernels.manifest",  # `controlplane kernels build --ship`
 }
 ENGINE_HANDLES = {"controlplane.runtime.runtime", "controlplane.daemon"}
 
