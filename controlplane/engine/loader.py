@@ -2,7 +2,9 @@
 
 The model is built on the meta device, then each parameter is assigned its tensor: from a
 directory, the tensor safetensors maps from the file (zero-copy on CPU when the dtype already
-matches); from a `.gguf` file, the tensor dequantized from its blocks (see engine/gguf).
+matches); from a `.gguf` file, the tensor dequantized from its blocks (see engine/gguf); from
+a directory that holds `random_weights.json` instead of weights, a random tensor generated on
+the device (benchmarks of shapes no checkpoint on disk is worth: `random_state`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def load_model(
         model = CausalLM(cfg, max_len)
     if is_gguf(model_dir):
         state = _gguf_state(model_dir, model, cfg, dtype, device)
+    elif (model_dir / RANDOM_WEIGHTS_FILE).is_file():
+        state = random_state(model_dir, model, cfg, dtype, device)
     else:
         state = _safetensors_state(model_dir, model, cfg, dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
@@ -127,6 +131,35 @@ def _safetensors_state(
                 )
             # Same dtype on CPU: the mmap'd tensor itself, no copy.
             state[name] = handles[path].get_tensor(name).to(device=device, dtype=dtype)
+    return state
+
+
+# In a model directory instead of weights: `{"seed": 0, "std": 0.02}` (both optional).
+RANDOM_WEIGHTS_FILE = "random_weights.json"
+
+
+def random_state(
+    model_dir: Path, model: CausalLM, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Random weights for a directory with `random_weights.json` (config.json and the tokenizer
+    beside it, no weight file): each tensor generated on `device` in `dtype` by a generator of
+    that device seeded with `seed`, normal(0, `std`) for the linears and embeddings, ones for
+    the norms. An 8B model's 16 GB take seconds on a GPU, against minutes to write and read a
+    checkpoint; the same seed gives the same weights on the same device and torch."""
+    path = model_dir / RANDOM_WEIGHTS_FILE
+    try:
+        spec = json.loads(path.read_text() or "{}")
+        seed, std = int(spec.get("seed", 0)), float(spec.get("std", 0.02))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{path}: not a JSON object with a seed and a std ({exc})") from exc
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in _loaded_parameters(model, cfg).items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            state[name] = t.normal_(0.0, std, generator=gen)
     return state
 
 
