@@ -26,7 +26,7 @@ class RestartRequiredError(InvalidSettingError):
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PREFIX_CACHE_ISOLATIONS = ("key", "none")
 COMPILE_MODES = ("auto", "on", "off")
@@ -160,9 +160,10 @@ class EngineSettings:
     quantization: str = _restart(
         "Weight-only quantization of the linear layers at load: auto (what a GGUF file stores "
         "quantized stays so: 4-bit linears as int4, 5- to 8-bit ones and a quantized embedding "
-        "or lm_head as int8; float checkpoints: none), none, int8 (per output channel) or int4 "
-        "(group-wise); norms stay float. Fewer bits: less memory and a faster decode, at some "
-        "quality. Figures: docs/benchmarks.md#quantized-weights.",
+        "or lm_head as int8; float checkpoints: none), none, int8 (per output channel), int4 "
+        "(group-wise) or fp8 (e4m3 per output channel: fast on GPUs with FP8 tensor cores, "
+        "elsewhere only smaller); norms stay float. Fewer bits: less memory and a faster "
+        "decode, at some quality. Figures: docs/benchmarks.md#quantized-weights.",
         "auto",
         choices=QUANTIZATIONS,
     )
@@ -264,7 +265,8 @@ class EngineSettings:
         "",
     )
     speculative_draft_quantization: str = _restart(
-        "The draft model's weight-only quantization (auto, none, int8, int4), as `quantization`.",
+        "The draft model's weight-only quantization (auto, none, int8, int4, fp8), as "
+        "`quantization`.",
         "auto",
         choices=QUANTIZATIONS,
     )

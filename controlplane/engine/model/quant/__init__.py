@@ -1,13 +1,14 @@
 """Weight-only quantized linears: INT8 per output channel (W8A16, int8.py), INT4 group-wise
-(W4A16, int4.py), from the float weights the loader produced, quantized once at load
-(weights.py) and kept packed; activations stay in the model dtype (or int8, with
-engine.quantize_activations, where our kernels for them serve).
+(W4A16, int4.py), FP8 e4m3 per output channel (fp8.py), from the float weights the loader
+produced, quantized once at load (weights.py) and kept packed; activations stay in the model
+dtype (or int8, with engine.quantize_activations, where our kernels for them serve; or e4m3
+per token, inside the FP8 GEMM of a GPU that has one).
 
 Each format lists its kernels in order of preference (`POSSIBLE_KERNELS`); each kernel says
 whether it can serve a layer's shape on its device and why not (kernels.py), the first that can
 builds the layer, and the start-up log says, per kind of layer, which served and why the ones
-ahead of it were passed over. Which kernels those are and where each wins: int8.py and
-int4.py; the measurements: docs/benchmarks.md#quantized-weights.
+ahead of it were passed over. Which kernels those are and where each wins: int8.py, int4.py
+and fp8.py; the measurements: docs/benchmarks.md#quantized-weights.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from controlplane.engine.model.quant.fp8 import FP8_KERNELS, Fp8Linear
 from controlplane.engine.model.quant.int4 import INT4_KERNELS, Int4Linear, pack_int4
 from controlplane.engine.model.quant.int4_cpu import (
     MANY_ROWS_CHOICES,
@@ -41,8 +43,10 @@ from controlplane.engine.model.quant.kernels import (
     kernel_dtype,
 )
 from controlplane.engine.model.quant.weights import (
+    Fp8Weight,
     Int4Weight,
     Int8Weight,
+    quantize_fp8,
     quantize_int4,
     quantize_int8,
 )
@@ -51,10 +55,13 @@ from controlplane.engine.types import MemoryUse
 
 __all__ = [
     "A8_GROUP",
+    "FP8_KERNELS",
     "INT4_KERNELS",
     "INT8_KERNELS",
     "MANY_ROWS_CHOICES",
     "POSSIBLE_KERNELS",
+    "Fp8Linear",
+    "Fp8Weight",
     "Int4Linear",
     "Int4Weight",
     "Int8Embedding",
@@ -73,6 +80,7 @@ __all__ = [
     "memory_use",
     "pack_int4",
     "pick_many_rows",
+    "quantize_fp8",
     "quantize_int4",
     "quantize_int8",
     "quantize_linear",
@@ -87,6 +95,7 @@ log = logging.getLogger(__name__)
 POSSIBLE_KERNELS: dict[str, tuple[type[LinearKernel], ...]] = {
     "int8": INT8_KERNELS,
     "int4": INT4_KERNELS,
+    "fp8": FP8_KERNELS,
 }
 
 
@@ -130,7 +139,7 @@ def quantize_linear(
 class QuantConfig:
     """What `engine.quantization`, `quantization_group_size` and `quantize_lm_head` ask for."""
 
-    kind: str = "none"  # none | int8 | int4: the transformer's linear layers
+    kind: str = "none"  # none | int8 | int4 | fp8: the transformer's linear layers
     group_size: int = 32
     lm_head: bool = False  # lm_head in int8
     embedding: bool = False  # the token embedding table in int8 (shared with a tied lm_head)
@@ -149,7 +158,8 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     (llama.cpp keeps it at 6-8 bits too); on SmolLM2 a 4-bit lm_head cost +7% perplexity, an
     8-bit one +0.44%. A tied lm_head with `embedding` on shares one int8 table with the
     embedding (rows dequantized on gather); without it, the lm_head is an int8 copy and the
-    embedding stays float, as `quantize_lm_head` always did for float checkpoints.
+    embedding stays float, as `quantize_lm_head` always did for float checkpoints. The same
+    holds with fp8 linears (fp8.py says why the lm_head is not FP8).
     """
     before = weight_bytes(model)
     count = 0
@@ -251,7 +261,7 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     for module in model.modules():
         tensors = list(module.parameters(recurse=False))
-        if isinstance(module, Int8Linear | Int4Linear | Int8Embedding):
+        if isinstance(module, Int8Linear | Int4Linear | Int8Embedding | Fp8Linear):
             tensors += list(module.buffers(recurse=False))
         packed = getattr(module, "packed", None)  # PackedLinear's opaque oneDNN weight
         if isinstance(packed, torch.Tensor) and not isinstance(module, Int4Linear):

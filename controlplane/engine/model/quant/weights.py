@@ -1,9 +1,17 @@
-"""The quantization itself, no kernel: float weights to int8 rows or int4 groups and back.
+"""The quantization itself, no kernel: float weights to int8 rows, int4 groups or FP8 rows and
+back.
 
 INT4 uses tinygemm's convention on every device: w = (q - 8) * scale + zero, q in [0, 15],
 one (scale, zero) pair per `group_size` consecutive input features of an output row.
 Asymmetric (min/max) groups: the zero point costs nothing in the kernel and halves the
 rounding error of groups whose values are not centred on zero.
+
+FP8 is e4m3 (torch.float8_e4m3fn: 4 exponent bits, 3 mantissa bits, largest finite value
+448, no infinities) with one float32 scale per output channel, max |w| / 448, so each row's
+largest weight lands on e4m3's largest value and the row uses the format's whole range. A
+floating-point grid: every weight keeps 3 mantissa bits relative to its own magnitude (a
+relative rounding error of at most 2^-4), where int8's uniform grid gives small weights of a
+row with one large one few levels.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 TINY = 1e-12  # an all-zero row or group keeps a finite scale
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +44,26 @@ class Int4Weight:
         scales = self.scales_and_zeros[..., 0].t().repeat_interleave(self.group_size, dim=1)
         zeros = self.scales_and_zeros[..., 1].t().repeat_interleave(self.group_size, dim=1)
         return (self.qvalues.float() - 8) * scales[:, :k] + zeros[:, :k]
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    qweight: torch.Tensor  # float8_e4m3fn [N, K]
+    scales: torch.Tensor  # float32 [N]: w ~= qweight * scales[:, None]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None].float()
+
+
+def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
+    """e4m3 per output channel: each row divided by its max |w| / 448 and rounded to the
+    nearest e4m3 value (torch's conversion: round to nearest even). The clamp saturates a
+    quotient a float32 rounding above 448 explicitly, whatever a device's conversion does past
+    the largest value (float8_e4m3fn has no infinity: its only code above 448 is NaN)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=TINY) / FP8_MAX
+    q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(q, scales)
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

@@ -1,0 +1,196 @@
+"""FP8 weight linears (W8A16 in e4m3, or W8A8 where the GPU multiplies FP8): float8_e4m3fn
+weights, one float32 scale per output channel (weights.quantize_fp8). Their kernels, in order
+of preference (FP8_KERNELS):
+
+* `scaled_mm`: torch's `_scaled_mm`, the FP8 tensor-core GEMM of NVIDIA GPUs of compute
+  capability 8.9 and up (Ada, Hopper, Blackwell): the activations are quantized to e4m3 on the
+  fly, each row (token) with its own scale, and the kernel applies both scales in its epilogue
+  (`scale_a` [rows, 1], `scale_b` [1, N]: rowwise scaling). Rowwise, not one scale for the whole
+  activation tensor: with one scale, a single token with a large activation (an outlier
+  channel, a long prompt's first token) coarsens the grid of every other token in the step,
+  and a token's result then depends on what shares its step; with a scale per token each row
+  is quantized on its own grid, as accurate as the format allows and the same at every batch
+  size. Where this torch's `_scaled_mm` has no rowwise scaling on the GPU (probed once per
+  device at load: it has been missing on some architectures and builds), one scale for the
+  tensor (`scale_a` a scalar, `scale_b` 1) and the weight's per-channel scales multiplying the
+  output in float32; the start-up log says which. Its output is bfloat16 (the dtype rowwise
+  scaling writes), converted to the model's dtype. It needs K and N multiples of 16.
+* `dequant`: the weight dequantized to the activations' dtype (e4m3 values times their
+  float32 scale, rounded once), then `F.linear`: anywhere, the CPU included (the path the CPU
+  suite covers). It saves memory, not time: each call converts the whole weight.
+
+The lm_head and the embedding are not FP8: `quantize_lm_head` keeps the lm_head int8 per
+output row as for the other formats (its precision matters most: int8's 8 bits per row against
+e4m3's 3 mantissa bits, and our CPU kernels serve it), and the embedding table stays in the
+model's dtype.
+
+A GGUF file with `quantization = "fp8"` takes the loader's one path for every file: its tensors
+are dequantized to float, then quantized to e4m3 (as `int8` and `int4` re-quantize a file's
+K-quants): a 4- to 8-bit block rounds a second time, onto a finer or equal grid.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from controlplane.engine.model.quant.kernels import LinearKernel, LinearSpec, choose
+from controlplane.engine.model.quant.weights import FP8_MAX, TINY, Fp8Weight, quantize_fp8
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada: the first NVIDIA GPUs with FP8 tensor cores
+_SCALED_MM_MULTIPLE = 16  # _scaled_mm's K and N on CUDA
+
+
+class Fp8Linear(nn.Module):
+    """float8_e4m3fn weights [N, K] with one float32 scale per output channel; activations
+    in the model's dtype (`dequant`) or quantized to e4m3 per token (`scaled_mm`)."""
+
+    def __init__(
+        self,
+        weight: Fp8Weight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        kernel: str = "",
+        rowwise: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.qweight.shape
+        device = weight.qweight.device
+        self.dtype = dtype
+        self.kernel = (
+            kernel
+            or choose(FP8_KERNELS, LinearSpec(*weight.qweight.shape, device, dtype)).kernel.name
+        )
+        # scaled_mm: one activation scale per token where the GPU's _scaled_mm takes them.
+        if self.kernel != "scaled_mm":
+            rowwise = False
+        elif rowwise is None:
+            rowwise = rowwise_unavailable(device) is None
+        self.rowwise = rowwise
+        self.register_buffer("qweight", weight.qweight.contiguous())
+        self.register_buffer("scales", weight.scales.float().contiguous())
+        # One scale for the step's activations: `scale_b` is then the scalar 1 (the weight's
+        # per-channel scales multiply the output).
+        one = torch.ones((), device=device) if self.kernel == "scaled_mm" and not rowwise else None
+        self.register_buffer("_one", one, persistent=False)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    def weight_dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight the `dequant` kernel multiplies: e4m3 values times their scales in
+        float32, rounded once to `dtype`."""
+        return (self.qweight.float() * self.scales[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "scaled_mm":
+            y = self._scaled_mm(x2).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x2, self.weight_dequantized(x.dtype), self.bias)
+        return y.view(*lead, self.out_features)
+
+    def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        # [rows, 1]: one scale per token; else one for the step.
+        amax = x2.abs().amax(dim=1, keepdim=True) if self.rowwise else x2.abs().amax()
+        scale_a = amax.float().clamp(min=TINY) / FP8_MAX
+        xq = (x2.float() / scale_a).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        w = self.qweight.t()  # [K, N], column-major: what _scaled_mm takes as its second
+        if self.rowwise:
+            return torch._scaled_mm(
+                xq, w, scale_a, self.scales.view(1, -1), out_dtype=torch.bfloat16
+            )
+        y = torch._scaled_mm(xq, w, scale_a, self._one, out_dtype=torch.bfloat16)
+        return y.float() * self.scales
+
+    def kernel_detail(self) -> str:
+        """For the start-up log: how scaled_mm scales its activations."""
+        if self.kernel != "scaled_mm":
+            return ""
+        return "a scale per token" if self.rowwise else "one activation scale per step"
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"kernel={self.kernel}, dtype={self.dtype}"
+            + (f", rowwise={self.rowwise}" if self.kernel == "scaled_mm" else "")
+        )
+
+
+@functools.cache
+def _rowwise_probe(device_type: str, index: int | None) -> str | None:
+    device = torch.device(device_type, index)
+    a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(
+            a,
+            a.t(),
+            torch.ones(16, 1, device=device),
+            torch.ones(1, 16, device=device),
+            out_dtype=torch.bfloat16,
+        )
+    except (RuntimeError, NotImplementedError) as e:
+        lines = str(e).strip().splitlines()
+        return "this torch's _scaled_mm has no rowwise scaling here" + (
+            f" ({lines[0][:160]})" if lines else ""
+        )
+    return None
+
+
+def rowwise_unavailable(device: torch.device) -> str | None:
+    """Why `_scaled_mm` cannot take a scale per token on `device` (probed once), or None."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _rowwise_probe(device.type, device.index)
+
+
+def scaled_mm_unavailable(spec: LinearSpec) -> str | None:
+    """Why torch's FP8 GEMM cannot run `spec`'s layer, or None."""
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return "this torch has no _scaled_mm"
+    if spec.device.type != "cuda":
+        return f"the device is {spec.device.type}, not CUDA"
+    capability = torch.cuda.get_device_capability(spec.device)
+    if capability < FP8_MIN_CAPABILITY:
+        return (
+            f"compute capability {capability[0]}.{capability[1]} is below "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} (no FP8 tensor cores)"
+        )
+    if spec.in_features % _SCALED_MM_MULTIPLE or spec.out_features % _SCALED_MM_MULTIPLE:
+        return (
+            f"{spec.in_features} -> {spec.out_features} features: _scaled_mm needs multiples "
+            f"of {_SCALED_MM_MULTIPLE}"
+        )
+    return None
+
+
+class Fp8Kernel(LinearKernel):
+    """An FP8 kernel: the layer it builds is an Fp8Linear running it."""
+
+    @classmethod
+    def build(cls, linear: nn.Linear, spec: LinearSpec) -> nn.Module:
+        return Fp8Linear(quantize_fp8(linear.weight), linear.bias, spec.dtype, cls.name)
+
+
+class Fp8ScaledMM(Fp8Kernel):
+    name = "scaled_mm"
+
+    @classmethod
+    def can_serve(cls, spec: LinearSpec) -> str | None:
+        return scaled_mm_unavailable(spec)
+
+
+class Fp8Dequant(Fp8Kernel):
+    name = "dequant"
+
+    @classmethod
+    def can_serve(cls, spec: LinearSpec) -> str | None:
+        return None  # F.linear runs anywhere
+
+
+# In order of preference: the first that can serve a layer runs it.
+FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8ScaledMM, Fp8Dequant)
