@@ -19,6 +19,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m "not drill" \
     tests/engine/test_triton_attention.py 2>&1 | tee "$OUT/pytest_triton.log" | tail -15
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m gpu \
-    tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+    tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py tests/engine/test_fp8_weights.py \
+    2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 timeout "${BENCH_TIMEOUT:-330}" python3 -m benchmarks.gpu_decode --json "$OUT/gpu_decode.json" \
     "$@" 2>&1 | tee "$OUT/gpu_decode.log" | tail -20

@@ -5,28 +5,32 @@ of preference (FP8_KERNELS):
 * `scaled_mm`: torch's `_scaled_mm`, the FP8 tensor-core GEMM of NVIDIA GPUs of compute
   capability 8.9 and up (Ada, Hopper, Blackwell): the activations are quantized to e4m3 on the
   fly, each row (token) with its own scale, and the kernel applies both scales in its epilogue
-  (`scale_a` [rows, 1], `scale_b` [1, N]: rowwise scaling). Rowwise, not one scale for the whole
-  activation tensor: with one scale, a single token with a large activation (an outlier
-  channel, a long prompt's first token) coarsens the grid of every other token in the step,
-  and a token's result then depends on what shares its step; with a scale per token each row
-  is quantized on its own grid, as accurate as the format allows and the same at every batch
-  size. Where this torch's `_scaled_mm` has no rowwise scaling on the GPU (probed once per
-  device at load: it has been missing on some architectures and builds), one scale for the
-  tensor (`scale_a` a scalar, `scale_b` 1) and the weight's per-channel scales multiplying the
-  output in float32; the start-up log says which. Its output is bfloat16 (the dtype rowwise
-  scaling writes), converted to the model's dtype. It needs K and N multiples of 16.
+  (`scale_a` [rows, 1], `scale_b` [1, N]: rowwise scaling). Rowwise, not one scale for the
+  whole activation tensor: with one scale, a token's result depends on what shares its step
+  (the step's largest activation sets everyone's grid), so a request's tokens would change
+  with the batch; and a token with a large enough activation (an outlier channel, a prompt's
+  first token) pushes the others down e4m3's range into its subnormals, then to zero (being
+  floating point, e4m3 absorbs a gap of a few thousand first: test_fp8_weights.py). With a
+  scale per token each row is quantized on its own grid, whatever shares its step; the price
+  is a max over each row instead of one over the tensor. Where this torch's `_scaled_mm` has
+  no rowwise scaling on the GPU (probed once per device at load: it has been missing on some
+  architectures and builds), one scale for the tensor (`scale_a` a scalar, `scale_b` 1) and
+  the weight's per-channel scales multiplying the output in float32; the start-up log says
+  which. Its output is bfloat16 (the dtype rowwise scaling writes), converted to the model's
+  dtype. It needs K and N multiples of 16.
 * `dequant`: the weight dequantized to the activations' dtype (e4m3 values times their
   float32 scale, rounded once), then `F.linear`: anywhere, the CPU included (the path the CPU
   suite covers). It saves memory, not time: each call converts the whole weight.
 
 The lm_head and the embedding are not FP8: `quantize_lm_head` keeps the lm_head int8 per
-output row as for the other formats (its precision matters most: int8's 8 bits per row against
-e4m3's 3 mantissa bits, and our CPU kernels serve it), and the embedding table stays in the
-model's dtype.
+output row as with the other formats (its precision matters most, int8 per row is the head
+whose cost in perplexity was measured, docs/models.md, and our CPU kernels serve it), and the
+embedding table stays in the model's dtype.
 
-A GGUF file with `quantization = "fp8"` takes the loader's one path for every file: its tensors
-are dequantized to float, then quantized to e4m3 (as `int8` and `int4` re-quantize a file's
-K-quants): a 4- to 8-bit block rounds a second time, onto a finer or equal grid.
+A GGUF file with `quantization = "fp8"` takes the loader's one path for every file, as `int8`
+and `int4` do: its tensors are dequantized to float, then quantized to e4m3. Its blocks round a
+second time (each weight within 2^-4 of its dequantized value, as for any float checkpoint);
+refusing would make fp8 the one explicit format a GGUF file cannot be served in.
 """
 
 from __future__ import annotations
