@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks, in one call on a machine with an NVIDIA GPU: the Triton attention tests
-# compiled for the GPU (the same cases the CPU suite runs under the interpreter), the
-# gpu-marked tests (CUDA graphs over the compiled step, the quantized kernels), then
-# benchmarks/gpu_decode.py.
-# Logs and JSON go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (for packages the
-# machine lacks, e.g. sqlalchemy for tests/conftest.py) are installed to /tmp/site first.
+# The GPU checks and figures, in one call on a machine with an NVIDIA GPU, inside ~9.5 minutes
+# (TOTAL_S, default 560 s: a 10-minute device call less its transfers), in order of value so
+# that running out of time loses the least:
+#   1. benchmarks/gpu_seeds.py on the Llama-3-8B shape in bf16 (the seeds' table);
+#   2. the gpu-marked tests (CUDA graphs over the compiled step, the quantized kernels, ...);
+#   3. benchmarks/gpu_daemon.py: the daemon with the sampler on (NVML rows, the rollup's cost);
+#   4. gpu_seeds on the 8B with fp8, then int4 weights; 5. gpu_seeds on the ~1.1B (1b shape);
+#   6. the Triton attention tests compiled for the GPU (the cases the CPU suite interprets);
+#   7. benchmarks/gpu_decode.py (arguments to this script go to it).
+# Each step's timeout is the smaller of its own cap and the time left; a step with under 20 s
+# left is skipped (said in the log). Logs go to $OUT/gpu_check.log (one file: a device call
+# brings back 8 files at most, and these are 8 with pytest_gpu.log), figures to $OUT/*.json
+# (default /tmp/gpu-check). Wheels in .whl/ (for packages the machine lacks: the daemon's, see
+# benchmarks/README.md) are installed to /tmp/site first.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -14,12 +22,45 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+TOTAL_S=${TOTAL_S:-560}
+LOG="$OUT/gpu_check.log"
+# cap N: N, or the seconds left if fewer (at least 1: `timeout 0` would mean no limit).
+cap() {
+    local l=$((TOTAL_S - SECONDS))
+    ((l < 1)) && l=1
+    if ((l < $1)); then echo "$l"; else echo "$1"; fi
+}
+# step NAME CAP CMD...: CMD under `timeout` (cap CAP; KILL 20 s after the TERM), its output
+# appended to $LOG, its tail shown.
+step() {
+    local name=$1 t
+    t=$(cap "$2")
+    shift 2
+    if ((t < 20)); then
+        echo "== $name: skipped, ${t} s left of ${TOTAL_S} s" | tee -a "$LOG"
+        return 0
+    fi
+    echo "== $name: timeout ${t} s, at ${SECONDS} s" | tee -a "$LOG"
+    timeout -k 20 "$t" "$@" 2>&1 | tee -a "$LOG" | tail -25
+    echo "== $name: exit ${PIPESTATUS[0]} at ${SECONDS} s" | tee -a "$LOG"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m "not drill" \
-    tests/engine/test_triton_attention.py 2>&1 | tee "$OUT/pytest_triton.log" | tail -15
+step seeds_8b_bf16 270 python3 -m benchmarks.gpu_seeds --shape 8b --weights bf16 \
+    --budget-s 240 --json "$OUT/seeds_8b_bf16.json"
+TEST_TIMEOUT=$(cap "${TEST_TIMEOUT:-150}")
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m gpu \
     tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py tests/engine/test_fp8_weights.py \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-timeout "${BENCH_TIMEOUT:-330}" python3 -m benchmarks.gpu_decode --json "$OUT/gpu_decode.json" \
-    "$@" 2>&1 | tee "$OUT/gpu_decode.log" | tail -20
+step daemon 180 python3 -m benchmarks.gpu_daemon --shape 1b --json "$OUT/daemon.json"
+step seeds_8b_fp8 180 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
+    --budget-s 150 --json "$OUT/seeds_8b_fp8.json"
+step seeds_8b_int4 180 python3 -m benchmarks.gpu_seeds --shape 8b --weights int4 \
+    --budget-s 150 --json "$OUT/seeds_8b_int4.json"
+step seeds_1b_bf16 150 python3 -m benchmarks.gpu_seeds --shape 1b --weights bf16 \
+    --budget-s 120 --json "$OUT/seeds_1b_bf16.json"
+step pytest_triton 240 python3 -m pytest -p no:cacheprovider -q -m "not drill" \
+    tests/engine/test_triton_attention.py
+step gpu_decode "${BENCH_TIMEOUT:-330}" python3 -m benchmarks.gpu_decode \
+    --json "$OUT/gpu_decode.json" "$@"
+echo "== done at ${SECONDS} s of ${TOTAL_S} s" | tee -a "$LOG"
