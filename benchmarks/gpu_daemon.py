@@ -36,6 +36,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -194,8 +195,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_json(dest: str | None, out: dict[str, Any]) -> None:
+    if dest and dest != "-":
+        Path(dest).write_text(json.dumps(out, indent=2, default=str) + "\n")
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(f"gpu_daemon: signal {signum} (a timeout?): stopping the daemon")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (gpu_check.sh's `timeout`) unwinds like an exception: the daemon is stopped, the
+    # temporary directory removed and what was measured written.
+    signal.signal(signal.SIGTERM, _terminated)
     missing = missing_modules()
     if missing:
         print(
@@ -247,11 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(tmp.name)
     try:
         rc = run(args, out, data, model, engine, vocab, peak)
+    except SystemExit as exc:
+        out["error"] = str(exc)
+        rc = 1
     finally:
         if tmp is not None:
             tmp.cleanup()
-    if args.json and args.json != "-":
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    write_json(args.json, out)
     print_summary(out, sys.stderr if args.json == "-" else sys.stdout)
     if args.json == "-":
         print(json.dumps(out, indent=2, default=str))
@@ -308,6 +323,7 @@ def run(
         return 1
     out["daemon_start_s"] = round(time.perf_counter() - t0, 2)
     log(f"daemon ready at {daemon.url} in {out['daemon_start_s']} s")
+    write_json(args.json, out)
     rc = 0
     try:
         load_json = data / "loadgen.json"
