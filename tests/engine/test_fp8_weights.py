@@ -360,6 +360,19 @@ def test_fp8_is_a_quantization_choice_and_unknown_ones_name_the_choices(field):
         assert all(choice in message for choice in QUANTIZATIONS)
 
 
+def test_the_config_file_takes_fp8_and_names_the_choices_for_an_unknown_one(tmp_path):
+    from controlplane.config import load_config
+    from harness import write_config
+
+    ok = write_config(tmp_path / "ok.toml", tmp_path / "d1", None, engine={"quantization": "fp8"})
+    assert load_config(ok, env={}).engine.quantization == "fp8"
+    bad = write_config(tmp_path / "bad.toml", tmp_path / "d2", None, engine={"quantization": "fp6"})
+    with pytest.raises(InvalidSettingError) as exc:
+        load_config(bad, env={})
+    assert exc.value.field == "engine.quantization"
+    assert all(choice in str(exc.value) for choice in QUANTIZATIONS)
+
+
 def test_an_unknown_format_passed_to_the_quantizer_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown quantization 'fp4'") as exc:
         quant.quantize_linear(linear(16, 16), "fp4", 0)
