@@ -232,6 +232,13 @@ class Run:
         self.out["skipped"][phase] = why
         self.save()
 
+    def recover(self) -> None:
+        """After a phase raised: abort what it left queued, free the allocator's cache."""
+        for rid in list(self.eng.requests):
+            self.eng.abort(rid)
+        if self.args.device == "cuda":
+            torch.cuda.empty_cache()
+
     def prompt(self, n: int) -> list[int]:
         return torch.randint(100, self.vocab - 1, (n,), generator=self.gen).tolist()
 
@@ -285,14 +292,21 @@ class Run:
         t0 = time.perf_counter()
         try:
             self.eng = Engine(**settings)
-        except InvalidSettingError as exc:
-            if exc.field in ("quantization", "quantize_lm_head") or a.weights == "fp8":
-                self.out["available"] = False
-                self.out["not_available"] = f"{exc.field}: {exc.message}"
-                log(f"--weights {a.weights}: not available ({exc.field}: {exc.message})")
-                self.save()
-                return False
-            raise
+        except Exception as exc:
+            # A format the engine refuses (a setting it does not know yet) or cannot build here
+            # (no kernel for this device): reported, not raised. The bf16 model must build.
+            refused = isinstance(exc, InvalidSettingError) and exc.field in (
+                "quantization",
+                "quantize_lm_head",
+            )
+            if not refused and a.weights == "bf16":
+                raise
+            why = f"{exc.field}: {exc.message}" if refused else f"{type(exc).__name__}: {exc}"
+            self.out["available"] = False
+            self.out["not_available"] = why
+            log(f"--weights {a.weights}: not available ({why})")
+            self.save()
+            return False
         finally:
             logger.removeHandler(lines)
             logger.setLevel(old_level)
@@ -577,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": args.budget_s,
         "available": None,
         "skipped": {},
+        "errors": {},
         "batches": [],
         "assumed_h100": {
             "copy_bandwidth_Bps": H100_COPY_BW,
@@ -607,7 +622,13 @@ def main(argv: list[str] | None = None) -> int:
             if run.left() <= 0 and phase != "kv_capacity":  # arithmetic: always
                 run.skip(phase, "time budget spent")
                 continue
-            fn()
+            try:
+                fn()
+            except Exception as exc:  # say, out of memory at batch 64: the next phases still run
+                log(f"[{phase}] failed: {type(exc).__name__}: {exc}")
+                out["errors"][phase] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                run.recover()
+                run.save()
     out["total_s"] = round(time.perf_counter() - t_start, 2)
     write_json(args.json, out)
     # With `--json -` the JSON alone goes to stdout, the table to stderr.
@@ -656,6 +677,8 @@ def print_table(out: dict[str, Any], stream: Any) -> None:
             )
     for phase, why in out["skipped"].items():
         p(f"  {phase}: skipped ({why})")
+    for phase, why in out["errors"].items():
+        p(f"  {phase}: failed ({why})")
 
 
 if __name__ == "__main__":

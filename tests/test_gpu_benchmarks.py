@@ -60,7 +60,7 @@ def test_gpu_seeds_tiny_on_cpu(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["available"] is True and r["skipped"] == {}, r["skipped"]
+    assert r["available"] is True and r["skipped"] == {} and r["errors"] == {}, r
     for key in ("device", "startup_s", "weights_load_s", "warmup_s", "copy_bandwidth_Bps"):
         assert key in r, key
     assert r["weight_bytes"] > 0
