@@ -91,9 +91,12 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "scaled_mm":
-            y = self._scaled_mm(x2).to(x.dtype)
+            # The bias added in float32 and the sum rounded once: the same bits eager and
+            # compiled (inductor drops an intermediate rounding to a 16-bit dtype when it fuses).
+            y = self._scaled_mm(x2).float()
             if self.bias is not None:
-                y = y + self.bias
+                y = y + self.bias.float()
+            y = y.to(x.dtype)
         else:
             y = F.linear(x2, self.weight_dequantized(x.dtype), self.bias)
         return y.view(*lead, self.out_features)
