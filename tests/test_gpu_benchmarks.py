@@ -50,6 +50,7 @@ def test_random_weights_directory(tmp_path: Path) -> None:
         load()
 
 
+@pytest.mark.slow  # 13 s on a quiet 2-core VM, 43 s with other work on its cores
 def test_gpu_seeds_tiny_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "seeds.json"
     done = _run(
