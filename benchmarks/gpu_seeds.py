@@ -50,7 +50,7 @@ skipped (the JSON says so), and a batch run still going at the deadline is abort
 as partial. The JSON (`--json PATH`) is rewritten after every phase, so a run killed by a
 timeout keeps what it measured.
 
-    python -m benchmarks.gpu_seeds --json /tmp/seeds-8b.json                 # 8B bf16, ~4 min
+    python -m benchmarks.gpu_seeds --json /tmp/seeds-8b.json                 # 8B bf16, <= 6 min
     python -m benchmarks.gpu_seeds --weights int4 --budget-s 150
     python -m benchmarks.gpu_seeds --shape 1b
     python -m benchmarks.gpu_seeds --shape tiny --device cpu --quick --json -  # CPU smoke run
