@@ -11,7 +11,7 @@ the engine generates on the device at load (a model directory holding config.jso
 demo model's tokenizer and `random_weights.json` instead of weights: loader.random_state; no
 checkpoint on disk), served by the engine's real step loop (`Engine.add_request` / `step`) with
 `--weights` bf16 (no quantization), int8, int4 or fp8 (weight-only; reported "not available"
-where the engine refuses the setting), Triton attention, `compile = on` and `cuda_graphs =
+where the engine refuses the setting or cannot build it here), Triton attention, `compile = on` and `cuda_graphs =
 auto` on CUDA (torch attention, eager, on a CPU). Phases, in order:
 
 * start-up: the engine's construction (weights generated, KV cache planned and allocated, the
@@ -31,7 +31,9 @@ auto` on CUDA (torch attention, eager, on a CPU). Phases, in order:
 * the largest batch at `--kv-context` (4,096) tokens for a bfloat16, int8 and fp8 KV cache:
   the engine's KV budget (its blocks x bytes a block, as planned at start from
   `--gpu-memory-utilization` of the free memory) divided by each cache dtype's bytes a block,
-  then by the blocks one sequence of that context needs. Computed, not run;
+  then by the blocks one sequence of that context needs. Computed, not run. The plan counts
+  only memory free at that point: what the load left in torch's allocator cache (the unfused
+  projections' copies) is not in it; `reserved_unallocated_bytes` in the JSON says how much;
 * batches (`--batches`, 32 and 64): that many requests of `--prompt-len` (2,048) random tokens
   and `--new-tokens` (512) outputs each, queued at once; output tokens/s over the whole run
   (first add to last finish, prefill included), total (prompt + output) tokens/s, and the
@@ -47,8 +49,9 @@ weight bytes). Figures to read, never assertions.
 
 `--budget-s` (default 360) bounds the whole run: a phase whose estimate no longer fits is
 skipped (the JSON says so), and a batch run still going at the deadline is aborted and reported
-as partial. The JSON (`--json PATH`) is rewritten after every phase, so a run killed by a
-timeout keeps what it measured.
+as partial; a phase that raises (out of memory, say) is recorded under `errors` and the next one
+runs. The JSON (`--json PATH`) is rewritten after every phase, so a run killed by a timeout
+keeps what it measured.
 
     python -m benchmarks.gpu_seeds --json /tmp/seeds-8b.json                 # 8B bf16, <= 6 min
     python -m benchmarks.gpu_seeds --weights int4 --budget-s 150
