@@ -1,11 +1,13 @@
 """The quantized linears and a quantized engine on an NVIDIA GPU (`-m gpu`; skipped without CUDA).
 
-On CUDA the int8 linears run torch's `_weight_int8pack_mm` and the int4 ones tinygemm
-(`_weight_int4pack_mm`, its own packing: quant.pack_int4). The CPU suite never reaches these
-kernels, so a packing or layout mistake shows only here: each kernel is checked against the
-dequantize-then-matmul fallback on the same quantized weights (odd shapes padded), exactly on
-weights already on the int4 grid, and inside whole engines (logits against the float engine on
-the same GPU; eager against compiled with CUDA graphs, token for token).
+On CUDA the linears run our Triton kernels (`int8_triton`, `int4_triton`: their own tests are
+tests/engine/test_triton_linear.py); torch's `_weight_int8pack_mm` and tinygemm
+(`_weight_int4pack_mm`, its own packing: quant.pack_int4) are next in line, asked for by name
+here. The CPU suite never reaches torch's CUDA kernels, so a packing or layout mistake shows
+only here: each kernel is checked against the dequantize-then-matmul fallback on the same
+quantized weights (odd shapes padded), exactly on weights already on the int4 grid, and inside
+whole engines (logits against the float engine on the same GPU; eager against compiled with
+CUDA graphs, token for token).
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ def test_cuda_kernels_match_the_dequantize_fallback(k, n, rows, dtype):
     lin = linear(k, n, bias=True).to(CUDA)
     x = activations(rows, k).to(CUDA, dtype)
     q8 = quant.quantize_int8(lin.weight)
-    fast8 = quant.Int8Linear(q8, lin.bias, dtype)
+    fast8 = quant.Int8Linear(q8, lin.bias, dtype, kernel="int8pack_mm")
     slow8 = quant.Int8Linear(q8, lin.bias, dtype, kernel="dequant")
     assert fast8.kernel == "int8pack_mm" and slow8.kernel == "dequant"
     y8 = fast8(x)
     assert y8.dtype == dtype and y8.shape == (rows, n) and y8.device.type == "cuda"
     assert rel_err(y8, slow8(x)) < 1e-2
-    fast4 = quant.Int4Linear(lin.weight, lin.bias, 32, dtype)
+    fast4 = quant.Int4Linear(lin.weight, lin.bias, 32, dtype, kernel="int4pack_mm_cuda")
     slow4 = quant.Int4Linear(lin.weight, lin.bias, 32, dtype, kernel="dequant")
     assert fast4.kernel == "int4pack_mm_cuda" and slow4.kernel == "dequant"
     y4 = fast4(x)
@@ -48,8 +50,9 @@ def test_cuda_kernels_match_the_dequantize_fallback(k, n, rows, dtype):
     assert rel_err(y4, lin(x.float())) < 0.12  # and near the float linear
 
 
+@pytest.mark.parametrize("kernel", ["int4_triton", "int4pack_mm_cuda"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_cuda_int4_is_exact_on_weights_already_on_its_grid(group):
+def test_cuda_int4_is_exact_on_weights_already_on_its_grid(group, kernel):
     """A nibble order, tile layout or scale/zero mix-up cannot hide behind rounding error."""
     n, k = 96, 256
     w = quant.quantize_int4(linear(k, n).weight.detach(), group).dequantize()
@@ -57,8 +60,9 @@ def test_cuda_int4_is_exact_on_weights_already_on_its_grid(group):
     lin.weight.data.copy_(w)
     lin = lin.to(CUDA)
     x = activations(5, k).to(CUDA)
-    mod = quant.quantize_linear(lin.to(torch.bfloat16), "int4", group)
-    assert mod.kernel == "int4pack_mm_cuda"
+    lin = lin.to(torch.bfloat16)
+    mod = quant.Int4Linear(lin.weight, None, group, torch.bfloat16, kernel=kernel)
+    assert mod.kernel == kernel
     # What remains: bf16 activations, scales and zeros in the kernel.
     assert rel_err(mod(x.to(torch.bfloat16)), lin.float()(x)) < 1e-2
 
@@ -76,7 +80,7 @@ def test_quantized_engine_on_cuda_stays_close_to_the_float_engine(kind, tiny_mod
     ref = Engine(quantization="none", **kw)
     eng = Engine(quantization=kind, quantize_lm_head=True, **kw)
     layer = eng.model.model.layers[0]
-    want = "int8pack_mm" if kind == "int8" else "int4pack_mm_cuda"
+    want = f"{kind}_triton"
     assert layer.self_attn.qkv_proj.kernel == want and layer.mlp.down_proj.kernel == want
     assert isinstance(eng.model.lm_head, quant.Int8Linear)
     prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(10 + 9 * i)] for i in range(6)]

@@ -34,8 +34,14 @@ def names(kind: str) -> list[str]:
 
 
 def test_each_format_lists_its_kernels_in_order_of_preference():
-    assert names("int8") == ["w8a8_cpu", "int8_cpu", "int8pack_mm", "dequant"]
-    assert names("int4") == ["w4a8_cpu", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant"]
+    assert names("int8") == ["w8a8_cpu", "int8_cpu", "int8_triton", "int8pack_mm", "dequant"]
+    assert names("int4") == [
+        "w4a8_cpu",
+        "int4pack_mm_cpu",
+        "int4_triton",
+        "int4pack_mm_cuda",
+        "dequant",
+    ]
 
 
 def test_on_a_device_no_kernel_runs_on_only_the_fallback_serves_and_each_says_why():
@@ -45,6 +51,7 @@ def test_on_a_device_no_kernel_runs_on_only_the_fallback_serves_and_each_says_wh
     assert int8.passed_over == (
         ("w8a8_cpu", "the device is meta, not a CPU"),
         ("int8_cpu", "the device is meta, not a CPU"),
+        ("int8_triton", "the device is meta, not CUDA"),
         ("int8pack_mm", "torch's kernel runs on a CPU or CUDA, not meta"),
     )
     int4 = choose(quant.INT4_KERNELS, spec)
@@ -52,6 +59,7 @@ def test_on_a_device_no_kernel_runs_on_only_the_fallback_serves_and_each_says_wh
     assert int4.passed_over == (
         ("w4a8_cpu", "the device is meta, not a CPU"),
         ("int4pack_mm_cpu", "the device is meta, not a CPU"),
+        ("int4_triton", "the device is meta, not CUDA"),
         ("int4pack_mm_cuda", "the device is meta"),
     )
 
@@ -92,7 +100,8 @@ def test_the_chosen_kernel_builds_the_layer():
 
 
 def test_the_log_line_counts_layers_and_reasons():
-    first, second = quant.INT8_KERNELS[1], quant.INT8_KERNELS[2]
+    first = quant.INT8_KERNELS[1]
+    second = next(k for k in quant.INT8_KERNELS if k.name == "int8pack_mm")
     choices = KernelChoices()
     for _ in range(3):
         choices.add("int8 linears", Choice(first, (("w8a8_cpu", "not asked"),)), nn.Identity())

@@ -10,6 +10,8 @@ features (weights.py's convention). Their kernels, in order of preference (INT4_
   row count where the CPU has AVX512-BF16 (engine.bf16_dot), in AMX tiles where it has those
   (engine.amx); else `int4_linear` (torch's results bit for bit) from `many_rows` rows (and
   at one row where it won). With engine.int4_dense_copy, a bf16 copy for many-row steps;
+* `int4_triton`: our Triton kernels on CUDA (triton_linear.py: split-K for a few rows, tiles
+  for many), the weight in nibble planes, bf16 or fp16 activations;
 * `int4pack_mm_cuda`: tinygemm's `_weight_int4pack_mm` (bf16 activations): correct on an
   H100 (tests/engine/test_quant_gpu.py), slower than bf16 there (docs/models.md);
 * `dequant`: the weight dequantized, then `F.linear`: anywhere.
@@ -23,6 +25,7 @@ from torch import nn
 
 from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.model.linear import cpu_packing_supported, packed_matmul
+from controlplane.engine.model.quant import triton_linear
 from controlplane.engine.model.quant.int4_cpu import (
     DEFAULT_MANY_ROWS,
     int4_amx_available,
@@ -99,7 +102,10 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         device = weight.device
         self.kernel = (
-            kernel or choose(INT4_KERNELS, LinearSpec(*weight.shape, device, dtype)).kernel.name
+            kernel
+            or choose(
+                INT4_KERNELS, LinearSpec(*weight.shape, device, dtype, group_size=group_size)
+            ).kernel.name
         )
         if self.kernel == "w4a8_cpu" and group_size % A8_GROUP:
             self.kernel = "int4pack_mm_cpu"
@@ -108,7 +114,10 @@ class Int4Linear(nn.Module):
             # tinygemm takes bf16 only: a float16 model's activations failed in it (H100).
             self.act_dtype = torch.bfloat16
         rows = {"int4pack_mm_cpu": _CPU_INT4_ROWS, "int4pack_mm_cuda": _CUDA_INT4_ROWS}
-        cols = _CUDA_INNER_K_TILES * 16 if self.kernel == "int4pack_mm_cuda" else group_size
+        cols = {
+            "int4pack_mm_cuda": _CUDA_INNER_K_TILES * 16,
+            "int4_triton": triton_linear.PERIOD,  # whole periods of nibble planes
+        }.get(self.kernel, group_size)
         # Zero rows / columns pad the weight to the shapes the kernels accept; padded columns
         # meet zero-padded activations, padded rows are sliced off the output.
         self.padded_out = _round_up(self.out_features, rows.get(self.kernel, 1))
@@ -157,7 +166,8 @@ class Int4Linear(nn.Module):
         w4a8 = self.kernel == "w4a8_cpu" and (self.dense is None or rows < self.dense_min_rows)
         # W4A8 takes the model's dtype (it quantizes the activations itself).
         x2 = kernel_input(x, self.in_features, x.dtype if w4a8 else self.act_dtype)
-        if self.padded_in != self.in_features:
+        # (The Triton kernel masks the activations past in_features: no copy.)
+        if self.padded_in != self.in_features and self.kernel != "int4_triton":
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
         if w4a8:
             y = torch.ops.controlplane_cpu.w4a8_linear(x2, self.packed, self.scales, self.mins)
@@ -174,6 +184,10 @@ class Int4Linear(nn.Module):
         elif self.kernel == "int4pack_mm_cpu":
             y = torch._weight_int4pack_mm_for_cpu(
                 x2, self.packed, self.group_size, self.scales_and_zeros
+            )
+        elif self.kernel == "int4_triton":
+            y = torch.ops.controlplane_triton.int4_linear(
+                x2, self.packed, self.scales_and_zeros, self.group_size
             )
         elif self.kernel == "int4pack_mm_cuda":
             y = torch._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
@@ -193,6 +207,8 @@ class Int4Linear(nn.Module):
             q = torch.cat((groups & 15, groups >> 4), dim=2).view(self.padded_out, -1)
         elif self.kernel == "dequant":
             q = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).view(self.padded_out, -1)
+        elif self.kernel == "int4_triton":
+            q = triton_linear.unpack_int4(self.packed)
         else:
             raise RuntimeError(f"kernel {self.kernel} keeps an opaque layout")
         return self._dequantize(q.int())
@@ -227,6 +243,8 @@ class Int4Linear(nn.Module):
 def pack_int4(qvalues: torch.Tensor, kernel: str) -> torch.Tensor:
     if kernel == "int4pack_mm_cpu":
         return torch._convert_weight_to_int4pack_for_cpu(qvalues, 2)
+    if kernel == "int4_triton":  # int32 words [K / 8, N] in nibble planes
+        return triton_linear.pack_int4(qvalues)
     if kernel == "int4pack_mm_cuda":
         # tinygemm's CUDA packer takes two values a byte, the even-indexed one high.
         pairs = (qvalues[:, ::2] << 4 | qvalues[:, 1::2]).to(torch.uint8)
@@ -276,6 +294,14 @@ class Int4PackCpu(Int4Kernel):
         return not_a_cpu(spec.device)
 
 
+class Int4Triton(Int4Kernel):
+    name = "int4_triton"
+
+    @classmethod
+    def can_serve(cls, spec: LinearSpec) -> str | None:
+        return triton_linear.int4_unavailable(spec.device, spec.group_size)
+
+
 class Int4PackCuda(Int4Kernel):
     name = "int4pack_mm_cuda"
 
@@ -295,4 +321,10 @@ class Int4Dequant(Int4Kernel):
 
 
 # In order of preference: the first that can serve a layer runs it.
-INT4_KERNELS: tuple[type[Int4Kernel], ...] = (W4A8Cpu, Int4PackCpu, Int4PackCuda, Int4Dequant)
+INT4_KERNELS: tuple[type[Int4Kernel], ...] = (
+    W4A8Cpu,
+    Int4PackCpu,
+    Int4Triton,
+    Int4PackCuda,
+    Int4Dequant,
+)

@@ -6,6 +6,8 @@ embedding table. Their kernels, in order of preference (INT8_KERNELS):
 * `int8_cpu`: our `int8_linear` (csrc/int8_linear.cpp) wherever our CPU kernels built: the
   weight read once per call for all rows, float32 sums; `int8_linear_bf16` (VDPBF16PS) for
   bf16 activations where the CPU has AVX512-BF16 (engine.bf16_dot);
+* `int8_triton`: our Triton kernels on CUDA (triton_linear.py: split-K for a few rows, tiles
+  for many, at every row count), bf16 or fp16 activations, float32 scales on float32 sums;
 * `int8pack_mm`: torch's `_weight_int8pack_mm`, on a CPU or CUDA (correct on an H100,
   tests/engine/test_quant_gpu.py; slower than bf16 there, docs/models.md);
 * `dequant`: the int8 weight converted to the activations' dtype, then `F.linear`: anywhere.
@@ -13,11 +15,14 @@ embedding table. Their kernels, in order of preference (INT8_KERNELS):
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from controlplane.engine.kernels import cpu_ops
+from controlplane.engine.model.quant import triton_linear
 from controlplane.engine.model.quant.kernels import (
     LinearKernel,
     LinearSpec,
@@ -56,6 +61,10 @@ class Int8Linear(nn.Module):
             or choose(INT8_KERNELS, LinearSpec(*weight.qweight.shape, device, dtype)).kernel.name
         )
         ours = self.kernel in ("int8_cpu", "w8a8_cpu")
+        # Triton's takes float32 scales onto its float32 sums too, at every row count.
+        triton = self.kernel == "int8_triton"
+        if triton:
+            self.dequant_min_rows = sys.maxsize
         # bf16 activations through VDPBF16PS where the CPU has it (int8_linear_bf16).
         self.bf16_dot = bf16_dot and self.kernel == "int8_cpu" and cpu_ops.bf16_dot_available()
         # Ours takes the model's activations as they are (float32 sums either way).
@@ -67,11 +76,11 @@ class Int8Linear(nn.Module):
         # bits) a row's scale is off by up to 0.4%, the same for every logit of that token: on
         # SmolLM2 perplexity rose 0.59% with bf16 scales, 0.44-0.49% with float32 ones through
         # torch's kernel, 0.47% through ours (tests/data/perplexity.txt).
-        scales_dtype = torch.float32 if float_scales or ours else self.act_dtype
+        scales_dtype = torch.float32 if float_scales or ours or triton else self.act_dtype
         self.register_buffer("scales", weight.scales.to(scales_dtype))
         unit = (
             torch.ones_like(self.scales, dtype=self.act_dtype)
-            if float_scales and not ours
+            if float_scales and not (ours or triton)
             else None
         )
         self.register_buffer("_unit", unit, persistent=False)
@@ -101,6 +110,10 @@ class Int8Linear(nn.Module):
         elif self.kernel == "w8a8_cpu":
             x2 = x.reshape(rows, self.in_features)
             y = torch.ops.controlplane_cpu.w8a8_linear(x2, self.qweight, self.scales).to(x.dtype)
+        elif self.kernel == "int8_triton":
+            x2 = kernel_input(x, self.in_features, self.act_dtype)
+            y = torch.ops.controlplane_triton.int8_linear(x2, self.qweight, self.scales)
+            y = y.to(x.dtype)
         elif self._unit is not None:
             x2 = kernel_input(x, self.in_features, self.act_dtype)
             y = torch._weight_int8pack_mm(x2, self.qweight, self._unit).float() * self.scales
@@ -173,6 +186,14 @@ class Int8Cpu(Int8Kernel):
         return not_a_cpu(spec.device) or our_kernels_missing()
 
 
+class Int8Triton(Int8Kernel):
+    name = "int8_triton"
+
+    @classmethod
+    def can_serve(cls, spec: LinearSpec) -> str | None:
+        return triton_linear.unavailable(spec.device)
+
+
 class Int8PackMM(Int8Kernel):
     name = "int8pack_mm"
 
@@ -198,4 +219,10 @@ class Int8Dequant(Int8Kernel):
 
 
 # In order of preference: the first that can serve a layer runs it.
-INT8_KERNELS: tuple[type[Int8Kernel], ...] = (W8A8Cpu, Int8Cpu, Int8PackMM, Int8Dequant)
+INT8_KERNELS: tuple[type[Int8Kernel], ...] = (
+    W8A8Cpu,
+    Int8Cpu,
+    Int8Triton,
+    Int8PackMM,
+    Int8Dequant,
+)
