@@ -51,6 +51,7 @@ step seeds_8b_bf16 270 python3 -m benchmarks.gpu_seeds --shape 8b --weights bf16
 TEST_TIMEOUT=$(cap "${TEST_TIMEOUT:-150}")
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -m gpu \
     tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py tests/engine/test_fp8_weights.py \
+    tests/engine/test_triton_linear.py \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 step daemon 180 python3 -m benchmarks.gpu_daemon --shape 1b --json "$OUT/daemon.json"
 step seeds_8b_fp8 180 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
