@@ -236,9 +236,9 @@ def run_int4(
     tk.int4_kernel[grid](
         x, packed, scales_and_zeros, out, partial, rows, n, k, periods, launch.steps_per_split,
         x.stride(0), packed.stride(0), scales_and_zeros.stride(0), scales_and_zeros.stride(1),
-        out.stride(0), GROUP=group_size, PLANE=PLANE, BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n, SPLIT=split, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **how,
+        out.stride(0), GROUP=group_size, GROUP_PLANES=min(group_size, PERIOD) // PLANE,
+        PLANE=PLANE, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=split,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **how,
     )  # fmt: skip
     if split:
         _reduce(partial, None, out, launch, how)

@@ -4,8 +4,9 @@ weights, pick a variant and launch these: triton_linear.py).
 Three kernels:
 
 - `int4_kernel`: W4A16, the int4 values packed eight to an int32 in *nibble planes* (below),
-  dequantized in registers with their group's (scale, zero) (weights.py's convention,
-  w = (q - 8) * scale + zero) to the dot dtype, multiplied in `tl.dot`, summed in float32.
+  unpacked to the dot dtype (exact: 0..15) and multiplied as they are in `tl.dot`, float32
+  sums; each group's (scale, zero) (weights.py's convention, w = (q - 8) * scale + zero)
+  applies once to its sums: s * sum(x q) + (z - 8 s) * sum(x), never to each weight.
 - `int8_kernel`: W8A16, the int8 weight as stored ([N, K], one row per output feature),
   widened to the dot dtype (exact: |q| <= 127), summed in float32, times the row's float32
   scale at the end.
@@ -24,8 +25,8 @@ input feature k = t * PERIOD + i * PLANE + j. So nibble i of a [PLANE, BLOCK_N] 
 is the weight of PLANE *consecutive* input features: a shift and a mask unpack it into a tile
 `tl.dot` takes as is, against the activations' columns i * PLANE .. i * PLANE + PLANE - 1 (no
 interleave or reshape in registers, which is where Triton kernels on packed int4 lose time).
-PLANE = 16 is `tl.dot`'s smallest K; the group size is a multiple of it, so each plane lies in
-one group and takes one (scale, zero) vector.
+PLANE = 16 is `tl.dot`'s smallest K; the group size is a multiple of it and divides or fills a
+period, so each plane lies in one group, and a group's planes are consecutive.
 
 K need not be a multiple of anything: the weight is zero-padded to whole periods at load and
 the activations' columns past K are masked to zero, so they are never padded per call.
@@ -62,37 +63,45 @@ def _cast(v, ty: tl.constexpr, RNE: tl.constexpr):
 
 def _int4_period(
     acc, x, packed, sz, t, m, n, m_ok, n_ok, K, stride_xm, stride_pk, stride_sg, stride_sn,
-    GROUP: tl.constexpr, PLANE: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
-    RNE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
+    DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One period: PLANE words per output column, eight planes of PLANE input features each.
+    # The int4 values (exact in any float dtype) go into the dot as they are; each group's
+    # scale and zero apply to its sums once (GROUP_PLANES planes a group, at most 8):
+    #   sum_k x_k ((q_k - 8) s + z) = s * sum_k x_k q_k + (z - 8 s) * sum_k x_k
+    # so a weight costs a shift, a mask and a conversion, not a dequantization in registers.
     j = tl.arange(0, PLANE)
     words_at = packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :]
     words = tl.load(words_at, mask=n_ok[None, :], other=0)
+    part = tl.zeros_like(acc)
+    xsum = tl.sum(part, axis=1)
     for i in tl.static_range(8):
-        k0 = t * (8 * PLANE) + i * PLANE
-        k = k0 + j
+        k = t * (8 * PLANE) + i * PLANE + j
         xi = tl.load(
             x + m[:, None] * stride_xm + k[None, :],
             mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
-        )
-        group = sz + (k0 // GROUP) * stride_sg + n * stride_sn
-        scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
-        zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
-        q = ((words >> (4 * i)) & 15).to(tl.float32)
-        # Rounded to the activations' dtype as on a GPU, also where the dot is float32.
-        w = _cast((q - 8.0) * scale[None, :] + zero[None, :], x.dtype.element_ty, RNE)
-        w = w.to(DOT_TY)
-        acc += tl.dot(xi.to(DOT_TY), w, input_precision=PRECISION)
+        ).to(DOT_TY)
+        q = ((words >> (4 * i)) & 15).to(DOT_TY)
+        part += tl.dot(xi, q, input_precision=PRECISION)
+        xsum += tl.sum(xi.to(tl.float32), axis=1)
+        if (i + 1) % GROUP_PLANES == 0:
+            group = sz + ((t * (8 * PLANE) + i * PLANE) // GROUP) * stride_sg + n * stride_sn
+            scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
+            zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
+            acc += part * scale[None, :] + xsum[:, None] * (zero - 8.0 * scale)[None, :]
+            part = tl.zeros_like(acc)
+            xsum = tl.sum(part, axis=1)
     return acc
 
 
 def int4_kernel(
     x, packed, sz, out, partial, M, N, K, periods, periods_per_split,
     stride_xm, stride_pk, stride_sg, stride_sn, stride_om,
-    GROUP: tl.constexpr, PLANE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_TY: tl.constexpr,
+    PRECISION: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     # Grid (row tiles, column tiles, splits): row tiles vary fastest, so the programs running
     # at once share their weight tile (read from memory once) rather than their activations.
@@ -109,7 +118,7 @@ def int4_kernel(
     for t in range(t0, t1):
         acc = _int4_period(
             acc, x, packed, sz, t, m, n, m_ok, n_ok, K, stride_xm, stride_pk, stride_sg,
-            stride_sn, GROUP, PLANE, DOT_TY, PRECISION, RNE,
+            stride_sn, GROUP, GROUP_PLANES, PLANE, DOT_TY, PRECISION,
         )  # fmt: skip
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
