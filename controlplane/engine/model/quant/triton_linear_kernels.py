@@ -190,5 +190,8 @@ def jit_kernels() -> None:
     module = globals()
     module["tl"] = triton.language
     for name in _KERNEL_NAMES:
-        module[name] = triton.jit(module[name])
+        # The row count varies with every step: one compiled kernel for all of them (Triton
+        # would otherwise compile again for 1 row and for multiples of 16).
+        rows = ["M"] if name.endswith("_kernel") else None
+        module[name] = triton.jit(module[name], do_not_specialize=rows)
     _jitted = True
