@@ -89,7 +89,9 @@ def plan(rows: int, out_features: int, k_steps: int, device: torch.device) -> La
     else:
         variant = "tiles"
         block_m = 32 if rows <= 32 else 64 if rows <= 64 else 128
-        block_n = 128 if block_m == 128 else 64
+        # 64 columns: an int4 tile holds two float32 [block_m, block_n] sums (the group's and
+        # the total), which at 128 x 128 would not fit in registers.
+        block_n = 64
         warps = 8 if block_m == 128 else 4
         tiles = _cdiv(rows, block_m) * _cdiv(out_features, block_n)
         splits = sms // tiles
