@@ -118,6 +118,7 @@ class AsyncEngine:
         self._commands.put(("wake", None))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.close)
         if self.engine.runner.compiled is not None:
             await asyncio.to_thread(self.engine.runner.compiled.stop_warm_up)
 

@@ -167,7 +167,12 @@ class CudaGraphDecode:
         )
 
     def __call__(
-        self, input_ids: list[int], positions: list[int], spans: list[SeqSpan], rows: list[int]
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        spans: list[SeqSpan],
+        rows: list[int],
+        fed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (float32) of `rows` (row indices of this step, ascending) for a step that
         `applies`; a copy, since the next replay overwrites the graph's output."""
@@ -177,6 +182,8 @@ class CudaGraphDecode:
         pad = [0] * (size - n)
         self._ids[:size].copy_(torch.tensor(input_ids + pad, dtype=torch.long))
         self._positions[:size].copy_(torch.tensor(positions + pad, dtype=torch.long))
+        if fed is not None:  # rows whose token the previous step sampled on the device
+            self._ids[fed[0]] = fed[1]
         self.backend.prepare_into(meta, spans)
         replayer.replay()
         self.replays += 1

@@ -30,6 +30,7 @@ from controlplane.engine.errors import GrammarFailedError, InvalidSettingError
 from controlplane.engine.grammar_mask import MaskBatch, MaskJob
 from controlplane.engine.model_runner import ModelRunner
 from controlplane.engine.output import finish_text, make_output, merge, take_token
+from controlplane.engine.overlap import Overlap, overlap_wanted
 from controlplane.engine.parts import build, make_backend
 from controlplane.engine.prompt_logprobs import score as score_prompt
 from controlplane.engine.sampler import Sampler
@@ -142,8 +143,18 @@ class Engine:
         self._spec_per_pos = [0] * MAX_SPECULATIVE_TOKENS
         self._speculation = "off"
         self._drafted: list[Sequence] = []  # sequences the draft model proposed for this step
+        self._overlap = Overlap(self)  # asynchronous scheduling (engine.async_scheduling)
         # Before the first step: all zeros (step 0 is this snapshot, not a step).
         self._stats = StepStats(0, time.time(), 0, 0, 0, 0, num_blocks, 0, 0, 0, 0.0, 0, 0)
+
+    @property
+    def _async(self) -> bool:
+        return overlap_wanted(self._settings.async_scheduling, self.device)
+
+    def close(self) -> None:
+        """Finish the step in flight and stop the device queue's thread (if one started)."""
+        self._overlap.drain()
+        self._overlap.close()
 
     @property
     def compile_state(self) -> str:
@@ -277,6 +288,7 @@ class Engine:
                 seq.matcher = grammar.new_state()
                 self._grammar_states += 1
         self.requests[request_id] = group[0]
+        self._overlap.num_special += Overlap.special(params)
         self.scheduler.add(group[0])
         return request_id
 
@@ -317,10 +329,22 @@ class Engine:
             self.block_pool.release(self._warm_up_block)
             self._warm_up_block = []
         self._apply_pending()
+        why = self._overlap.blocked() if self._async else "off"
+        if why is None:
+            outputs, launched, sampled = self._overlap.step()
+            self._step += 1
+            prefill, decode = (
+                (launched.num_prefill_tokens, launched.num_decode_tokens) if launched else (0, 0)
+            )
+            self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
+            return outputs
+        # Synchronous: the step in flight (asynchronous scheduling) ends first.
+        if why != "off":
+            self._overlap.synchronous[why] += 1
+        outputs = self._overlap.drain()
         self._propose()
         now = time.time()
         sched = self.scheduler.schedule(now)
-        outputs: list[RequestOutput] = []
         sampled = 0
         prefill, decode = sched.num_prefill_tokens, sched.num_decode_tokens
         if not sched.is_empty:
@@ -329,7 +353,7 @@ class Engine:
                 logits, seqs = self.runner.execute(sched)
             except Exception as exc:
                 self.masks.finish(job)  # the worker must be done with the matchers
-                outputs = self._fail_step(sched, exc)
+                outputs += self._fail_step(sched, exc)
                 prefill, decode = 0, 0  # nothing was computed
             else:
                 try:
@@ -599,6 +623,7 @@ class Engine:
         if not self._unfinished(seq):
             del self.requests[seq.request_id]
             self._num_finished += 1
+            self._overlap.num_special -= Overlap.special(seq.params)
 
     def _append(
         self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
@@ -661,6 +686,7 @@ class Engine:
             "grammar_mask_s_total": self._mask_s,
             "grammar_mask_wait_s_total": self._mask_wait_s,
             "grammar_mask_steps_total": self._mask_steps,
+            "async_steps_total": self._overlap.steps,
         }
 
     def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:

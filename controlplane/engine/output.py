@@ -39,7 +39,7 @@ def take_token(
         return "stop", False  # the text is cut before the stop string: nothing to flush
     if grammar_done:
         return "stop", True
-    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
+    if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length", True
     return None, True
 

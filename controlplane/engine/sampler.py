@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from controlplane.engine.sampling_params import SamplingParams
@@ -77,7 +79,8 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # the vocabulary, and the next step's embedding lookup would fail the whole batch (found
     # by the fuzzed-bodies test): such a row takes its most likely finite entry instead.
     bad = ~(torch.isfinite(total) & (total > 0)).squeeze(1)
-    if bool(bad.any()):
+    # On a CPU the check is free and spares the argmax; on a GPU it would wait for the device.
+    if probs.device.type != "cpu" or bool(bad.any()):
         fallback = torch.nan_to_num(probs.float(), nan=-1.0, posinf=1.0).argmax(dim=-1)
         picked = torch.where(bad, fallback, picked)
     return picked
@@ -112,11 +115,18 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample one token per row and read it (and its logprobs) on the host."""
+        return self.sample(logits, seqs).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """Sample one token per row without waiting for the device: tokens, their logprobs and
+        the top alternatives asked for stay on the device in one tensor, which `Sampled`
+        copies to the host in one transfer (one sync point per step, not one per row)."""
         # logits: [N, vocab] float32, one row per sequence in `seqs`
         params = [s.params for s in seqs]
         # Parallel sampling keeps each choice's cumulative logprob (best_of ranks by it).
-        want_lp = [p.logprobs is not None or p.n > 1 for p in params]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        want = [(p.logprobs or 0) if p.logprobs is not None or p.n > 1 else -1 for p in params]
+        raw_lp = torch.log_softmax(logits, dim=-1) if max(want, default=-1) >= 0 else None
         if any(p.needs_penalties for p in params):
             logits = logits.clone()
             for i, seq in enumerate(seqs):
@@ -131,16 +141,75 @@ class Sampler:
             rows = torch.tensor(rand_rows, device=logits.device)
             probs = _filter(logits[rows], [seqs[i] for i in rand_rows])
             tokens[rows] = self._draw(probs, [seqs[i].generator for i in rand_rows])
+        if raw_lp is None:
+            return Sampled(tokens, tokens, want)
+        # One float64 row per sequence: token, its logprob, the top K ids, their logprobs
+        # (float64 holds every token id and float32 logprob exactly).
+        k = max(want)
+        cols = [tokens.double().unsqueeze(1), raw_lp.gather(1, tokens.unsqueeze(1)).double()]
+        if k > 0:
+            vals, ids = raw_lp.topk(k, dim=-1)
+            cols += [ids.double(), vals.double()]
+        return Sampled(tokens, torch.cat(cols, dim=1), want)
 
-        token_list = tokens.tolist()
-        lps: list[TokenLogprobs | None] = [None] * len(seqs)
-        if raw_lp is not None:
-            for i, p in enumerate(params):
-                if not want_lp[i]:
-                    continue
-                top: list[tuple[int, float]] = []
-                if p.logprobs:
-                    vals, ids = raw_lp[i].topk(p.logprobs)
-                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-                lps[i] = TokenLogprobs(token_list[i], float(raw_lp[i, token_list[i]]), top)
-        return token_list, lps
+
+class Sampled:
+    """One step's tokens on the device (`tokens` feeds the next step's inputs without a trip
+    through the host) and their one copy to the host. On CUDA the copy goes to pinned memory
+    without blocking, so the host waits for it only in `result`."""
+
+    __slots__ = ("_event", "_host", "_known", "_packed", "_want", "errors", "tokens")
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, want: list[int]) -> None:
+        self.tokens = tokens
+        self.errors: dict[int, str] = {}  # row -> why it failed (row-by-row sampling)
+        self._packed, self._want = packed, want
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        self._known: list[TokenLogprobs | None] | None = None
+
+    @classmethod
+    def known(
+        cls, tokens: torch.Tensor, lps: list[TokenLogprobs | None], errors: dict[int, str]
+    ) -> Sampled:
+        """Rows sampled one by one on the host already (a batch that failed to sample)."""
+        out = cls(tokens, tokens, [])
+        out._known, out.errors = lps, errors
+        return out
+
+    def start_copy(self) -> None:
+        if self._host is not None:
+            return
+        if self._packed.device.type == "cuda":
+            self._host = torch.empty(self._packed.shape, dtype=self._packed.dtype, pin_memory=True)
+            self._host.copy_(self._packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = self._packed
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The tokens and their logprobs (None for rows that did not ask), on the host."""
+        self.start_copy()
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._host.tolist()  # type: ignore[union-attr]
+        if self._known is not None:
+            return rows, self._known
+        if self._packed is self.tokens:  # no logprobs asked for
+            return rows, [None] * len(rows)
+        k = max(self._want)
+        tokens: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        for row, want in zip(rows, self._want, strict=True):
+            token = int(row[0])
+            tokens.append(token)
+            if want < 0:
+                lps.append(None)
+                continue
+            top = [
+                (int(i), v)
+                for i, v in zip(row[2 : 2 + want], row[2 + k : 2 + k + want], strict=True)
+            ]
+            lps.append(TokenLogprobs(token, row[1], top))
+        return tokens, lps

@@ -191,8 +191,9 @@ class Scheduler:
             del seq.block_table[keep:]
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Register seq's blocks that are full and computed (after a step)."""
-        full = seq.num_computed_tokens // self.block_size
+        """Register seq's blocks that are full and computed (after a step): computed, or being
+        computed by a step in flight, and their tokens known (a pending token's is not)."""
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if full <= seq.num_registered_blocks or not self.settings.enable_prefix_caching:
             return
         chain_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.hash_root)

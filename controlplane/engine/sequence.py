@@ -59,6 +59,10 @@ class Sequence:
     # One rule drives prefill, chunking and decode: each step closes part of the gap between
     # num_computed_tokens (K/V in cache) and len(token_ids).
     num_computed_tokens: int = 0
+    # Asynchronous scheduling (engine/overlap.py): tokens sampled on the device whose values
+    # the host learns a step later. They count in num_tokens (the scheduler plans with them)
+    # but are not in token_ids yet; at most one while a step is scheduled.
+    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
     swap_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -107,11 +111,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def awaits_fork(self) -> bool:

@@ -24,6 +24,7 @@ class RestartRequiredError(InvalidSettingError):
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
@@ -304,6 +305,18 @@ class EngineSettings:
         "swap_space_bytes: costs memory and copy time).",
         "recompute",
         choices=PREEMPTION_MODES,
+    )
+    # auto: a CPU forward returns only when it is done, so there is nothing to hide the host's
+    # work behind unless a thread runs it (on), which competes with the forward for cores.
+    async_scheduling: str = _live(
+        "Schedule step N+1 and process step N's tokens (stop checks, text) while the device "
+        "runs, so the host's work per step hides behind the device's. Same outputs; a token "
+        "reaches the caller one step later and a finishing sequence computes one extra row. "
+        "Structured outputs, speculation, penalties and prompt logprobs run synchronously. "
+        "auto: on with CUDA, off on a CPU; on: a CPU forward runs on a thread of its own. "
+        "Figures: docs/benchmarks.md#host-overhead.",
+        "auto",
+        choices=ASYNC_SCHEDULING,
     )
     speculative_method: str = _live(
         "Speculative decoding: off; ngram (prompt lookup: propose what followed the last n "

@@ -110,6 +110,9 @@ class StepStats:
     grammar_mask_s_total: float = 0.0
     grammar_mask_wait_s_total: float = 0.0
     grammar_mask_steps_total: int = 0
+    # Asynchronous scheduling: steps launched before the previous step's tokens were known
+    # (cumulative; the rest ran synchronously: engine/overlap.py says when and why).
+    async_steps_total: int = 0
     # Arrival (time.time()) of the oldest request waiting or swapped out at the step's end;
     # None when none waits (GET /admin/stats's oldest_waiting_s).
     oldest_waiting_arrival: float | None = None

@@ -43,7 +43,12 @@ from controlplane.telemetry.diagnosis import Signals, diagnose
 from controlplane.telemetry.http import HttpMetrics
 from controlplane.telemetry.metrics import Metrics
 from controlplane.telemetry.slo import slo, thresholds
-from controlplane.telemetry.stats import cache_and_speculation, structured_outputs, summarize
+from controlplane.telemetry.stats import (
+    async_scheduling,
+    cache_and_speculation,
+    structured_outputs,
+    summarize,
+)
 from controlplane.telemetry.traffic import Traffic
 
 if TYPE_CHECKING:
@@ -247,12 +252,14 @@ class Runtime:
         older = [h for h in self._history if h.time < now - COUNTER_WINDOW_S]
         latest, base = steps[-1] if steps else None, older[-1] if older else None
         body.update(cache_and_speculation(latest, base))
+        body.update(async_scheduling(latest, base))
         constrained = sum(f.constrained for f in recent)
         body.update(structured_outputs(latest, base, constrained, len(recent)))
         body.update(
             counter_window_s=COUNTER_WINDOW_S,
             enable_prefix_caching=s.enable_prefix_caching,
             speculative_method=s.speculative_method,
+            async_scheduling=s.async_scheduling,
             speculative_num_tokens=s.speculative_num_tokens,
         )
         body.update(

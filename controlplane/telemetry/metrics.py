@@ -54,6 +54,8 @@ and histograms are not listed):
   ``controlplane:grammar_mask_seconds_total`` (computing and applying token masks) and
   ``controlplane:grammar_mask_wait_seconds_total`` (steps waiting for masks after their
   forward), gauge ``controlplane:grammar_states``;
+- asynchronous scheduling: counter ``controlplane:async_steps_total`` (steps launched before
+  the previous step's tokens were known; /admin/stats' ``async_step_share`` over its window);
 - what the engine runs on: ``controlplane:kernels_loaded{reason}`` (1 while our C++ CPU
   kernels serve or are not needed, reason empty; 0 while torch's kernels serve instead, the
   reason as /admin/stats `kernels` says it) and ``controlplane:compiled_step{state}`` (1 for

@@ -33,6 +33,11 @@ ENGINE_COUNTERS = (
         "prefix_cache_evictions_total",
         "Cached KV blocks evicted to make room for new ones.",
     ),
+    (
+        "async_steps",
+        "async_steps_total",
+        "Steps launched before the previous step's tokens were known (async scheduling).",
+    ),
     ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "Number of spec decoding drafts."),
     (
         "spec_decode_num_draft_tokens",

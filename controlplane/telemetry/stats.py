@@ -13,7 +13,7 @@ from typing import Any
 from controlplane.common import percentile
 from controlplane.engine.types import StepStats
 
-__all__ = ["cache_and_speculation", "summarize"]
+__all__ = ["async_scheduling", "cache_and_speculation", "summarize"]
 
 
 def summarize(
@@ -155,6 +155,16 @@ def summarize(
 def _delta(latest: StepStats, base: StepStats | None, name: str) -> Any:
     """A cumulative counter's growth since `base` (None: since start)."""
     return getattr(latest, name) - (getattr(base, name) if base is not None else 0)
+
+
+def async_scheduling(latest: StepStats | None, base: StepStats | None) -> dict[str, Any]:
+    """``async_step_share``: the steps of the counter window (`base` as in
+    `cache_and_speculation`) that ran ahead (engine.async_scheduling), None without steps."""
+    if latest is None:
+        return {"async_step_share": None}
+    steps = _delta(latest, base, "step")
+    ahead = _delta(latest, base, "async_steps_total")
+    return {"async_step_share": ahead / steps if steps > 0 else None}
 
 
 def cache_and_speculation(latest: StepStats | None, base: StepStats | None) -> dict[str, Any]:

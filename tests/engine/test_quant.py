@@ -831,7 +831,7 @@ def test_admin_config_and_stats_show_quantization_and_memory(make_daemon):
     )
     c = d.client(TOKEN, timeout=30)
     fields = c.get("/admin/config").json()["fields"]
-    assert fields["engine.quantization"]["choices"] == ["auto", "none", "int8", "int4"]
+    assert fields["engine.quantization"]["choices"] == ["auto", "none", "int8", "int4", "fp8"]
     assert {k: fields["engine.quantization"][k] for k in ("value", "source", "live")} == {
         "value": "int4",
         "source": "file",
