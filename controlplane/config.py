@@ -146,6 +146,9 @@ class ServerSettings:
     # [live] Names of API keys ([[api_keys]] name) whose requests get 403 (an operator's
     # suspension: POST /admin/keys/{name}/suspend); requests already running are not touched.
     suspended_keys: tuple[str, ...] = ()
+    # How often each daemon reloads the API keys table (controlplane keys, /admin/keys): a
+    # revoked or rotated key stops working on every daemon within this interval.
+    key_refresh_s: float = bounded(5.0, 0.05, 3600, unit="seconds")
 
 
 @dataclass(frozen=True, slots=True)

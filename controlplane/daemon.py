@@ -308,7 +308,16 @@ class Daemon:
         if self.admin_token_file is not None:
             print(f"controlplane: admin token in {self.admin_token_file}", flush=True)
         await asyncio.to_thread(self._open_store)
-        background = [asyncio.create_task(self._pump_metrics_forever())]
+        # The api_keys table: loaded before the API listens, then every server.key_refresh_s.
+        await self.runtime.keys.reload(self.runtime.store.db)
+        background = [
+            asyncio.create_task(self._pump_metrics_forever()),
+            asyncio.create_task(
+                self.runtime.keys.run_forever(
+                    lambda: self.runtime.store.db, lambda: self.cfg.server.key_refresh_s
+                )
+            ),
+        ]
         if self.config_path is not None:
             background.append(asyncio.create_task(self._watch_config()))
         from controlplane.asgi import create_app

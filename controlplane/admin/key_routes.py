@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 
 
 def _key(runtime: Runtime, name: str) -> str:
-    if name not in {k.name for k in runtime.cfg.api_keys}:
+    if name not in {k.name for k in runtime.cfg.api_keys} and name not in runtime.keys.names:
         raise APIError(
             404,
-            f"api key {name!r} is not configured ([[api_keys]])",
+            f"api key {name!r} is not configured ([[api_keys]]) nor in the api_keys table",
             param="name",
             code="not_found",
         )

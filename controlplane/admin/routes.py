@@ -5,6 +5,7 @@ injected as dependencies; and /metrics (controlplane.admin.stats_routes).
     config_routes     GET/PATCH /admin/config, POST /admin/config/save, GET /admin/config/history
     request_routes    GET /admin/requests, POST /admin/requests/{request_id}/abort
     key_routes        POST /admin/keys/{name}/abort, /suspend, /unsuspend
+    api_key_routes    GET/POST /admin/keys, PATCH /admin/keys/{name}, POST .../rotate, /revoke
     operation_routes  POST /admin/drain, /admin/resume, /admin/cache/reset
     autopilot_routes  GET/PATCH /admin/autopilot
     fleet_routes      GET /admin/fleet
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from litestar import Router
 from litestar.di import Provide
 
+from controlplane.admin.api_key_routes import ApiKeysController
 from controlplane.admin.autopilot_routes import AutopilotController
 from controlplane.admin.config_routes import ConfigController
 from controlplane.admin.cost_routes import CostsController
@@ -51,6 +53,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             EventsController,
             RequestsController,
             KeysController,
+            ApiKeysController,
             OperationsController,
             AutopilotController,
             FleetController,

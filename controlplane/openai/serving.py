@@ -135,10 +135,24 @@ class InferenceAPI:
         """The API key's name and hash ((None, None) on an open API); 401 otherwise. Every /v1
         route runs this first, as a guard: nothing about an anonymous request is parsed,
         validated or counted (its body is not even read)."""
-        if not self.runtime.cfg.api_keys:
+        rt = self.runtime
+        if not rt.cfg.api_keys and not rt.keys.closed:  # no key anywhere: an open API
             return None, None
-        found = self.runtime.authenticate(request.headers.get("authorization"))
+        address = request.client.host if request.client else ""
+        wait = rt.auth_failures.retry_after(address)
+        if wait is not None:  # this address failed too often: not even a right key is tried
+            raise APIError(
+                429,
+                "too many failed authentications from this address; retry later",
+                type="rate_limit_error",
+                code="too_many_authentication_failures",
+                headers={"Retry-After": str(wait)},
+            )
+        authorization = request.headers.get("authorization")
+        found = rt.authenticate(authorization)
         if found is None:
+            if authorization:  # a wrong key (a guess) counts; no key at all guesses nothing
+                rt.auth_failures.failed(address, authorization.encode())
             raise APIError(
                 401,
                 "invalid or missing API key (Authorization: Bearer <key>)",
@@ -152,6 +166,17 @@ class InferenceAPI:
                 f"api key {found[0].name!r} is suspended by the operator",
                 type="permission_error",
                 code="api_key_suspended",
+            )
+        models = getattr(found[0], "allowed_models", None)  # a table key's (None: every model)
+        if models is not None and rt.model_name not in models:
+            # This daemon serves one model: a key not allowed it may use no /v1 route here.
+            raise APIError(
+                403,
+                f"api key {found[0].name!r} may not use the model `{rt.model_name}` "
+                f"(allowed_models: {', '.join(models)})",
+                type="permission_error",
+                param="model",
+                code="model_not_allowed",
             )
         return found[0].name, found[1]
 

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -231,6 +231,9 @@ class LiveConfig:
         self.effective = cfg
         self._file_raw = dict(file_raw)
         self._env = dict(env)
+        # Names of the api_keys table's keys (the runtime's KeyCache): server.suspended_keys
+        # may name them as well as the config file's keys.
+        self.table_key_names: Callable[[], Iterable[str]] = lambda: ()
         self.sources: dict[str, str] = {}
         for key in flatten_raw(file_raw):
             self.sources[key] = "file"
@@ -273,6 +276,12 @@ class LiveConfig:
         )
         # The keys themselves, so that server.suspended_keys is checked against them.
         raw["api_keys"] = [dataclasses.asdict(k) for k in self.effective.api_keys]
+        configured = {k.name for k in self.effective.api_keys}
+        raw["api_keys"] += [  # placeholders, checked against only (dropped below)
+            {"name": n, "key": "table"}
+            for n in sorted(self.table_key_names())
+            if n not in configured
+        ]
         restart = []
         for key, value in changes.items():
             if key not in known:

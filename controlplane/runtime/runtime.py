@@ -50,6 +50,7 @@ from controlplane.telemetry.stats import (
     summarize,
 )
 from controlplane.telemetry.traffic import Traffic
+from controlplane.tenants.keys import AuthFailures, KeyCache, LiveKey, bearer_secret
 
 if TYPE_CHECKING:
     from controlplane.engine.types import StepStats
@@ -108,6 +109,11 @@ class Runtime:
         self.store = StoreHandle()
         self.shutting_down = False  # set by the daemon: a drain can no longer be resumed
         self._keys = [(k, hash_api_key(k.key)) for k in live.effective.api_keys]
+        # The api_keys table's keys (controlplane.tenants.keys), reloaded by the daemon every
+        # server.key_refresh_s; and the per-address limit on failed authentications.
+        self.keys = KeyCache()
+        self.auth_failures = AuthFailures()
+        live.table_key_names = lambda: self.keys.names
         self._metrics_step = -1
         # StepStats kept about once a second (pump_metrics) for a minute: the cumulative
         # counters differenced over the last minute (hit rate, acceptance rate).
@@ -168,10 +174,15 @@ class Runtime:
             DaemonState.DEAD if self.state == DaemonState.READY and not self.healthy else self.state
         )
 
-    def authenticate(self, authorization: str | None) -> tuple[ApiKey, str] | None:
-        """The matching key and its hash (see match_bearer: constant time, every key compared)."""
+    def authenticate(self, authorization: str | None) -> tuple[ApiKey | LiveKey, str] | None:
+        """The matching key and its hash: a config file key (see match_bearer: constant time,
+        every key compared), else a live key of the api_keys table (KeyCache.lookup)."""
         i = match_bearer(authorization, [key.key.encode() for key, _ in self._keys])
-        return None if i is None else self._keys[i]
+        if i is not None:
+            return self._keys[i]
+        given = bearer_secret(authorization)
+        found = None if given is None else self.keys.lookup(given)
+        return None if found is None else (found, found.secret_hash)
 
     def queue_length(self, incoming: int = 0) -> int:
         """Requests accepted but not running (EngineHandle.queue_length at max_num_seqs)."""

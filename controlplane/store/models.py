@@ -382,3 +382,34 @@ def time_buckets(at: datetime) -> tuple[str, str]:
     """The UTC (hour_bucket, day_bucket) strings for an aware datetime."""
     utc = at.astimezone(UTC)
     return utc.strftime("%Y-%m-%dT%H"), utc.strftime("%Y-%m-%d")
+
+
+class ApiKeyRow(Base):
+    """One API key managed live (migration 0013; controlplane.tenants.keys): never its secret,
+    only the secret's sha256 hex digest and its first 8 characters (`prefix`, to tell keys
+    apart). NULL limits and budget: the defaults; NULL `allowed_models`: every model."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (Index("ix_api_keys_updated_at", "updated_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(8))
+    owner: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    allowed_models: Mapped[str | None] = mapped_column(Text)  # JSON list
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
+    budget_usd: Mapped[float | None] = mapped_column(Float)
+    budget_period: Mapped[str | None] = mapped_column(String(8))  # day | month
+    budget_action: Mapped[str | None] = mapped_column(String(16))  # reject | deprioritize
+    priority_class: Mapped[int] = mapped_column(Integer, default=0)
+
+    def __repr__(self) -> str:
+        return f"ApiKeyRow(name={self.name!r}, prefix={self.prefix!r})"

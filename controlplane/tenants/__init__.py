@@ -1,0 +1,1 @@
+"""Tenants (issue 55): API keys managed live (keys.py), per-key limits (limits.py)."""
