@@ -3,10 +3,28 @@ emitting half a UTF-8 character, decoding only a short window of recent tokens p
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 # What a byte-level decoder produces for a byte sequence that is not (yet) valid UTF-8.
 REPLACEMENT_CHAR = "\ufffd"
+
+# One token's text decoded alone, per tokenizer backend and skip_special_tokens: the window's
+# context text is most often the one token emitted last step, so a step decodes once, not
+# twice. At most one entry per vocabulary entry; gone with the backend.
+_ONE_TOKEN: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], dict[int, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _one_token_texts(backend: Any, skip: bool) -> dict[int, str] | None:
+    try:
+        caches = _ONE_TOKEN.get(backend)
+        if caches is None:
+            caches = _ONE_TOKEN[backend] = ({}, {})
+    except TypeError:  # a backend without weak references: no cache
+        return None
+    return caches[skip]
 
 
 class IncrementalDetokenizer:
@@ -31,13 +49,26 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = ""
         self._parts: list[str] = []
         self._text_cache: str | None = ""
+        self._one_token = _one_token_texts(backend, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip)
 
+    def _context_text(self) -> str:
+        """The text of [prefix_offset, read_offset) decoded alone."""
+        lo, hi = self._prefix_offset, self._read_offset
+        cache = self._one_token
+        if hi - lo != 1 or cache is None:
+            return self._decode(self._ids[lo:hi])
+        token = self._ids[lo]
+        text = cache.get(token)
+        if text is None:
+            text = cache[token] = self._decode([token])
+        return text
+
     def _emit(self, new_text: str) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self._prefix_text = self._context_text()
         delta = new_text[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
@@ -56,7 +87,7 @@ class IncrementalDetokenizer:
         self._ids.append(int(token_id))
         new_text = self._decode(self._ids[self._prefix_offset :])
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self._prefix_text = self._context_text()
         if len(new_text) > len(self._prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
             return self._emit(new_text)
         return ""
@@ -67,7 +98,7 @@ class IncrementalDetokenizer:
             return ""
         new_text = self._decode(self._ids[self._prefix_offset :])
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self._prefix_text = self._context_text()
         if len(new_text) <= len(self._prefix_text):
             return ""
         return self._emit(new_text)

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from controlplane.engine.draft import DraftModel
 
 
+def _num_tokens(seq: Sequence) -> int:
+    return seq.num_tokens
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
@@ -135,12 +139,14 @@ class Scheduler:
             # Billed at the cached price: prompt tokens its first pass did not compute.
             seq.metrics.num_cached_tokens += tokens
 
-    def _inflight(self) -> dict[bytes, Sequence]:
+    def _inflight(self, prefills: list[Sequence]) -> dict[bytes, Sequence]:
         """Full blocks that running prefills are about to compute: hash -> the earliest
-        admitted sequence computing it."""
+        admitted sequence computing it. `prefills`: the running sequences with more than one
+        token to compute, in admission order."""
         inflight: dict[bytes, Sequence] = {}
-        for seq in self.running:
-            self._add_inflight(seq, inflight)
+        if self.settings.enable_prefix_caching:
+            for seq in prefills:
+                self._add_inflight(seq, inflight)
         return inflight
 
     def _add_inflight(self, seq: Sequence, inflight: dict[bytes, Sequence]) -> None:
@@ -265,11 +271,26 @@ class Scheduler:
 
         # Decodes before prefills: a decode needs one token, and max_num_batched_tokens >=
         # max_num_seqs guarantees they all fit.
-        order = sorted(self.running, key=lambda q: q.num_uncomputed != 1)
-        inflight = self._inflight()
-        for seq in order:
-            if seq.status is not SequenceStatus.RUNNING:
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            (decodes if seq.num_uncomputed == 1 else prefills).append(seq)
+        inflight = self._inflight(prefills)
+        bs = self.block_size
+        ref_counts = self.pool.ref_counts
+        running = SequenceStatus.RUNNING
+        for seq in decodes + prefills if prefills else decodes:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
+            if budget > 0 and not seq.draft_token_ids:
+                # Fast path, most decodes: the next token's slot is in a block of its own
+                # already (not a fork's shared one): one token, no block to allocate.
+                table = seq.block_table
+                j = seq.num_computed_tokens // bs
+                if j < len(table) and ref_counts[table[j]] <= 1 and seq.num_uncomputed == 1:
+                    chosen[seq] = 1
+                    budget -= 1
+                    continue
             if seq.num_uncomputed > 1 and self.settings.enable_prefix_caching:
                 self._late_hits(seq)
                 if self._waits(seq, inflight):
@@ -308,18 +329,23 @@ class Scheduler:
                 budget -= chosen[seq]
                 self._add_inflight(seq, inflight)
 
-        # Single-token rows first, longest context first: attention buckets them by length.
-        singles = sorted((seq for seq, n in chosen.items() if n == 1), key=lambda q: -q.num_tokens)
-        out.scheduled += [ScheduledSeq(seq, 1) for seq in singles]
-        for seq, n in chosen.items():
-            if n > 1:
-                out.scheduled.append(ScheduledSeq(seq, n))
-        for item in out.scheduled:
+        # Single-token rows first, longest context first (stable: equal lengths keep their
+        # order): attention buckets them by length.
+        singles = [seq for seq, n in chosen.items() if n == 1]
+        singles.sort(key=_num_tokens, reverse=True)
+        scheduled = out.scheduled
+        scheduled += [ScheduledSeq(seq, 1) for seq in singles]
+        if len(singles) < len(chosen):
+            scheduled += [ScheduledSeq(seq, n) for seq, n in chosen.items() if n > 1]
+        decode_tokens = prefill_tokens = 0
+        for item in scheduled:
             # A decode feeds back the token sampled last step; everything else is (re)prefill.
-            if item.seq.output_token_ids and item.seq.num_uncomputed == 1:
-                out.num_decode_tokens += item.num_new_tokens  # with any draft tokens
+            seq = item.seq
+            if seq.output_token_ids and seq.num_uncomputed == 1:
+                decode_tokens += item.num_new_tokens  # with any draft tokens
             else:
-                out.num_prefill_tokens += item.num_new_tokens
+                prefill_tokens += item.num_new_tokens
+        out.num_decode_tokens, out.num_prefill_tokens = decode_tokens, prefill_tokens
         return out
 
     def _admit_waiting(

@@ -20,7 +20,8 @@ from controlplane.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     SeqSpan,
-    padded_block_tables,
+    long_tensor,
+    padded_block_table,
 )
 from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.kernels import cpu_ops
@@ -64,10 +65,8 @@ class CpuPagedAttention(TorchPagedAttention):
             DecodeRows(
                 0,
                 len(spans),
-                torch.tensor(
-                    padded_block_tables(spans, self.block_size), dtype=torch.long, device=device
-                ),
-                torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device),
+                padded_block_table(spans, self.block_size, device),
+                long_tensor([s.context_len for s in spans], device),
             )
         ]
 

@@ -3,6 +3,7 @@ and the one the others are checked against."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,8 @@ from controlplane.engine.attention.backend import (
     AttentionMetadata,
     PrefillSpan,
     SeqSpan,
-    padded_block_tables,
+    long_tensor,
+    padded_block_table,
 )
 
 
@@ -40,19 +42,17 @@ class TorchPagedAttention(AttentionBackend):
 
     def prepare(self, spans: list[SeqSpan], device: torch.device) -> AttentionMetadata:
         bs = self.block_size
-        slot_mapping: list[int] = []
+        slot_mapping = array("q")
+        add_slot = slot_mapping.append
         decode_rows = 0
         for span in spans:
-            table = span.block_table
-            slot_mapping += [
-                table[p // bs] * bs + p % bs
-                for p in range(span.context_len - span.num_new_tokens, span.context_len)
-            ]
-            if span.num_new_tokens == 1:
+            table, ctx, n = span.block_table, span.context_len, span.num_new_tokens
+            if n == 1:  # a decode: its one new slot
+                add_slot(table[(ctx - 1) // bs] * bs + (ctx - 1) % bs)
                 decode_rows += 1
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device)
-        )
+            else:
+                slot_mapping.extend([table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)])
+        meta = AttentionMetadata(slot_mapping=long_tensor(slot_mapping, device))
         meta.decodes = self._decode_buckets(spans[:decode_rows], device)
         row = decode_rows
         for span in spans[decode_rows:]:
@@ -60,9 +60,7 @@ class TorchPagedAttention(AttentionBackend):
             if ctx == q_len:
                 meta.prefills.append(PrefillSpan(row, row + q_len, ctx, None, None))
             else:
-                blocks_t = torch.tensor(
-                    span.block_table[: -(-ctx // bs)], dtype=torch.long, device=device
-                )
+                blocks_t = long_tensor(span.block_table[: -(-ctx // bs)], device)
                 # Row i sits at position ctx - q_len + i and sees keys 0..that position.
                 q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= q_pos
@@ -75,10 +73,11 @@ class TorchPagedAttention(AttentionBackend):
         context first), as `_decode` takes it."""
         buckets = []
         start = 0
+        ratio = self.BUCKET_RATIO
         while start < len(spans):
-            longest = spans[start].context_len
+            floor = ratio * spans[start].context_len
             end = start + 1
-            while end < len(spans) and spans[end].context_len >= self.BUCKET_RATIO * longest:
+            while end < len(spans) and spans[end].context_len >= floor:
                 end += 1
             buckets.append(self._bucket(spans, start, end, device))
             start = end
@@ -87,15 +86,11 @@ class TorchPagedAttention(AttentionBackend):
     def _bucket(
         self, spans: list[SeqSpan], start: int, end: int, device: torch.device
     ) -> DecodeBucket:
-        tables = padded_block_tables(spans[start:end], self.block_size)
-        lens = torch.tensor([s.context_len for s in spans[start:end]], dtype=torch.long)
-        mask = torch.arange(len(tables[0]) * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
-        return DecodeBucket(
-            start,
-            end,
-            torch.tensor(tables, dtype=torch.long, device=device).flatten(),
-            mask[:, None, None, :].to(device),
-        )
+        part = spans[start:end]
+        tables = padded_block_table(part, self.block_size, device)
+        lens = long_tensor([s.context_len for s in part], torch.device("cpu"))
+        mask = torch.arange(tables.shape[1] * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
+        return DecodeBucket(start, end, tables.flatten(), mask[:, None, None, :].to(device))
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
