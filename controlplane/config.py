@@ -56,6 +56,11 @@ MAX_AUTOPILOT_BOUND = 1 << 20
 # The upper end of an [alerts] threshold in milliseconds, seconds or requests per second (a
 # percentage and a fraction have theirs).
 MAX_ALERT = MAX_INTERVAL_S * 1000
+# The upper ends of a rate limit ([limits]): far above any one server's throughput, low enough
+# that every count stays exact in a double (Redis's Lua numbers).
+MAX_REQUESTS_PER_MINUTE = 100_000_000
+MAX_TOKENS_PER_MINUTE = 1 << 40
+MAX_CONCURRENT = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +310,31 @@ DEFAULT_PRICES = (
 
 
 @dataclass(frozen=True, slots=True)
+class LimitsSettings:
+    """[limits]: rate limits per API key (controlplane/tenants/limits.py), the defaults of every
+    key without its own; 0: unlimited. Over a limit a request gets 429 with Retry-After; every
+    /v1 response of a limited key carries OpenAI's x-ratelimit-* headers."""
+
+    # [live] Requests a key may send per minute (a bucket that refills continuously).
+    requests_per_minute: int = bounded(0, 0, MAX_REQUESTS_PER_MINUTE)
+    # [live] Tokens a key may use per minute: prompt plus max_tokens reserved at admission,
+    # corrected to the completion tokens produced when the request ends.
+    tokens_per_minute: int = bounded(0, 0, MAX_TOKENS_PER_MINUTE)
+    # [live] Requests of one key in flight at once.
+    max_concurrent: int = bounded(0, 0, MAX_CONCURRENT)
+    # [live] Most tokens one request may ask for (prompt plus max_tokens, every choice).
+    max_tokens_per_request: int = bounded(0, 0, MAX_TOKENS_PER_MINUTE)
+    # Where the counters live: memory (this daemon's own) or redis (shared by every daemon
+    # pointed at the same Redis, so a fleet enforces one limit).
+    backend: str = one_of("memory", ("memory", "redis"))
+    # The Redis of the redis backend.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # [live] Redis unreachable: open admits requests uncounted, closed refuses those of limited
+    # keys with 503; either way the outage is logged once and counted.
+    redis_failure: str = one_of("open", ("open", "closed"))
+
+
+@dataclass(frozen=True, slots=True)
 class ApiKey:
     name: str
     key: str
@@ -325,6 +355,7 @@ class Config:
     fleet: FleetSettings = field(default_factory=FleetSettings)
     autopilot: AutopilotSettings = field(default_factory=AutopilotSettings)
     alerts: AlertsSettings = field(default_factory=AlertsSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     prices: tuple[Price, ...] = DEFAULT_PRICES
     api_keys: tuple[ApiKey, ...] = ()
@@ -452,6 +483,12 @@ def _validate(cfg: Config) -> Config:
         check_url(s.advertise_url, "server.advertise_url")
     _check_autopilot(cfg.autopilot)
     _check_alerts(cfg.alerts)
+    check_declared(cfg.limits, "limits.")
+    if not cfg.limits.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise FieldError(
+            "limits.redis_url",
+            f"must be a redis://, rediss:// or unix:// URL, got {cfg.limits.redis_url!r}",
+        )
     check_engine(cfg.engine)
     return cfg
 
@@ -550,6 +587,7 @@ def env_names() -> list[str]:
         "fleet": FleetSettings,
         "autopilot": AutopilotSettings,
         "alerts": AlertsSettings,
+        "limits": LimitsSettings,
         "engine": EngineSettings,
     }
     names = [f"{ENV_PREFIX}DATA_DIR"]
@@ -639,6 +677,7 @@ def build_config(
         fleet=_fleet(merged.get("fleet", {})),
         autopilot=_build(AutopilotSettings, merged.get("autopilot", {}), "autopilot"),
         alerts=_build(AlertsSettings, merged.get("alerts", {}), "alerts"),
+        limits=_build(LimitsSettings, merged.get("limits", {}), "limits"),
         engine=_build(EngineSettings, merged.get("engine", {}), "engine"),
         # No `prices` key: the default price; `prices = []`: none.
         prices=tuple(_build(Price, p, f"prices[{i}]") for i, p in enumerate(prices))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from litestar import Request, Response, get, post
+from litestar import Request, Response, Router, get, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
@@ -19,16 +19,52 @@ from controlplane.openai import schema
 from controlplane.openai.render import model_list
 from controlplane.openai.responses import ResponsesAPI
 from controlplane.openai.responses_request import RESPONSES_SCHEMA
-from controlplane.openai.serving import InferenceAPI
+from controlplane.openai.serving import RATELIMIT_HEADERS, InferenceAPI
 from controlplane.openai.tokenize import tokenize_routes
 
 if TYPE_CHECKING:
+    from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
     from controlplane.runtime.runtime import Runtime
 
 
-def v1_routes(runtime: Runtime) -> tuple[list[HTTPRouteHandler], InferenceAPI]:
-    """The /v1 route handlers over `runtime`, and the API serving them (whose
-    `recently_finished` the admin API's abort reads)."""
+def ratelimit_headers(api: InferenceAPI) -> Any:
+    """Middleware of the guarded routes: every response of a key with rate limits carries
+    OpenAI's x-ratelimit-* headers (errors included): the ones its admission computed, else the
+    key's counters as they stand (nothing taken)."""
+
+    def middleware(app: ASGIApp) -> ASGIApp:
+        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+            async def send_with(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    state = scope.get("state") or {}
+                    key = state.get("api_key")
+                    extra = state.get(RATELIMIT_HEADERS)
+                    if extra is None and key is not None:
+                        extra = await api.limits.peek(key[0])
+                    if extra:
+                        have = {k.lower() for k, _ in message.get("headers", ())}
+                        message["headers"] = [
+                            *message.get("headers", ()),
+                            *(
+                                (k.encode("latin-1"), v.encode("latin-1"))
+                                for k, v in extra.items()
+                                if k.lower().encode("latin-1") not in have
+                            ),
+                        ]
+                await send(message)
+
+            await app(scope, receive, send_with)
+
+        return wrapped
+
+    return middleware
+
+
+def v1_routes(runtime: Runtime) -> tuple[list[HTTPRouteHandler | Router], InferenceAPI]:
+    """The /v1 route handlers over `runtime` (the guarded ones in one router, under the rate-
+    limit headers' middleware), and the API serving them (whose `recently_finished` the admin
+    API's abort reads)."""
     api = InferenceAPI(runtime)
 
     def api_key(connection: ASGIConnection, _: Any) -> None:
@@ -90,4 +126,6 @@ def v1_routes(runtime: Runtime) -> tuple[list[HTTPRouteHandler], InferenceAPI]:
         return {"version": __version__}
 
     tokenizer = tokenize_routes(api, [api_key])
-    return [completions, chat_completions, create_response, models, model, version, *tokenizer], api
+    guarded = [completions, chat_completions, create_response, models, model, *tokenizer]
+    router = Router("/", route_handlers=guarded, middleware=[ratelimit_headers(api)])
+    return [router, version], api

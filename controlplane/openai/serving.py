@@ -34,6 +34,7 @@ from controlplane.openai.tools import (
 )
 from controlplane.runtime.state import DaemonState
 from controlplane.store.records import RequestRecord
+from controlplane.tenants.limits import RateLimits, decision_headers
 
 if TYPE_CHECKING:
     from controlplane.engine import RequestOutput, SamplingParams
@@ -64,6 +65,17 @@ RECENTLY_FINISHED = 10_000
 # Set on a request's state once an engine request is queued for it: its end is counted when
 # its engine requests end (InferenceAPI.serve, _start).
 _ADMITTED = "traffic_admitted"
+# Set on a request's state by the rate limits (InferenceAPI._admit_limits): its lease on its
+# key's counters (given back when it ends) and the x-ratelimit-* headers of its response.
+LEASE = "ratelimit_lease"
+RATELIMIT_HEADERS = "ratelimit_headers"
+
+
+def _redis_limiter(url: str, failure: str) -> Any:
+    """The Redis backend of the rate limits (imported only when [limits] asks for it)."""
+    from controlplane.tenants.redis_limits import RedisLimiter
+
+    return RedisLimiter(url, failure)
 
 
 class InferenceAPI:
@@ -72,6 +84,7 @@ class InferenceAPI:
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps weak ones
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
+        self.limits = RateLimits(lambda: self.runtime.cfg.limits, redis=_redis_limiter)
 
     # -- traffic: the one place requests are counted -------------------------------------------
     async def serve(
@@ -87,6 +100,7 @@ class InferenceAPI:
             return await handle(request)
         except BaseException as exc:
             if not getattr(request.state, _ADMITTED, False):
+                self._give_back(request, None)  # nothing ran: its reservation goes back whole
                 status = (
                     exc.status if isinstance(exc, APIError) else getattr(exc, "status_code", 500)
                 )
@@ -130,6 +144,58 @@ class InferenceAPI:
                 headers={"Retry-After": "1"},
             )
         return key_name, key_hash
+
+    async def _admit_limits(
+        self, request: Request, parsed: protocol.OpenAIRequest, prompts_ids: list[list[int]]
+    ) -> None:
+        """The key's rate limits ([limits], controlplane.tenants.limits), once the prompts are
+        tokenized: one request, and prompt + max_tokens (times its choices) tokens reserved;
+        429 naming the limit with Retry-After. The lease goes back when the request ends
+        (`_give_back`), corrected to the tokens it used."""
+        key_name = request.state.api_key[0]
+        prompt = sum(len(ids) for ids in prompts_ids)
+        reserve = self._reserve(parsed, prompts_ids)
+        decision, backend = await self.limits.admit(key_name, reserve, prompt)
+        if decision is None:
+            return
+        hdrs = decision_headers(decision)
+        if not decision.allowed:
+            raise APIError(
+                decision.status,
+                decision.message,
+                type="rate_limit_error" if decision.status == 429 else "service_unavailable",
+                code=decision.code,
+                headers=hdrs,
+            )
+        setattr(request.state, RATELIMIT_HEADERS, hdrs)
+        setattr(request.state, LEASE, (decision.lease, backend))
+
+    def _reserve(self, parsed: protocol.OpenAIRequest, prompts_ids: list[list[int]]) -> int:
+        """Tokens a request may use: its prompts plus the most completion tokens of every
+        choice (OpenAI chat without max_tokens: what fits in the context, as `_start` sets)."""
+        max_model_len = self.runtime.engine.max_model_len or 0
+        p = parsed.params
+        choices = max(p.n, getattr(parsed, "best_of", None) or 1)
+        total = 0
+        for ids in prompts_ids:
+            most = p.max_tokens or 0
+            if isinstance(parsed, protocol.ChatRequest) and parsed.default_max_tokens:
+                most = max(1, max_model_len - len(ids))
+            total += len(ids) + most * choices
+        return total
+
+    def _give_back(self, request: Request, batch: Batch | None) -> None:
+        """The request's lease on its key's counters, returned once, corrected to the tokens
+        it used (`batch`'s usage; None: nothing ran)."""
+        held = getattr(request.state, LEASE, None)
+        if held is None:
+            return
+        lease, backend = held
+        setattr(request.state, LEASE, None)
+        used = 0
+        if batch is not None and (usage := batch.usage()) is not None:
+            used = usage["prompt_tokens"] + usage["completion_tokens"]
+        self._spawn(backend.release(lease, used))
 
     def authenticate(self, request: ASGIConnection) -> tuple[str | None, str | None]:
         """The API key's name and hash ((None, None) on an open API); 401 otherwise. Every /v1
@@ -269,6 +335,7 @@ class InferenceAPI:
             self._remember(flight)
             if batch.done:
                 d.traffic.finished(any(f.failed for f in batch.flights), time.time())
+                self._give_back(request, batch)
 
         try:
             for i, (ids, p) in enumerate(zip(prompts_ids, params, strict=True)):
@@ -477,6 +544,7 @@ class InferenceAPI:
         grammar = await self._grammar(parsed)
         # Admission again: the queue may have filled (or a drain begun) while tokenizing.
         keys = self._admit(request, parsed.model, incoming=n)
+        await self._admit_limits(request, parsed, prompts_ids)
         batch = self._start(request, parsed, prompts_ids, "completions", keys, grammar)
         want_lp = parsed.params.logprobs is not None
         echo = parsed.echo
@@ -585,6 +653,7 @@ class InferenceAPI:
             self._check_scoring([prompt_ids], "prompt_logprobs")
         grammar = await self._grammar(parsed)
         keys = self._admit(request, parsed.model, incoming=parsed.params.n)
+        await self._admit_limits(request, parsed, [prompt_ids])
         batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys, grammar)
         calling = tools is not None and tools.choice.mode != "none"
         streams: dict[int, ToolCallStream] = {}

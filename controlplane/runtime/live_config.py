@@ -35,6 +35,14 @@ from controlplane.store.models import CONFIG_SOURCES
 log = logging.getLogger("controlplane.config")
 
 SOURCES = CONFIG_SOURCES
+# [limits] keys read at each request (the backend and its Redis need a restart).
+LIMITS_LIVE = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent",
+    "max_tokens_per_request",
+    "redis_failure",
+)
 # Fields an operator may change on a running daemon. Everything else needs a restart.
 LIVE_FIELDS = frozenset(
     {f"engine.{name}" for name in EngineSettings.live_fields()}
@@ -50,6 +58,7 @@ LIVE_FIELDS = frozenset(
     }
     | {f"autopilot.{f.name}" for f in dataclasses.fields(AutopilotSettings)}
     | {f"alerts.{f.name}" for f in dataclasses.fields(AlertsSettings)}
+    | {f"limits.{name}" for name in LIMITS_LIVE}
 )
 
 
@@ -105,7 +114,7 @@ def _plain(value: Any) -> Any:
 def flatten(cfg: Config) -> dict[str, Any]:
     """Dotted field -> JSON-friendly value, for every field of the config."""
     out: dict[str, Any] = {"data_dir": cfg.data_dir}
-    for section in ("server", "store", "jobs", "fleet", "autopilot", "alerts", "engine"):
+    for section in ("server", "store", "jobs", "fleet", "autopilot", "alerts", "limits", "engine"):
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             out[f"{section}.{f.name}"] = _plain(getattr(obj, f.name))
