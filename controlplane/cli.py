@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_config_parser(sub)
 
+    from controlplane.client.keys_cli import add_keys_parser
+
+    add_keys_parser(sub)
+
     from controlplane.tui import add_tui_parser
 
     add_tui_parser(sub)

@@ -261,6 +261,34 @@ class AdminClient:
             "POST", f"/admin/keys/{_segment(name)}/abort", headers=self._source
         )
 
+    async def keys(self) -> dict[str, Any]:
+        """The API keys (the api_keys table's and the config file's): {"keys": [...],
+        "key_refresh_s"}; never a secret."""
+        return await self._request("GET", "/admin/keys")
+
+    async def create_key(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A new table key; its `secret` is in this answer only. APIError 422 / 409 naming
+        the field."""
+        return await self._request("POST", "/admin/keys", json=body, headers=self._source)
+
+    async def update_key(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Change a table key's limits, budget, expiry, allowed models, priority or owner."""
+        return await self._request(
+            "PATCH", f"/admin/keys/{_segment(name)}", json=body, headers=self._source
+        )
+
+    async def rotate_key(self, name: str) -> dict[str, Any]:
+        """A new secret (`secret`, in this answer only); the old one stops."""
+        return await self._request(
+            "POST", f"/admin/keys/{_segment(name)}/rotate", headers=self._source
+        )
+
+    async def revoke_key(self, name: str) -> dict[str, Any]:
+        """Revoke a table key: it stops on every daemon within server.key_refresh_s."""
+        return await self._request(
+            "POST", f"/admin/keys/{_segment(name)}/revoke", headers=self._source
+        )
+
     async def save_config(self) -> dict[str, Any]:
         """Write the live values into the daemon's config file: {"path", "saved": [{"field",
         "value"}]}; APIError 409 (with the reason) when there is no file, it cannot be read

@@ -211,3 +211,36 @@ def test_revoke_reaches_the_other_daemon_within_the_refresh(make_daemon, pg_url)
             "api_keys.fleet-key.revoked_at",
             "api_keys.fleet-key",
         ]
+
+
+def test_cli(served, capsys):
+    """`controlplane keys ...` against the daemon's admin API: the secret printed once."""
+    from controlplane.cli import main
+
+    base = ["--url", served.url, "--token", TOKEN]
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(["keys", *argv, *base])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, out = run("create", "cli-key", "--owner", "bob", "--requests-per-minute", "30")
+    assert code == 0, out
+    secret = out.split("shown this once, only its hash is kept): ")[1].strip()
+    assert models(served, secret).status_code == 200
+    code, out = run("list")
+    assert code == 0 and "cli-key" in out and "requests_per_minute=30" in out
+    assert secret not in out
+    code, out = run("update", "cli-key", "--max-concurrent", "-1")
+    assert code == 1 and "max_concurrent" in out
+    code, out = run("update", "cli-key", "--allowed-models", MODEL, "--budget-usd", "5")
+    assert code == 0 and f"models={MODEL}" in out and "budget=$5/month" in out
+    code, out = run("rotate", "cli-key")
+    assert code == 0
+    secret2 = out.split("only its hash is kept): ")[1].strip()
+    assert models(served, secret).status_code == 401
+    assert models(served, secret2).status_code == 200
+    code, out = run("revoke", "cli-key")
+    assert code == 0 and "revoked" in out
+    assert models(served, secret2).status_code == 401
+    served.daemon.runtime.auth_failures = AuthFailures()
