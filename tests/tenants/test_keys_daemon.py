@@ -205,7 +205,7 @@ def test_revoke_reaches_the_other_daemon_within_the_refresh(make_daemon, pg_url)
     wait_status(b, secret, 401, REFRESH_S + 5)
     lag = time.monotonic() - revoked_at  # from before the revoke was sent
     print(f"key seen on b after {seen:.3f} s; revoke reached b after {lag:.3f} s")
-    assert lag <= REFRESH_S + 1.0
+    assert lag <= REFRESH_S + 2.0  # the bound, plus a margin for the reload on a loaded machine
     with admin(a) as c:  # audited by the daemon that made the changes (its instance id)
         assert [r["field"] for r in key_history(c, "fleet-key")] == [
             "api_keys.fleet-key.revoked_at",
