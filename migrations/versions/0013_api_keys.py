@@ -46,7 +46,7 @@ def upgrade() -> None:
         sa.Column("tokens_per_minute", sa.BigInteger(), nullable=True),
         sa.Column("max_concurrent", sa.Integer(), nullable=True),
         sa.Column("max_tokens_per_request", sa.Integer(), nullable=True),
-        sa.Column("budget_usd", sa.Double(), nullable=True),
+        sa.Column("budget_usd", sa.Float(), nullable=True),
         sa.Column("budget_period", sa.String(length=8), nullable=True),
         sa.Column("budget_action", sa.String(length=16), nullable=True),
         sa.Column("priority_class", sa.Integer(), nullable=False),
