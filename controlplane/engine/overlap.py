@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -150,7 +151,10 @@ class Overlap:
     """The engine's asynchronous step (see the module doc); one per engine."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        # A proxy, not a reference: the engine holds this object, and a cycle would keep an
+        # engine dropped by its caller (its weights and KV cache) until the cyclic collector
+        # ran (tests that build engine after engine grew past 12 GB).
+        self.engine = weakref.proxy(engine)
         self.queue = DeviceQueue(engine.device)
         self.inflight: Launched | None = None
         # Steps run ahead, and steps run synchronously while it was on, by reason (blocked).
