@@ -79,7 +79,7 @@ def main() -> None:
                 for mode in ("off", "on")
             }
             best = {mode: 0.0 for mode in engines}
-            for mode, engine in engines.items():  # warm-up
+            for engine in engines.values():  # warm-up
                 run(engine, batch, 8)
             for _ in range(args.repeats):
                 for mode, engine in engines.items():
