@@ -145,8 +145,12 @@ def check_fields(body: Mapping[str, Any], allowed: Iterable[str]) -> dict[str, A
                 value = 0
             out[field] = _int(field, value)
         elif field == "owner":
-            if value is not None and (not isinstance(value, str) or len(value) > 255):
-                raise FieldError(field, "must be a string of at most 255 characters (or null)")
+            if value is not None and (
+                not isinstance(value, str) or len(value) > 255 or not value.isprintable()
+            ):
+                raise FieldError(
+                    field, "must be a printable string of at most 255 characters (or null)"
+                )
             out[field] = value
         elif field == "expires_at":
             out[field] = None if value is None else parse_time(field, value, relative=False)
@@ -155,7 +159,9 @@ def check_fields(body: Mapping[str, Any], allowed: Iterable[str]) -> dict[str, A
                 if (
                     not isinstance(value, list)
                     or not 1 <= len(value) <= MAX_MODELS
-                    or not all(isinstance(m, str) and 1 <= len(m) <= 255 for m in value)
+                    or not all(
+                        isinstance(m, str) and 1 <= len(m) <= 255 and m.isprintable() for m in value
+                    )
                 ):
                     raise FieldError(
                         field,

@@ -130,6 +130,8 @@ def test_expiry_needs_no_reload(db):
         ({"name": "x", "priority_class": True}, "priority_class"),
         ({"name": "x", "allowed_models": []}, "allowed_models"),
         ({"name": "x", "allowed_models": "m"}, "allowed_models"),
+        ({"name": "x", "allowed_models": ["a\x00b"]}, "allowed_models"),
+        ({"name": "x", "owner": "nul\x00"}, "owner"),
         ({"name": "x", "expires_at": "tomorrow"}, "expires_at"),
         ({"name": "x", "secret_hash": "00"}, "secret_hash"),
         ({"name": "x", "colour": 1}, "colour"),
