@@ -60,6 +60,8 @@ step seeds_8b_int4 180 python3 -m benchmarks.gpu_seeds --shape 8b --weights int4
     --budget-s 150 --json "$OUT/seeds_8b_int4.json"
 step seeds_1b_bf16 150 python3 -m benchmarks.gpu_seeds --shape 1b --weights bf16 \
     --budget-s 120 --json "$OUT/seeds_1b_bf16.json"
+# The quantized kernels per call against bf16 (its table in the log: no file of its own).
+step quant_gpu_kernels 150 python3 -m benchmarks.quant_gpu_kernels
 step pytest_triton 240 python3 -m pytest -p no:cacheprovider -q -m "not drill" \
     tests/engine/test_triton_attention.py
 step gpu_decode "${BENCH_TIMEOUT:-330}" python3 -m benchmarks.gpu_decode \
