@@ -84,7 +84,12 @@ class InferenceAPI:
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps weak ones
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.recently_finished: OrderedDict[str, str] = OrderedDict()  # id -> finish reason
-        self.limits = RateLimits(lambda: self.runtime.cfg.limits, redis=_redis_limiter)
+        # A table key's own limits over the [limits] defaults (config file keys: the defaults).
+        self.limits = RateLimits(
+            lambda: self.runtime.cfg.limits,
+            redis=_redis_limiter,
+            overrides=lambda name: self.runtime.keys.limits_of(name),
+        )
 
     # -- traffic: the one place requests are counted -------------------------------------------
     async def serve(

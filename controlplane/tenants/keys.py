@@ -47,6 +47,7 @@ from controlplane.common import parse_time
 from controlplane.errors import FieldError
 from controlplane.store.audit import ConfigChange, write_changes
 from controlplane.store.models import IDLE_KEY, ApiKeyRow
+from controlplane.tenants.limits import LIMIT_FIELDS
 
 log = logging.getLogger("controlplane.keys")
 
@@ -380,6 +381,7 @@ class KeyCache:
 
     def __init__(self) -> None:
         self._by_hash: dict[str, LiveKey] = {}
+        self._by_name: dict[str, LiveKey] = {}
         self.names: frozenset[str] = frozenset()  # every row's name, revoked ones included
         self.closed = False  # the table has a row: the /v1 API needs a key
         self.loaded_at: float | None = None  # time.monotonic() of the last reload
@@ -406,9 +408,18 @@ class KeyCache:
             )
         # Swapped whole: a request sees the old copy or the new one, never a mix.
         self._by_hash = by_hash
+        self._by_name = {key.name: key for key in by_hash.values()}
         self.names = frozenset(r["name"] for r in rows)
         self.closed = bool(rows)
         self.loaded_at = time.monotonic()
+
+    def limits_of(self, name: str | None) -> dict[str, int | None] | None:
+        """A live table key's own rate limits (None each: the [limits] default), or None for a
+        config key, an open API or an unknown name: RateLimits' `overrides`."""
+        key = self._by_name.get(name) if name is not None else None
+        if key is None:
+            return None
+        return {f: getattr(key, f) for f in LIMIT_FIELDS}
 
     def lookup(self, given: bytes) -> LiveKey | None:
         """The live key whose secret `given` is (not revoked, not expired), or None."""

@@ -244,3 +244,27 @@ def test_cli(served, capsys):
     assert code == 0 and "revoked" in out
     assert models(served, secret2).status_code == 401
     served.daemon.runtime.auth_failures = AuthFailures()
+
+
+def test_a_table_keys_own_limits_apply_over_the_defaults(served):
+    """A table key's requests_per_minute (set at creation, then raised live) is the limit its
+    requests meet; the config file's key keeps the [limits] default (none here)."""
+    d = served
+    with admin(d) as c:
+        made = c.post("/admin/keys", json={"name": "limited", "requests_per_minute": 2})
+        assert made.status_code == 201, made.text
+        secret = made.json()["secret"]
+        statuses = [complete(d, secret).status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]
+        refused = complete(d, secret)
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.headers["x-ratelimit-limit-requests"] == "2"
+        assert [complete(d, CONFIG_KEY["key"]).status_code for _ in range(3)] == [200] * 3
+        # Raised live: the new limit holds as soon as this daemon's cache reloads (at once). The
+        # bucket keeps its level (empty) and refills at the new rate: 100 a minute, one in 0.6 s.
+        raised = c.patch("/admin/keys/limited", json={"requests_per_minute": 100})
+        assert raised.status_code == 200, raised.text
+        assert complete(d, secret).headers["x-ratelimit-limit-requests"] == "100"
+        time.sleep(1.5)
+        ok = complete(d, secret)
+        assert ok.status_code == 200, ok.text
