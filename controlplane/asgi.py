@@ -77,6 +77,7 @@ def create_app(runtime: Runtime) -> Litestar:
         },
         request_max_body_size=max_body,
         before_send=[add_request_id],
+        on_shutdown=[api.limits.close],  # the rate limiter's Redis connections
         debug=False,
         logging_config=None,  # the daemon configured logging (text or JSON); keep it
     )
