@@ -28,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import math
 import re
 import secrets
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -386,8 +388,15 @@ class KeyCache:
         self.closed = False  # the table has a row: the /v1 API needs a key
         self.loaded_at: float | None = None  # time.monotonic() of the last reload
         self.errors = 0
+        # Loads overlap (the periodic one, an admin change's): each takes a ticket before it
+        # reads, and a load that read before the last applied one is dropped, so a read from
+        # before a change never overwrites one from after it (a revoke undone for a refresh).
+        self._tickets = itertools.count(1)
+        self._applied = 0
+        self._lock = threading.Lock()
 
     def load(self, db: Engine) -> None:
+        ticket = next(self._tickets)
         with db.connect() as conn:
             rows = conn.execute(select(API_KEYS)).mappings().all()
         by_hash = {}
@@ -406,12 +415,16 @@ class KeyCache:
                 budget_period=r["budget_period"],
                 budget_action=r["budget_action"],
             )
-        # Swapped whole: a request sees the old copy or the new one, never a mix.
-        self._by_hash = by_hash
-        self._by_name = {key.name: key for key in by_hash.values()}
-        self.names = frozenset(r["name"] for r in rows)
-        self.closed = bool(rows)
-        self.loaded_at = time.monotonic()
+        with self._lock:
+            if ticket < self._applied:
+                return  # a later load's read is in force already
+            self._applied = ticket
+            # Swapped whole: a request sees the old copy or the new one, never a mix.
+            self._by_hash = by_hash
+            self._by_name = {key.name: key for key in by_hash.values()}
+            self.names = frozenset(r["name"] for r in rows)
+            self.closed = bool(rows)
+            self.loaded_at = time.monotonic()
 
     def limits_of(self, name: str | None) -> dict[str, int | None] | None:
         """A live table key's own rate limits (None each: the [limits] default), or None for a

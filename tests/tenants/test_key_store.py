@@ -4,8 +4,10 @@ hostile values refused naming the field; the failed-authentication limiter by th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -99,6 +101,52 @@ def test_key_life_and_its_audit(db):
     for s in (secret, secret2):
         assert s not in text and hash_secret(s) not in text
     assert rows[0]["old_value"] is None and rows[0]["new_value"] == revoked["revoked_at"]
+
+
+class _PausedRead:
+    """The real database, whose next read waits (after reading) until `resume` is set: a
+    periodic reload that read the table before an admin change and finishes after it."""
+
+    def __init__(self, db) -> None:
+        self.db, self.read, self.resume = db, threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def connect(self):
+        with self.db.connect() as conn:
+            outer = self
+
+            class Conn:
+                def execute(self, *args, **kw):
+                    result = conn.execute(*args, **kw).mappings().all()
+                    outer.read.set()
+                    outer.resume.wait(30)
+
+                    class Rows:
+                        def mappings(self):
+                            return self
+
+                        def all(self):
+                            return result
+
+                    return Rows()
+
+            yield Conn()
+
+
+def test_a_reload_that_read_before_a_revoke_does_not_undo_it(db):
+    store, cache = KeyStore(db), KeyCache()
+    _, secret = store.create({"name": "team-a"}, AUDIT)
+    cache.load(db)
+    paused = _PausedRead(db)
+    stale = threading.Thread(target=cache.load, args=(paused,))
+    stale.start()
+    assert paused.read.wait(30)  # it read the table with the key live...
+    store.revoke("team-a", AUDIT)
+    cache.load(db)  # ...the admin change's reload runs and applies...
+    assert cache.lookup(secret.encode()) is None
+    paused.resume.set()  # ...then the stale one finishes: dropped
+    stale.join(30)
+    assert cache.lookup(secret.encode()) is None
 
 
 def test_expiry_needs_no_reload(db):
