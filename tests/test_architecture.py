@@ -175,6 +175,7 @@ BELOW_THE_APIS = (
     "controlplane.autopilot",
     "controlplane.store",
     "controlplane.engine",
+    "controlplane.tenants",
 )
 
 
