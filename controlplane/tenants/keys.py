@@ -176,8 +176,10 @@ def check_fields(body: Mapping[str, Any], allowed: Iterable[str]) -> dict[str, A
             if value is not None and (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
-                or not math.isfinite(value)
+                # The range first: it compares an int of any size exactly, where isfinite
+                # would raise OverflowError (a 500) on one too large for a float; NaN fails it.
                 or not 0 <= value <= MAX_BUDGET_USD
+                or not math.isfinite(value)
             ):
                 raise FieldError(
                     field, f"must be a number from 0 to {MAX_BUDGET_USD:g} (or null), got {value!r}"
@@ -433,6 +435,14 @@ class KeyCache:
         if key is None:
             return None
         return {f: getattr(key, f) for f in LIMIT_FIELDS}
+
+    def key(self, name: str | None) -> LiveKey | None:
+        """The live (not revoked) table key of this name, or None."""
+        return self._by_name.get(name) if name is not None else None
+
+    def live(self) -> list[LiveKey]:
+        """Every live table key (the copy in force: a reload swaps it whole)."""
+        return list(self._by_name.values())
 
     def lookup(self, given: bytes) -> LiveKey | None:
         """The live key whose secret `given` is (not revoked, not expired), or None."""
