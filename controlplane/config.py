@@ -313,7 +313,8 @@ DEFAULT_PRICES = (
 class LimitsSettings:
     """[limits]: rate limits per API key (controlplane/tenants/limits.py), the defaults of every
     key without its own; 0: unlimited. Over a limit a request gets 429 with Retry-After; every
-    /v1 response of a limited key carries OpenAI's x-ratelimit-* headers."""
+    /v1 response of a limited key carries OpenAI's x-ratelimit-* headers. The budget_* keys
+    tune the table keys' spend budgets (controlplane/tenants/budgets.py)."""
 
     # [live] Requests a key may send per minute (a bucket that refills continuously).
     requests_per_minute: int = bounded(0, 0, MAX_REQUESTS_PER_MINUTE)
@@ -332,6 +333,13 @@ class LimitsSettings:
     # [live] Redis unreachable: open admits requests uncounted, closed refuses those of limited
     # keys with 503; either way the outage is logged once and counted.
     redis_failure: str = one_of("open", ("open", "closed"))
+    # [live] A key's share of its spend budget (budget_usd) at which it gets one warning per
+    # period: an event on /admin/events, a log line and a Prometheus count.
+    budget_soft_threshold: float = bounded(0.8, 0, 1, lo_open=True)
+    # [live] How often each daemon reads the budgeted keys' spend from the database. Another
+    # daemon's spend reaches this one within this interval (plus store.flush_interval_s): a
+    # fleet may overspend a budget by that much of the key's traffic, plus requests in flight.
+    budget_refresh_s: float = bounded(5.0, 0.05, 3600, unit="seconds")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,13 +35,15 @@ from controlplane.store.models import CONFIG_SOURCES
 log = logging.getLogger("controlplane.config")
 
 SOURCES = CONFIG_SOURCES
-# [limits] keys read at each request (the backend and its Redis need a restart).
+# [limits] keys read at each request or refresh (the backend and its Redis need a restart).
 LIMITS_LIVE = (
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent",
     "max_tokens_per_request",
     "redis_failure",
+    "budget_soft_threshold",
+    "budget_refresh_s",
 )
 # Fields an operator may change on a running daemon. Everything else needs a restart.
 LIVE_FIELDS = frozenset(

@@ -54,6 +54,12 @@ and histograms are not listed):
   ``controlplane:grammar_mask_seconds_total`` (computing and applying token masks) and
   ``controlplane:grammar_mask_wait_seconds_total`` (steps waiting for masks after their
   forward), gauge ``controlplane:grammar_states``;
+- spend budgets (controlplane.tenants.budgets): counters
+  ``controlplane:budget_events_total{api_key,event}`` (a key passed its soft threshold,
+  ``soft_threshold``, or reached its budget, ``exhausted``: once per key and period) and
+  ``controlplane:budget_requests_total{api_key,action}`` (requests of keys at their budget,
+  ``rejected`` with 429 or admitted ``deprioritized``); the key label bounded as the ignored
+  fields' is (`Metrics.budget_key_label`);
 - asynchronous scheduling: counter ``controlplane:async_steps_total`` (steps launched before
   the previous step's tokens were known; /admin/stats' ``async_step_share`` over its window);
 - what the engine runs on: ``controlplane:kernels_loaded{reason}`` (1 while our C++ CPU
@@ -144,6 +150,12 @@ DEFAULT_MAX_MODEL_LEN = 131072
 MAX_IGNORED_FIELD_LABELS = 100
 MAX_IGNORED_FIELD_CHARS = 64
 OTHER_FIELD = "other"
+# The budget counters' `api_key` label: keys are made by operators, not clients, but a table may
+# hold many; beyond the first distinct names (and for none: an open API) they share OTHER_KEY.
+MAX_BUDGET_KEY_LABELS = 100
+OTHER_KEY = "(other)"
+BUDGET_EVENTS = ("soft_threshold", "exhausted")
+BUDGET_ACTIONS = ("rejected", "deprioritized")
 
 
 # structured_requests_total's `type` label: what constrained the output.
@@ -229,6 +241,7 @@ class Metrics:
         # /admin/stats `kernels` and `compiled_step`, read at scrape time (bind_kernels).
         self._kernels: tuple[Callable[[], Mapping[str, Any]], Callable[[], str]] | None = None
         self._ignored_names: set[str] = set()  # field names with a label of their own
+        self._budget_keys: set[str] = set()  # key names with a budget label of their own
         self._ignored_other = False  # whether the OTHER_FIELD label is in use
 
         reg, labels, m = self.registry, ["model_name"], model_name
@@ -294,6 +307,21 @@ class Metrics:
             prefix + "ignored_request_fields",
             "Request fields the server does not read and ignored, by field name.",
             [*labels, "field"],
+            registry=reg,
+        )
+
+        self._budget_events = Counter(
+            prefix + "budget_events",
+            "API keys that passed their budget's soft threshold or reached the budget, once per "
+            "key and period.",
+            [*labels, "api_key", "event"],
+            registry=reg,
+        )
+        self._budget_requests = Counter(
+            prefix + "budget_requests",
+            "Requests of API keys at their spend budget: rejected (429 insufficient_quota) or "
+            "admitted deprioritized.",
+            [*labels, "api_key", "action"],
             registry=reg,
         )
 
@@ -579,6 +607,26 @@ class Metrics:
         for label, n in counts.items():
             self._ignored_fields.labels(self.model_name, label).inc(n)
         return new
+
+    # -- spend budgets -----------------------------------------------------------------------
+    def budget_key_label(self, key: str | None) -> str:
+        """The `api_key` label of a budget counter: the key's name, or OTHER_KEY for names
+        beyond the first MAX_BUDGET_KEY_LABELS (the exposition cannot grow without bound)."""
+        with self._lock:
+            if key is not None and key in self._budget_keys:
+                return key
+            if key is not None and len(self._budget_keys) < MAX_BUDGET_KEY_LABELS:
+                self._budget_keys.add(key)
+                return key
+        return OTHER_KEY
+
+    def budget_event(self, key: str | None, event: str) -> None:
+        """A key passed its soft threshold or reached its budget (BUDGET_EVENTS)."""
+        self._budget_events.labels(self.model_name, self.budget_key_label(key), event).inc()
+
+    def budget_request(self, key: str | None, action: str) -> None:
+        """A request of a key at its budget was rejected or deprioritized (BUDGET_ACTIONS)."""
+        self._budget_requests.labels(self.model_name, self.budget_key_label(key), action).inc()
 
     def bind_recorder(self, dropped: Callable[[], int], buffered: Callable[[], int]) -> None:
         """Read ``records_dropped_total`` / ``records_buffered`` from these at each scrape.
