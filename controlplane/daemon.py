@@ -310,11 +310,19 @@ class Daemon:
         await asyncio.to_thread(self._open_store)
         # The api_keys table: loaded before the API listens, then every server.key_refresh_s.
         await self.runtime.keys.reload(self.runtime.store.db)
+        # The budgeted keys' spend (and the price book), after the keys: every
+        # limits.budget_refresh_s (live: read at each wait).
+        await self.runtime.budgets.refresh(self.runtime.store.db)
         background = [
             asyncio.create_task(self._pump_metrics_forever()),
             asyncio.create_task(
                 self.runtime.keys.run_forever(
                     lambda: self.runtime.store.db, lambda: self.cfg.server.key_refresh_s
+                )
+            ),
+            asyncio.create_task(
+                self.runtime.budgets.run_forever(
+                    lambda: self.runtime.store.db, lambda: self.cfg.limits.budget_refresh_s
                 )
             ),
         ]

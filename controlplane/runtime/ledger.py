@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from controlplane.telemetry.metrics import Metrics
 
 access_log = logging.getLogger("controlplane.access")
+log = logging.getLogger("controlplane.daemon")
 
 # A running request's row is rewritten (still "running") with the tokens generated so far at
 # most this often: a process killed outright (SIGKILL after a short `docker stop`, the OOM
@@ -77,6 +79,9 @@ class RequestLedger:
         # Recently finished requests: latency percentiles and the structured share over the
         # last minute for /admin/stats, the autopilot's window.
         self._finished: deque[Finished] = deque(maxlen=FINISHED_KEPT)
+        # Told of every final record as it is recorded (the runtime: the budgets' own spend,
+        # counted at once rather than when the row reaches the database).
+        self.on_final: Callable[[RequestRecord], None] | None = None
 
     def record(self, rec: RequestRecord) -> None:
         if rec.status == "running":
@@ -86,6 +91,11 @@ class RequestLedger:
             self._progress_at.pop(rec.id, None)
         if self.recorder is not None:
             self.recorder.submit(rec)
+        if rec.status != "running" and self.on_final is not None:
+            try:
+                self.on_final(rec)
+            except Exception:  # the request's end is recorded whatever its listener does
+                log.exception("request %r: the final record's listener failed", rec.id)
 
     def progress(self, rec: RequestRecord, out: RequestOutput) -> None:
         """A running request produced `out`: at most every PROGRESS_INTERVAL_S, record it again

@@ -50,6 +50,8 @@ from controlplane.telemetry.stats import (
     summarize,
 )
 from controlplane.telemetry.traffic import Traffic
+from controlplane.tenants.budgets import BudgetEvent, BudgetTracker
+from controlplane.tenants.budgets import log as budget_log
 from controlplane.tenants.keys import AuthFailures, KeyCache, LiveKey, bearer_secret
 
 if TYPE_CHECKING:
@@ -113,6 +115,16 @@ class Runtime:
         # server.key_refresh_s; and the per-address limit on failed authentications.
         self.keys = KeyCache()
         self.auth_failures = AuthFailures()
+        # The table keys' spend budgets: read from SQL every limits.budget_refresh_s (by the
+        # daemon), this process's own spend counted as each request ends.
+        self.budgets = BudgetTracker(
+            self.keys,
+            instance_id,
+            datetime.fromtimestamp(self.started_at, UTC),
+            lambda: self.cfg.limits.budget_soft_threshold,
+        )
+        self.budgets.on_event = self._budget_event
+        self.ledger.on_final = self.budgets.spent
         live.table_key_names = lambda: self.keys.names
         self._metrics_step = -1
         # StepStats kept about once a second (pump_metrics) for a minute: the cumulative
@@ -130,6 +142,13 @@ class Runtime:
         self.dropped_at_restart: list[dict[str, Any]] = []
         # The CPU kernels' state for /admin/stats (cpu_ops.state; set by the daemon's load).
         self.cpu_kernels: Callable[[], dict[str, str]] | None = None
+
+    def _budget_event(self, event: BudgetEvent) -> None:
+        """A key passed its soft threshold or reached its budget (once per key and period):
+        a log line, an /admin/events message and a Prometheus count."""
+        budget_log.warning("%s", event.message(), extra={"event": f"budget_{event.kind}"})
+        self.events.broadcast(event.payload())
+        self.metrics.budget_event(event.standing.key, event.kind)
 
     def kernels(self) -> dict[str, str | None]:
         """/admin/stats `kernels` and /metrics' kernels_loaded: kernels_summary below."""
