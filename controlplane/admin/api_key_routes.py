@@ -1,6 +1,6 @@
 """/admin/keys: the API keys of the api_keys table (controlplane.tenants.keys), managed live.
 
-    GET   /admin/keys                 every key: never its secret or hash
+    GET   /admin/keys                 every key (a budgeted one with its spend): never a secret
     POST  /admin/keys                 create one; its secret is in this answer only
     PATCH /admin/keys/{name}          limits, budget, expiry, allowed models, priority, owner
     POST  /admin/keys/{name}/rotate   a new secret (in this answer only); the old one stops
@@ -83,6 +83,10 @@ class ApiKeysController(Controller):
         for k in keys:
             k["source"] = "table"
             k["suspended"] = k["name"] in suspended
+            # Spend against the budget in the current period, as this daemon sees it.
+            standing = runtime.budgets.standing(k["name"]) if k["state"] == "active" else None
+            if standing is not None:
+                k["budget"].update(standing.view())
         configured = [
             {"name": k.name, "source": "config", "suspended": k.name in suspended}
             for k in runtime.cfg.api_keys
@@ -97,6 +101,7 @@ class ApiKeysController(Controller):
         store = _store(runtime)
         names = [k.name for k in runtime.cfg.api_keys]
         view, secret = await _call(runtime, store.create, body, _audit(runtime, request), names)
+        await runtime.budgets.refresh(runtime.store.db)  # its budget holds here at once
         return {**view, "secret": secret}
 
     @patch("/{name:str}", summary="Change an API key's limits, budget, expiry, models (audited)")
@@ -107,7 +112,9 @@ class ApiKeysController(Controller):
         if not body:
             raise unprocessable("body", "must name at least one field to change", 400)
         store = _store(runtime)
-        return await _call(runtime, store.update, name, body, _audit(runtime, request))
+        view = await _call(runtime, store.update, name, body, _audit(runtime, request))
+        await runtime.budgets.refresh(runtime.store.db)  # a budget changed holds here at once
+        return view
 
     @post("/{name:str}/rotate", status_code=200, summary="A new secret (shown once) (audited)")
     async def rotate_key(

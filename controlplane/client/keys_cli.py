@@ -75,6 +75,10 @@ def _show(key: dict[str, Any]) -> str:
             f"budget=${budget['budget_usd']:g}/{budget.get('budget_period') or 'month'}"
             f" ({budget.get('budget_action') or 'reject'})"
         )
+    if budget.get("spend_usd") is not None:  # GET /admin/keys: this period's spend
+        use = budget.get("use")
+        shown = "" if use is None else f" ({use:.0%})"
+        parts.append(f"spent=${budget['spend_usd']:.6g}{shown} {budget.get('state')}")
     if key.get("priority_class"):
         parts.append(f"priority_class={key['priority_class']}")
     return "  ".join(parts)

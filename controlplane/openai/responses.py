@@ -311,6 +311,7 @@ class ResponsesAPI:
             prompt_ids = await api.chat_prompt(len(raw), parsed.messages, parsed.tools)
             grammar = await api._grammar(parsed)
             keys = api._admit(request, parsed.model)
+            api._admit_budget(request)
             await api._admit_limits(request, parsed, [prompt_ids])
             batch = api._start(request, parsed, [prompt_ids], "responses", keys, grammar)
         except APIError as exc:

@@ -175,6 +175,28 @@ class InferenceAPI:
         setattr(request.state, RATELIMIT_HEADERS, hdrs)
         setattr(request.state, LEASE, (decision.lease, backend))
 
+    def _admit_budget(self, request: Request) -> None:
+        """The key's spend budget (controlplane.tenants.budgets): at the budget a key with
+        budget_action reject gets 429 insufficient_quota (OpenAI's type and code; Retry-After
+        until the period resets, x-should-retry false: the openai SDK's own retries could not
+        succeed), one with deprioritize is admitted with `request.state.budget_deprioritized`
+        set (its requests then run at the lowest priority class)."""
+        key_name = request.state.api_key[0]
+        verdict = self.runtime.budgets.check(key_name)
+        request.state.budget_deprioritized = verdict is not None and verdict.action != "reject"
+        if verdict is None:
+            return
+        if verdict.action == "reject":
+            self.runtime.metrics.budget_request(key_name, "rejected")
+            raise APIError(
+                429,
+                verdict.message,
+                type="insufficient_quota",
+                code="insufficient_quota",
+                headers={"Retry-After": str(verdict.retry_after_s), "x-should-retry": "false"},
+            )
+        self.runtime.metrics.budget_request(key_name, "deprioritized")
+
     def _reserve(self, parsed: protocol.OpenAIRequest, prompts_ids: list[list[int]]) -> int:
         """Tokens a request may use: its prompts plus the most completion tokens of every
         choice (OpenAI chat without max_tokens: what fits in the context, as `_start` sets)."""
@@ -549,6 +571,7 @@ class InferenceAPI:
         grammar = await self._grammar(parsed)
         # Admission again: the queue may have filled (or a drain begun) while tokenizing.
         keys = self._admit(request, parsed.model, incoming=n)
+        self._admit_budget(request)
         await self._admit_limits(request, parsed, prompts_ids)
         batch = self._start(request, parsed, prompts_ids, "completions", keys, grammar)
         want_lp = parsed.params.logprobs is not None
@@ -658,6 +681,7 @@ class InferenceAPI:
             self._check_scoring([prompt_ids], "prompt_logprobs")
         grammar = await self._grammar(parsed)
         keys = self._admit(request, parsed.model, incoming=parsed.params.n)
+        self._admit_budget(request)
         await self._admit_limits(request, parsed, [prompt_ids])
         batch = self._start(request, parsed, [prompt_ids], "chat.completions", keys, grammar)
         calling = tools is not None and tools.choice.mode != "none"
