@@ -64,6 +64,21 @@ MAX_ROWS = MAX_DECODE_ROWS
 WARM_UP_SWITCH_INTERVAL_S = 1e-4
 
 
+def prime_fx_tracer() -> None:
+    """Run, now, the one symbolic trace inductor makes while lowering (a cached trace of an
+    identity function, its loop bodies' interpreter). torch.fx's tracer patches
+    torch.nn.Module.__call__ for the whole process while it traces, so an eager step on
+    another thread at that moment fails (`NameError: module is not installed as a
+    submodule`): seen as 4 failed requests a few seconds into a background compile under
+    load. Traced before the warm-up thread starts, it is cached and never traced again."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()
+    except (ImportError, AttributeError):  # another torch: nothing known to prime
+        pass
+
+
 class CompiledDecode:
     def __init__(
         self,
@@ -178,6 +193,7 @@ class CompiledDecode:
                 sys.setswitchinterval(interval)
 
         self.state = "warming"
+        prime_fx_tracer()
         self._warm_up_thread = threading.Thread(target=run, name="compile-warm-up", daemon=True)
         self._warm_up_thread.start()
 

@@ -386,3 +386,36 @@ def test_a_daemon_serves_while_its_step_compiles(monkeypatch, make_daemon):
     again = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     assert compiled.steps >= 10 and not compiled._eager_rows  # the step thread ran it
+
+
+def test_an_fx_trace_on_another_thread_breaks_an_eager_step_unless_primed():
+    """Why `prime_fx_tracer` runs before the background warm-up: while torch.fx traces, on any
+    thread, every nn.Module call in the process goes through its tracer, and an eager forward
+    on the step thread raises. Inductor's one such trace (its loop-body interpreter's) is
+    cached: primed, it never happens during a warm-up."""
+    inside, release = threading.Event(), threading.Event()
+
+    def traced(x):
+        inside.set()
+        release.wait(30)
+        return x
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,))
+    tracer.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(NameError, match="not installed as a submodule"):
+            torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    finally:
+        release.set()
+        tracer.join()
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))  # fine again once the trace is over
+    # A fresh process: the trace inductor would make is done (and cached) by the priming.
+    probe = (
+        "from torch._inductor.loop_body import InterpreterShim as S\n"
+        "from controlplane.engine.compiled import prime_fx_tracer\n"
+        "assert S._dummy_gm.cache_info().currsize == 0\n"
+        "prime_fx_tracer()\n"
+        "assert S._dummy_gm.cache_info().currsize == 1\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
