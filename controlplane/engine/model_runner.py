@@ -124,12 +124,15 @@ class ModelRunner:
         """The step on the device: KV copies, then the forward. Returns the logits of the
         sampling rows (float32); `fed_tokens`: the previous step's sampled tokens, for the
         rows `prepare` left to them."""
+        # Copy-on-write first: a sequence that took a copy and was then preempted in the same
+        # step (priority and fair preempt any running one) swaps out the copied block, and a
+        # block it gave back may be a swap-in's target.
+        if inputs.copies:
+            self.kv.copy(*map(list, zip(*inputs.copies, strict=True)))
         if inputs.swap_out:
             self.kv.swap_out(*map(list, zip(*inputs.swap_out, strict=True)))
         if inputs.swap_in:
             self.kv.swap_in(*map(list, zip(*inputs.swap_in, strict=True)))
-        if inputs.copies:
-            self.kv.copy(*map(list, zip(*inputs.copies, strict=True)))
         input_ids, positions, spans, rows = (
             inputs.input_ids,
             inputs.positions,

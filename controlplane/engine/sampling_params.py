@@ -28,6 +28,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # engine-independent bound; validate_request checks the vocabulary
 MAX_N = 1024  # engine-side sanity bound; the server's `server.max_n` is the configured limit
 MAX_CACHE_SALT_CHARS = 4096  # the server's salt: JSON of a key hash and a cache_salt (256)
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # vLLM's `priority`: an int; int32 here
+LOWEST_PRIORITY_CLASS = 9  # classes 0 (first) .. 9 (last); a key over a deprioritizing budget
 
 
 @dataclass(slots=True)
@@ -58,6 +60,12 @@ class SamplingParams:
     # salt (it enters the first block's hash). None: the shared partition. The server sets it
     # from the API key and the request's `cache_salt` (engine.prefix_cache_isolation).
     cache_salt: str | None = None
+    # Scheduling (engine.scheduling_policy, engine/policy.py): vLLM's `priority` (lower runs
+    # sooner), and what the server sets from the API key: the tenant (fair shares are per
+    # tenant; None: the anonymous one) and its priority class (0 first .. 9 last).
+    priority: int = 0
+    tenant: str | None = None
+    priority_class: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +165,16 @@ class SamplingParams:
                 "cache_salt",
                 f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
             )
+        _int(
+            "priority",
+            self.priority,
+            PRIORITY_MIN,
+            PRIORITY_MAX,
+            what="an int32, in [-2^31, 2^31-1]",
+        )
+        _int("priority_class", self.priority_class, 0, LOWEST_PRIORITY_CLASS)
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise InvalidSettingError("tenant", f"must be a string, got {_show(self.tenant)}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidSettingError("structured", "must be a StructuredOutput")
 

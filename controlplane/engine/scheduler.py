@@ -11,6 +11,9 @@ blocks of its longest cached prefix and computes only the rest; a swapped-in one
 cached blocks instead of copying them back. The last token is always computed (its logits are
 needed), so at most (tokens - 1) // block_size blocks come from the cache. After each step the
 engine registers the blocks that became full (`cache_blocks`).
+
+engine.scheduling_policy (live): fcfs is the order above; priority and fair order the prefill
+work and pick preemption victims by engine/policy.py (decodes run first under every policy).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controlplane.engine.block_pool import BlockPool
+from controlplane.engine.policy import Policy
 from controlplane.engine.prompt_logprobs import cache_limit
 from controlplane.engine.sequence import Sequence, SequenceStatus, chain_hashes
 from controlplane.engine.settings import EngineSettings
@@ -68,6 +72,7 @@ class Scheduler:
         self.num_cache_queries = 0
         self.num_cache_hits = 0
         self.draft: DraftModel | None = None  # speculative decoding's draft model, if loaded
+        self.policy = Policy()  # priority and fair (fair's virtual times live across steps)
 
     # -- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -264,9 +269,15 @@ class Scheduler:
         chosen: dict[Sequence, int] = {}
         preempted = False
 
+        fcfs = s.scheduling_policy == "fcfs"
+        if not fcfs:
+            self.policy.begin_step(
+                s.scheduling_policy, [*self.running, *self.waiting, *self.swapped]
+            )
+
         # A lowered max_num_seqs takes effect now, not when sequences happen to finish.
         while len(self.running) > s.max_num_seqs:
-            self._preempt(self.running[-1], out)
+            self._preempt(self._victim(), out)
             preempted = True
 
         # Decodes before prefills: a decode needs one token, and max_num_batched_tokens >=
@@ -279,7 +290,7 @@ class Scheduler:
         bs = self.block_size
         ref_counts = self.pool.ref_counts
         running = SequenceStatus.RUNNING
-        for seq in decodes + prefills if prefills else decodes:
+        for seq in decodes + prefills if prefills and fcfs else decodes:
             if seq.status is not running:
                 continue  # preempted earlier in this loop
             if budget > 0 and not seq.draft_token_ids:
@@ -301,8 +312,8 @@ class Scheduler:
             if n > 1 and seq.draft_token_ids and self._blocks_needed(seq, n) > self.pool.num_free:
                 seq.draft_token_ids, n = [], 1  # drop the drafts before preempting anyone
             while self._blocks_needed(seq, n) > self.pool.num_free:
-                victim = self.running[-1]
-                budget += chosen.pop(victim, 0)
+                victim = self._victim()
+                budget += self._unchoose(victim, chosen)
                 self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
@@ -313,8 +324,12 @@ class Scheduler:
             chosen[seq] = n
             budget -= n
 
+        if not fcfs:
+            for seq, n in chosen.items():
+                self.policy.charge(seq, n)
+            self._schedule_by_policy(prefills, out, chosen, budget, now, inflight, preempted)
         # Admit only when nobody was preempted this step, or we would thrash.
-        if not preempted:
+        elif not preempted:
             budget = self._admit_swapped(out, chosen, budget)
             for seq in list(self.waiting):
                 if budget <= 0:
@@ -387,34 +402,151 @@ class Scheduler:
         return True
 
     def _admit_swapped(self, out: SchedulerOutput, chosen: dict[Sequence, int], budget: int) -> int:
-        """Swapped-out sequences were admitted before anything waiting: they go first. Blocks
-        still in the prefix cache are taken from it rather than copied back."""
+        """Swapped-out sequences were admitted before anything waiting: they go first."""
+        while self.swapped and self._swap_in(self.swapped[0], out, chosen, budget):
+            budget -= chosen[self.running[-1]]
+        return budget
+
+    def _swap_in(
+        self, seq: Sequence, out: SchedulerOutput, chosen: dict[Sequence, int], budget: int
+    ) -> bool:
+        """Bring a swapped-out sequence back if a slot and its blocks are free. Blocks still
+        in the prefix cache are taken from it rather than copied back."""
+        bs = self.block_size
+        if self.running and len(self.running) + seq.num_slots > self.settings.max_num_seqs:
+            return False
+        n = self._chunk(seq, budget)
+        if n <= 0:
+            return False
+        held = len(seq.swap_table)
+        full = min(seq.num_computed_tokens // bs, (seq.num_tokens - 1) // bs)
+        hits = self._lookup(seq, full)
+        k = len(hits)
+        grow = max(0, -(-(seq.num_computed_tokens + n) // bs) - held)
+        if held - k + self.pool.num_unheld(hits) + grow > self.pool.num_free:
+            return False
+        self.swapped.remove(seq)
+        self.pool.take(hits)
+        device = self.pool.allocate(held - k)
+        out.swap_in += zip(seq.swap_table[k:], device, strict=True)
+        self.swap_pool.release(seq.swap_table)
+        seq.block_table, seq.swap_table = hits + device, []
+        seq.num_registered_blocks = k
+        self._grow(seq, n, out)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        chosen[seq] = n
+        return True
+
+    # -- priority and fair (engine/policy.py) ---------------------------------------------------
+    def _victim(self, spare: set[Sequence] | None = None) -> Sequence:
+        """The running sequence preempted first: fcfs, the last admitted; else the policy's,
+        sparing those admitted this step (`spare`: a sequence swapped in and out in one step
+        would copy out blocks the swap-in has not filled yet)."""
+        if self.settings.scheduling_policy == "fcfs":
+            return self.running[-1]
+        pool = [s for s in self.running if s not in spare] if spare else self.running
+        return self.policy.victim(pool or self.running)
+
+    def _unchoose(self, seq: Sequence, chosen: dict[Sequence, int]) -> int:
+        """Take a sequence about to be preempted out of this step: the tokens it gave back."""
+        n = chosen.pop(seq, 0)
+        if n and self.settings.scheduling_policy != "fcfs":
+            self.policy.charge(seq, -n)
+        return n
+
+    def _schedule_by_policy(
+        self,
+        prefills: list[Sequence],
+        out: SchedulerOutput,
+        chosen: dict[Sequence, int],
+        budget: int,
+        now: float,
+        inflight: dict[bytes, Sequence],
+        preempted: bool,
+    ) -> None:
+        """The prefill work (running prefills, swapped-out and waiting requests) in the
+        policy's order, after the decodes. A running prefill grows as under fcfs (preempting
+        the policy's victim for blocks); a swapped or waiting one is admitted when it fits or
+        when the policy lets it displace a running sequence, and is skipped after a KV-pressure
+        preemption this step (it would thrash)."""
+        s = self.settings
+        running = SequenceStatus.RUNNING
+        picker = self.policy.picker([*prefills, *self.swapped, *self.waiting])
+        evicted: set[Sequence] = set()  # preempted this step: not re-admitted in it
+        fresh: set[Sequence] = set()  # admitted this step: not preempted in it
+        while budget > 0 and (seq := picker.next()) is not None:
+            if seq in evicted:
+                continue
+            if seq.status is running:
+                if s.enable_prefix_caching:
+                    self._late_hits(seq)
+                    if self._waits(seq, inflight):
+                        continue
+                n = self._chunk(seq, budget)
+                while self._blocks_needed(seq, n) > self.pool.num_free:
+                    victim = self._victim(fresh - {seq})
+                    budget += self._unchoose(victim, chosen)
+                    self._preempt(victim, out)
+                    evicted.add(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not running:
+                    continue
+                self._grow(seq, n, out)
+                chosen[seq] = n
+            elif preempted:
+                continue
+            else:
+                budget += self._displace(seq, budget, out, chosen, evicted, fresh)
+                if seq.status is SequenceStatus.SWAPPED:
+                    admitted = self._swap_in(seq, out, chosen, budget)
+                elif self.running and len(self.running) + seq.num_slots > s.max_num_seqs:
+                    admitted = False
+                else:
+                    admitted = self._admit_waiting(seq, out, chosen, budget, now, inflight)
+                if admitted is None:
+                    continue  # its next blocks are being computed: it may be overtaken
+                if not admitted:
+                    picker.blocked(seq)
+                    continue
+                self._add_inflight(seq, inflight)
+                fresh.add(seq)
+            budget -= chosen[seq]
+            self.policy.charge(seq, chosen[seq])
+
+    def _displace(
+        self,
+        seq: Sequence,
+        budget: int,
+        out: SchedulerOutput,
+        chosen: dict[Sequence, int],
+        evicted: set[Sequence],
+        fresh: set[Sequence],
+    ) -> int:
+        """Preempt the running sequences the policy lets `seq` (swapped or waiting) take a
+        slot or KV blocks from, while it lacks either. Blocks are estimated without prefix
+        cache hits (an over-estimate: at most one chunk's blocks). Returns the tokens the
+        victims gave back to the step's budget."""
         s = self.settings
         bs = self.block_size
-        while self.swapped:
-            seq = self.swapped[0]
+        first = min(seq.num_uncomputed, s.prefill_chunk_size, budget)
+        need_blocks = len(seq.swap_table) + -(-(seq.num_computed_tokens + first) // bs)
+        if seq.status is SequenceStatus.SWAPPED:
+            need_blocks -= -(-seq.num_computed_tokens // bs)
+        refund = 0
+        while True:
+            others = [r for r in self.running if r not in fresh]
             if self.running and len(self.running) + seq.num_slots > s.max_num_seqs:
-                break
-            n = self._chunk(seq, budget)
-            if n <= 0:
-                break
-            held = len(seq.swap_table)
-            full = min(seq.num_computed_tokens // bs, (seq.num_tokens - 1) // bs)
-            hits = self._lookup(seq, full)
-            k = len(hits)
-            grow = max(0, -(-(seq.num_computed_tokens + n) // bs) - held)
-            if held - k + self.pool.num_unheld(hits) + grow > self.pool.num_free:
-                break
-            self.swapped.popleft()
-            self.pool.take(hits)
-            device = self.pool.allocate(held - k)
-            out.swap_in += zip(seq.swap_table[k:], device, strict=True)
-            self.swap_pool.release(seq.swap_table)
-            seq.block_table, seq.swap_table = hits + device, []
-            seq.num_registered_blocks = k
-            self._grow(seq, n, out)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            chosen[seq] = n
-            budget -= n
-        return budget
+                victim = self.policy.displaces(seq, others, "slots", seq.num_slots)
+            elif need_blocks > self.pool.num_free:
+                held = -(-seq.num_tokens // bs)
+                victim = self.policy.displaces(seq, others, "blocks", held)
+            else:
+                return refund
+            if victim is None:
+                return refund
+            refund += self._unchoose(victim, chosen)
+            self._preempt(victim, out)
+            evicted.add(victim)

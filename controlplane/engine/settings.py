@@ -24,6 +24,7 @@ class RestartRequiredError(InvalidSettingError):
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -305,6 +306,16 @@ class EngineSettings:
         "swap_space_bytes: costs memory and copy time).",
         "recompute",
         choices=PREEMPTION_MODES,
+    )
+    scheduling_policy: str = _live(
+        "Which waiting or prefilling request gets the step's tokens and slots first, and which "
+        "running one is preempted first. fcfs: arrival order. priority: the key's priority "
+        "class, then the request's `priority` (lower first), then arrival; a waiting request "
+        "may preempt a running one of a lower priority. fair: classes first, then equal shares "
+        "of step tokens and batch slots between the API keys of a class: a flooding key cannot "
+        "starve a light one. See docs/tenants.md#fair-scheduling.",
+        "fcfs",
+        choices=SCHEDULING_POLICIES,
     )
     # auto: a CPU forward returns only when it is done, so there is nothing to hide the host's
     # work behind unless a thread runs it (on), which competes with the forward for cores.
