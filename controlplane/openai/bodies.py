@@ -57,6 +57,7 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    priority: int | None = None  # vLLM: lower runs sooner (engine.scheduling_policy)
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None

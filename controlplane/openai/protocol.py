@@ -233,6 +233,7 @@ def _sampling(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
             structured=structured_output(body),
+            priority=_opt(body, "priority", (int,), "an integer", 0),
         )
     except FieldError as exc:
         raise invalid(exc.field, exc.message) from None

@@ -104,6 +104,7 @@ RESPONSES_SCHEMA: dict[str, Any] = {
         "presence_penalty": _NUMBER,
         "frequency_penalty": _NUMBER,
         "cache_salt": {"type": "string", "minLength": 1},
+        "priority": _INT,
     },
 }
 RESPONSES_FIELDS = frozenset(RESPONSES_SCHEMA["properties"])
@@ -120,6 +121,7 @@ _PASSED = (
     "presence_penalty",
     "frequency_penalty",
     "cache_salt",
+    "priority",
     "parallel_tool_calls",
 )
 _ROLES = ("user", "system", "developer", "assistant")

@@ -71,6 +71,11 @@ _COMMON_SCHEMA: dict[str, Any] = {
         "description": "vLLM: logprob of every prompt token (null for the first) with the top "
         "N alternatives, per choice; at most server.max_prompt_logprobs_tokens prompt tokens",
     },
+    "priority": {
+        "type": "integer",
+        "description": "vLLM: lower runs sooner, under engine.scheduling_policy priority or "
+        "fair (within the API key's priority class; ignored under fcfs)",
+    },
     "cache_salt": {
         "type": "string",
         "minLength": 1,

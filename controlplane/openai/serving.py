@@ -18,6 +18,7 @@ from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.response import ServerSentEvent
 
+from controlplane.engine.sampling_params import LOWEST_PRIORITY_CLASS
 from controlplane.errors import FieldError
 from controlplane.http.errors import (
     APIError,
@@ -283,6 +284,16 @@ class InferenceAPI:
         # JSON: unambiguous (no salt can pose as a key's part or the other way round).
         return json.dumps([key_hash if isolate else None, parsed.cache_salt])
 
+    def _tenancy(self, request: Request, key_name: str | None) -> dict[str, Any]:
+        """The request's scheduling identity (engine.scheduling_policy): its key's name (fair
+        shares are per key) and priority class (a table key's; config file keys and an open
+        API: 0), the lowest class once the key is over a deprioritizing budget."""
+        if getattr(request.state, "budget_deprioritized", False):
+            cls = LOWEST_PRIORITY_CLASS
+        else:
+            cls = self.runtime.keys.priority_class_of(key_name) if key_name else 0
+        return {"tenant": key_name, "priority_class": cls}
+
     async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """fn(*args, **kw), in a worker thread when the input is large (see OFF_LOOP_CHARS).
         Whatever fn raises reaches the caller: a StopIteration, which asyncio cannot put in a
@@ -342,8 +353,9 @@ class InferenceAPI:
         n = len(prompts_ids)
         params = []
         salt = self._cache_salt(parsed, keys[1])
+        tenancy = self._tenancy(request, keys[0])
         for i, ids in enumerate(prompts_ids):
-            p = parsed.params
+            p = dataclasses.replace(parsed.params, **tenancy)
             if salt is not None:
                 p = dataclasses.replace(p, cache_salt=salt)
             if isinstance(parsed, protocol.ChatRequest) and parsed.default_max_tokens:

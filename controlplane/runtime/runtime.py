@@ -290,6 +290,7 @@ class Runtime:
             enable_prefix_caching=s.enable_prefix_caching,
             speculative_method=s.speculative_method,
             async_scheduling=s.async_scheduling,
+            scheduling_policy=s.scheduling_policy,
             speculative_num_tokens=s.speculative_num_tokens,
         )
         body.update(

@@ -436,6 +436,11 @@ class KeyCache:
             return None
         return {f: getattr(key, f) for f in LIMIT_FIELDS}
 
+    def priority_class_of(self, name: str) -> int:
+        """A live table key's priority class; 0 (the first) for a config key or an unknown name."""
+        key = self._by_name.get(name)
+        return 0 if key is None else key.priority_class
+
     def key(self, name: str | None) -> LiveKey | None:
         """The live (not revoked) table key of this name, or None."""
         return self._by_name.get(name) if name is not None else None
