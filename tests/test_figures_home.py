@@ -183,6 +183,7 @@ STABLE_ANCHORS = {
     "slo-autopilot",
     "gpu",
     "probe-fixes-issue-52",
+    "fairness",
 }
 
 
