@@ -32,11 +32,18 @@ def _left_clean(engine: Engine) -> None:
     assert engine.block_pool.num_used == 0 and not engine.requests
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_every_policy_computes_the_fcfs_tokens(tiny_model_dir: Path, preemption: str) -> None:
+@pytest.mark.parametrize(
+    ("preemption", "ahead"), [("recompute", "off"), ("swap", "off"), ("swap", "on")]
+)
+def test_every_policy_computes_the_fcfs_tokens(
+    tiny_model_dir: Path, preemption: str, ahead: str
+) -> None:
     """Chunked prefill, preemption and prefix hits, requests spread over three tenants with
-    mixed priorities and classes: each policy orders them differently, the tokens are the same."""
-    engine = _engine(tiny_model_dir, preemption_mode=preemption, **MIXED_ENGINE)
+    mixed priorities and classes: each policy orders them differently, the tokens are the same
+    (and with asynchronous scheduling, where a preempted sequence may have a token in flight)."""
+    engine = _engine(
+        tiny_model_dir, preemption_mode=preemption, async_scheduling=ahead, **MIXED_ENGINE
+    )
     prompts, params = mixed_workload(engine.model_config.vocab_size, 11, 10)
     tenants = ["a", "b", None]
     params = [
@@ -216,3 +223,26 @@ def test_scheduling_fields_are_checked_and_the_policy_is_live(tiny_model_dir: Pa
     engine.update_settings(scheduling_policy="fair")
     engine.step()  # applied at the step boundary
     assert engine.scheduler.settings.scheduling_policy == "fair"
+
+
+def test_fair_keeps_prefix_cache_partitions(tiny_model_dir: Path) -> None:
+    """Fairness reorders requests, never their cache partition: a prompt cached under one
+    salt (the server's per-key part) is a hit for the same salt only."""
+    engine = _engine(
+        tiny_model_dir, scheduling_policy="fair", enable_prefix_caching=True, block_size=16
+    )
+    prompt = list(range(10, 90))
+
+    def cached(tenant: str, salt: str) -> int:
+        params = SamplingParams(max_tokens=2, tenant=tenant, cache_salt=salt, **GREEDY)
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    found = out.metrics.num_cached_tokens
+        return found
+
+    assert cached("a", "key-a") == 0
+    assert cached("b", "key-b") == 0  # the same prompt under another key's salt: no hit
+    assert cached("a", "key-a") == 64  # its own: the full blocks before the last token
+    _left_clean(engine)
