@@ -1,6 +1,8 @@
 """/admin/keys: the API keys of the api_keys table (controlplane.tenants.keys), managed live.
 
-    GET   /admin/keys                 every key (a budgeted one with its spend): never a secret
+    GET   /admin/keys                 every key with its live usage (controlplane.tenants.usage)
+                                      and a budgeted one with its spend, worst first (?sort=):
+                                      never a secret
     POST  /admin/keys                 create one; its secret is in this answer only
     PATCH /admin/keys/{name}          limits, budget, expiry, allowed models, priority, owner
     POST  /admin/keys/{name}/rotate   a new secret (in this answer only); the old one stops
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from litestar import Controller, Request, get, patch, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 
 from controlplane.admin.support import source, unprocessable
 from controlplane.errors import FieldError
@@ -26,6 +28,7 @@ from controlplane.http.body import load_json
 from controlplane.http.errors import APIError
 from controlplane.runtime.store_handle import StoreNotOpenError
 from controlplane.tenants.keys import Audit, KeyConflictError, KeyNotFoundError, KeyStore
+from controlplane.tenants.usage import OPEN, SORTS, sort_key
 
 if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
@@ -75,8 +78,12 @@ def _audit(runtime: Runtime, request: Request) -> Audit:
 class ApiKeysController(Controller):
     path = "/keys"
 
-    @get("/", summary="API keys: the table's (managed live) and the config file's")
-    async def list_keys(self, runtime: NamedDependency[Runtime]) -> dict[str, Any]:
+    @get("/", summary="API keys with their live usage, worst first (?sort=)")
+    async def list_keys(
+        self, runtime: NamedDependency[Runtime], sort: FromQuery[str] = "worst"
+    ) -> dict[str, Any]:
+        if sort not in SORTS:
+            raise unprocessable("sort", f"must be one of {', '.join(SORTS)}, got {sort!r}", 400)
         store = _store(runtime)
         keys = await _call(runtime, store.list)
         suspended = set(runtime.cfg.server.suspended_keys)
@@ -88,10 +95,24 @@ class ApiKeysController(Controller):
             if standing is not None:
                 k["budget"].update(standing.view())
         configured = [
-            {"name": k.name, "source": "config", "suspended": k.name in suspended}
+            {
+                "name": k.name,
+                "source": "config",
+                "state": "active",
+                "suspended": k.name in suspended,
+                "priority_class": 0,
+            }
             for k in runtime.cfg.api_keys
         ]
-        return {"keys": keys + configured, "key_refresh_s": runtime.cfg.server.key_refresh_s}
+        keys += configured
+        # The open API's anonymous requests (no key anywhere), once it has had any.
+        if OPEN in runtime.usage.names():
+            keys.append({"name": OPEN, "source": "open", "state": "active", "priority_class": 0})
+        views = runtime.usage.views([k["name"] for k in keys])
+        for k in keys:
+            k["usage"] = views[k["name"]].view()
+        keys.sort(key=sort_key(sort))
+        return {"keys": keys, "sort": sort, "key_refresh_s": runtime.cfg.server.key_refresh_s}
 
     @post("/", status_code=201, summary="Create an API key; its secret is shown this once")
     async def create_key(

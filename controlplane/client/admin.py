@@ -261,10 +261,12 @@ class AdminClient:
             "POST", f"/admin/keys/{_segment(name)}/abort", headers=self._source
         )
 
-    async def keys(self) -> dict[str, Any]:
-        """The API keys (the api_keys table's and the config file's): {"keys": [...],
-        "key_refresh_s"}; never a secret."""
-        return await self._request("GET", "/admin/keys")
+    async def keys(self, sort: str | None = None) -> dict[str, Any]:
+        """The API keys (the api_keys table's and the config file's) with their live usage:
+        {"keys": [...], "sort", "key_refresh_s"}, worst first unless `sort` names another
+        order (controlplane.tenants.usage.SORTS); never a secret."""
+        params = {"sort": sort} if sort else None
+        return await self._request("GET", "/admin/keys", params=params)
 
     async def create_key(self, body: dict[str, Any]) -> dict[str, Any]:
         """A new table key; its `secret` is in this answer only. APIError 422 / 409 naming

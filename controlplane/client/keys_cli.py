@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Any
 
+from controlplane.tenants.usage import SORTS  # stdlib only: the CLI stays light
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 # Options that set a key's fields (create and update), as the admin API names them.
 INT_FIELDS = (
@@ -81,11 +83,22 @@ def _show(key: dict[str, Any]) -> str:
         parts.append(f"spent=${budget['spend_usd']:.6g}{shown} {budget.get('state')}")
     if key.get("priority_class"):
         parts.append(f"priority_class={key['priority_class']}")
+    usage = key.get("usage")
+    if usage is not None:  # GET /admin/keys: this daemon's live figures
+        share = usage.get("share")
+        parts.append(
+            f"rpm={usage['requests_per_minute']} tpm={usage['tokens_per_minute']} "
+            f"share={'-' if share is None else f'{share:.0%}'} in_flight={usage['in_flight']} "
+            f"throttled={usage['throttled_total']} ({usage['throttled_last_minute']} last min)"
+        )
+        by_reason = usage.get("throttled") or {}
+        if by_reason:
+            parts.append(",".join(f"{r}:{n}" for r, n in sorted(by_reason.items())))
     return "  ".join(parts)
 
 
 def _list(args: argparse.Namespace) -> int:
-    answer = _call(args, "keys")
+    answer = _call(args, "keys", args.sort)
     if answer is None:
         return 1
     if args.json:
@@ -170,6 +183,13 @@ def add_keys_parser(subparsers: Any) -> None:
     sub = keys.add_subparsers(dest="keys_command", required=True)
     p = sub.add_parser("list", help="every API key (never a secret)")
     p.add_argument("--json", action="store_true", help="the admin API's answer as JSON")
+    p.add_argument(
+        "--sort",
+        choices=SORTS,
+        default="worst",
+        help="order (highest first; name: A to Z). worst: most refused in the last minute, "
+        "then the largest share of the engine's tokens, then the most of its budget used",
+    )
     _common(p)
     p.set_defaults(func=_list)
     p = sub.add_parser("create", help="create a key; prints its secret once")

@@ -66,6 +66,8 @@ class Flight:
     n: int = 1  # choices the engine samples for it: choice j is the response's index*n + j
     max_tokens: int | None = None  # its max_tokens (request_params_max_tokens metric)
     max_choice_tokens: int = 0  # the most tokens one choice generated (metrics)
+    # Its scheduling class (SamplingParams.priority_class): the queue wait's by-class histogram.
+    priority_class: int | None = None
     # Choice 0's output token times (ITL metrics: a per-sequence figure, whatever n is).
     token_times: list[float] = field(default_factory=list)
     last: RequestOutput | None = None
@@ -106,6 +108,7 @@ class Flight:
                 max_tokens=self.max_tokens,
                 n=self.n,
                 max_choice_tokens=self.max_choice_tokens,
+                priority_class=self.priority_class,
             )
             self.on_end(self)
             self.outputs.put_nowait((self.index * self.n, _END))

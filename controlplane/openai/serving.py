@@ -36,6 +36,7 @@ from controlplane.openai.tools import (
 from controlplane.runtime.state import DaemonState
 from controlplane.store.records import RequestRecord
 from controlplane.tenants.limits import RateLimits, decision_headers
+from controlplane.tenants.usage import OPEN, REASON_OF_CODE
 
 if TYPE_CHECKING:
     from controlplane.engine import RequestOutput, SamplingParams
@@ -70,6 +71,9 @@ _ADMITTED = "traffic_admitted"
 # key's counters (given back when it ends) and the x-ratelimit-* headers of its response.
 LEASE = "ratelimit_lease"
 RATELIMIT_HEADERS = "ratelimit_headers"
+# Set on a request's state by the rate limits when they refuse it: which limit (a reason of
+# controlplane.tenants.usage.REASONS; the four share one error code), for `serve`'s count.
+THROTTLED_BY = "throttled_by"
 
 
 def _redis_limiter(url: str, failure: str) -> Any:
@@ -99,7 +103,9 @@ class InferenceAPI:
         """One /v1 generation request (`handle`: `completions` or `chat`), counted in
         runtime.traffic: it arrived, then ends once, as rejected (429 or 503 before anything
         was queued: `_admit`'s answers) or finished. An admitted request finishes when its
-        last engine request ends (`_start`), streamed or not; any other, here."""
+        last engine request ends (`_start`), streamed or not; any other, here. Its key's
+        usage (runtime.usage) is counted at the same points: admitted and finished in
+        `_start`, refused here (`_refused`)."""
         traffic = self.runtime.traffic
         traffic.arrived(time.time())
         try:
@@ -110,12 +116,26 @@ class InferenceAPI:
                 status = (
                     exc.status if isinstance(exc, APIError) else getattr(exc, "status_code", 500)
                 )
+                if isinstance(exc, APIError) and status in (429, 503):
+                    reason = getattr(request.state, THROTTLED_BY, None) or REASON_OF_CODE.get(
+                        exc.code or ""
+                    )
+                    if reason is not None:  # a key's refusal (not a drain's or a load's 503)
+                        self._refused(request.state.api_key[0], reason)
                 if status in (429, 503):
                     traffic.rejected(status, time.time())
                 else:  # a client that left (cancelled) did not fail
                     failed = status >= 500 and not isinstance(exc, asyncio.CancelledError)
                     traffic.finished(failed, time.time())
             raise
+
+    def _refused(self, key_name: str | None, reason: str) -> None:
+        """A request of `key_name` refused for `reason` (controlplane.tenants.usage.REASONS):
+        its key's live usage and controlplane:requests_throttled_total. Called by `serve` and,
+        for a suspended key's 403, by `authenticate` (the route's guard answers it before
+        `serve` runs)."""
+        self.runtime.usage.refused(key_name, reason)
+        self.runtime.metrics.request_throttled(OPEN if key_name is None else key_name, reason)
 
     # -- admission --------------------------------------------------------------------------
     def _admit(
@@ -166,6 +186,8 @@ class InferenceAPI:
             return
         hdrs = decision_headers(decision)
         if not decision.allowed:
+            if decision.status == 429 and decision.limit:
+                setattr(request.state, THROTTLED_BY, decision.limit)
             raise APIError(
                 decision.status,
                 decision.message,
@@ -255,6 +277,7 @@ class InferenceAPI:
             )
         if found[0].name in self.runtime.cfg.server.suspended_keys:
             # server.suspended_keys (live): checked per request, so running ones go on.
+            self._refused(found[0].name, "suspended")
             raise APIError(
                 403,
                 f"api key {found[0].name!r} is suspended by the operator",
@@ -374,6 +397,8 @@ class InferenceAPI:
             self._remember(flight)
             if batch.done:
                 d.traffic.finished(any(f.failed for f in batch.flights), time.time())
+                usage = batch.usage()
+                d.usage.finished(keys[0], 0 if usage is None else usage["completion_tokens"])
                 self._give_back(request, batch)
 
         try:
@@ -402,8 +427,11 @@ class InferenceAPI:
                     d.metrics.observe_structured(kind, compile_s)
                 d.ledger.record(rec)
                 flight = Flight(d, stream, rec, ended, batch.outputs, i, p.n, p.max_tokens)
+                flight.priority_class = p.priority_class
                 batch.flights.append(flight)
-                setattr(request.state, _ADMITTED, True)
+                if i == 0:  # admitted from here on: `ended` counts it finished, once
+                    setattr(request.state, _ADMITTED, True)
+                    d.usage.admitted(keys[0], sum(len(ids) for ids in prompts_ids))
                 self._spawn(flight.run())
         except BaseException:
             batch.abort()  # the ones already queued end (and are recorded) as aborted

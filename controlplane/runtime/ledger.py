@@ -133,9 +133,11 @@ class RequestLedger:
         max_tokens: int | None = None,
         n: int = 1,
         max_choice_tokens: int | None = None,
+        priority_class: int | None = None,
     ) -> None:
         """Record a request's end and count it in the metrics (`max_tokens`, `n`: its
-        parameters; `max_choice_tokens`: the most tokens one of its choices generated)."""
+        parameters; `max_choice_tokens`: the most tokens one of its choices generated;
+        `priority_class`: the class it was scheduled in, for the queue wait by class)."""
         final = self.final_record(rec, out, error)
         self.record(final)
         if self.live.effective.server.access_log:
@@ -149,6 +151,7 @@ class RequestLedger:
                 max_tokens=max_tokens,
                 n=n,
                 max_choice_tokens=max_choice_tokens,
+                priority_class=priority_class,
             )
             gaps = [b - a for a, b in itertools.pairwise(token_times)]
             self._finished.append(

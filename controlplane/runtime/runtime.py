@@ -53,6 +53,7 @@ from controlplane.telemetry.traffic import Traffic
 from controlplane.tenants.budgets import BudgetEvent, BudgetTracker
 from controlplane.tenants.budgets import log as budget_log
 from controlplane.tenants.keys import AuthFailures, KeyCache, LiveKey, bearer_secret
+from controlplane.tenants.usage import KeyUsage
 
 if TYPE_CHECKING:
     from controlplane.engine.types import StepStats
@@ -115,6 +116,9 @@ class Runtime:
         # server.key_refresh_s; and the per-address limit on failed authentications.
         self.keys = KeyCache()
         self.auth_failures = AuthFailures()
+        # Each key's live usage (requests and tokens a minute, refusals, in flight): counted by
+        # InferenceAPI (controlplane.openai.serving) only, read by GET /admin/keys.
+        self.usage = KeyUsage()
         # The table keys' spend budgets: read from SQL every limits.budget_refresh_s (by the
         # daemon), this process's own spend counted as each request ends.
         self.budgets = BudgetTracker(

@@ -60,6 +60,13 @@ and histograms are not listed):
   ``controlplane:budget_requests_total{api_key,action}`` (requests of keys at their budget,
   ``rejected`` with 429 or admitted ``deprioritized``); the key label bounded as the ignored
   fields' is (`Metrics.budget_key_label`);
+- tenants (controlplane.tenants.usage): counter
+  ``controlplane:requests_throttled_total{api_key,reason}`` (requests refused before they ran:
+  the four rate limits by name, ``insufficient_quota``, ``queue_full``,
+  ``limiter_unavailable``, ``suspended``; an open API's requests under ``(open)``; the key label
+  bounded by the same `Metrics.budget_key_label`, one set of names for every per-key counter)
+  and the histogram ``controlplane:request_queue_time_by_class_seconds{priority_class}`` (the
+  queue wait of each finished request by the class it was scheduled in, 0 to 9);
 - asynchronous scheduling: counter ``controlplane:async_steps_total`` (steps launched before
   the previous step's tokens were known; /admin/stats' ``async_step_share`` over its window);
 - what the engine runs on: ``controlplane:kernels_loaded{reason}`` (1 while our C++ CPU
@@ -150,8 +157,9 @@ DEFAULT_MAX_MODEL_LEN = 131072
 MAX_IGNORED_FIELD_LABELS = 100
 MAX_IGNORED_FIELD_CHARS = 64
 OTHER_FIELD = "other"
-# The budget counters' `api_key` label: keys are made by operators, not clients, but a table may
-# hold many; beyond the first distinct names (and for none: an open API) they share OTHER_KEY.
+# The `api_key` label of the per-key counters (budgets', requests_throttled_total): keys are
+# made by operators, not clients, but a table may hold many; beyond the first distinct names
+# (and for none) they share OTHER_KEY.
 MAX_BUDGET_KEY_LABELS = 100
 OTHER_KEY = "(other)"
 BUDGET_EVENTS = ("soft_threshold", "exhausted")
@@ -317,6 +325,15 @@ class Metrics:
             [*labels, "api_key", "event"],
             registry=reg,
         )
+        self._requests_throttled = Counter(
+            prefix + "requests_throttled",
+            "Requests refused before they ran, by API key and reason: a rate limit "
+            "(requests_per_minute, tokens_per_minute, max_concurrent, max_tokens_per_request), "
+            "the key's budget (insufficient_quota), the server's queue (queue_full), the rate "
+            "limiter unreachable (limiter_unavailable), a suspended key (suspended).",
+            [*labels, "api_key", "reason"],
+            registry=reg,
+        )
         self._budget_requests = Counter(
             prefix + "budget_requests",
             "Requests of API keys at their spend budget: rejected (429 insufficient_quota) or "
@@ -371,6 +388,16 @@ class Metrics:
             "request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
+        )
+        # The queue wait per scheduling class (0-10 label values at most): what a priority-
+        # aware engine.scheduling_policy changes, where request_queue_time_seconds mixes them.
+        self._queue_time_by_class = Histogram(
+            prefix + "request_queue_time_by_class_seconds",
+            "Histogram of time spent in WAITING phase for request, by the request's priority "
+            "class (its API key's priority_class; 9 once over a deprioritizing budget).",
+            [*labels, "priority_class"],
+            registry=reg,
+            buckets=REQUEST_LATENCY_BUCKETS,
         )
         self.iteration_tokens = histogram(
             "iteration_tokens_total",
@@ -506,6 +533,7 @@ class Metrics:
         max_tokens: int | None = None,
         n: int = 1,
         max_choice_tokens: int | None = None,
+        priority_class: int | None = None,
     ) -> None:
         """Record one finished request.
 
@@ -522,6 +550,9 @@ class Metrics:
         (``request_params_*``; max_tokens not observed when None). ``max_choice_tokens``: the
         most tokens one of its choices generated (``request_max_num_generation_tokens``, as
         vLLM: the longest of the n); None: ``num_output_tokens`` (right for n = 1).
+        ``priority_class``: the class the request was scheduled in (SamplingParams'), whose
+        ``request_queue_time_by_class_seconds`` also observes its queue time; None: not
+        observed there.
         """
         self._request_success.labels(self.model_name, finish_reason).inc()
         scheduled, first, end = (
@@ -539,6 +570,10 @@ class Metrics:
         ):
             if value is not None:
                 hist.observe(value)
+        if priority_class is not None and metrics.queue_time is not None:
+            self._queue_time_by_class.labels(self.model_name, str(priority_class)).observe(
+                metrics.queue_time
+            )
         self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
         self.request_generation_tokens.observe(metrics.num_output_tokens)
         self.request_max_num_generation_tokens.observe(
@@ -610,8 +645,10 @@ class Metrics:
 
     # -- spend budgets -----------------------------------------------------------------------
     def budget_key_label(self, key: str | None) -> str:
-        """The `api_key` label of a budget counter: the key's name, or OTHER_KEY for names
-        beyond the first MAX_BUDGET_KEY_LABELS (the exposition cannot grow without bound)."""
+        """The `api_key` label of every per-key counter (the budget counters',
+        requests_throttled_total's): the key's name, or OTHER_KEY for names beyond the first
+        MAX_BUDGET_KEY_LABELS distinct ones, all counters together (the exposition cannot grow
+        without bound, and a key keeps one label across them)."""
         with self._lock:
             if key is not None and key in self._budget_keys:
                 return key
@@ -623,6 +660,11 @@ class Metrics:
     def budget_event(self, key: str | None, event: str) -> None:
         """A key passed its soft threshold or reached its budget (BUDGET_EVENTS)."""
         self._budget_events.labels(self.model_name, self.budget_key_label(key), event).inc()
+
+    def request_throttled(self, key: str | None, reason: str) -> None:
+        """A request of `key` was refused before it ran, for `reason`
+        (controlplane.tenants.usage.REASONS); the key label bounded as the budget counters'."""
+        self._requests_throttled.labels(self.model_name, self.budget_key_label(key), reason).inc()
 
     def budget_request(self, key: str | None, action: str) -> None:
         """A request of a key at its budget was rejected or deprioritized (BUDGET_ACTIONS)."""
