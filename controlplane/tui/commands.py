@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scope": ("instance|fleet", "cost panel: this daemon's requests or the whole fleet's"),
     "save": ("", "write the live values to the daemon's config file (survive a restart)"),
     "autopilot": ("", "the autopilot's decisions, holds and pins"),
+    "keys": ("", "the tenants: API keys' live usage, worst first; create, rotate, revoke, change"),
     "fleet": ("", "the fleet screen"),
     "help": ("", "keys, colours and what each number means"),
     "quit": ("", "leave the dashboard"),

@@ -65,6 +65,9 @@ class DashboardScreen(Feed):
         Binding("r", "resume", "Resume", show=False, tooltip=LOAD),
         Binding("dollar_sign", "cost_window", "Cost window", show=False,
                 tooltip="the cost panel's window: " + ", ".join(COST_WINDOWS)),
+        Binding("K", "keys", "Keys", show=False,
+                tooltip="the tenants: every API key's live usage, worst first; create, rotate, "
+                "revoke, change limits and budgets"),
         Binding("P", "autopilot_view", "Autopilot view", show=False,
                 tooltip="the autopilot's decisions (acted and held) and the pins in force"),
         Binding("p", "autopilot", "Autopilot", show=False,
@@ -212,6 +215,7 @@ class DashboardScreen(Feed):
             "tune": self.action_tune,
             "save": self.action_save_config,
             "autopilot": self.action_autopilot_view,
+            "keys": self.action_keys,
             "fleet": self.app.action_fleet,  # type: ignore[attr-defined]
             "help": self.action_help,
             "quit": self.app.exit,
@@ -277,6 +281,11 @@ class DashboardScreen(Feed):
         from controlplane.tui.autopilot import AutopilotScreen
 
         self.app.push_screen(AutopilotScreen(self.client))
+
+    def action_keys(self) -> None:
+        from controlplane.tui.tenants import TenantsScreen
+
+        self.app.push_screen(TenantsScreen(self.client))
 
     # -- changing things ---------------------------------------------------------------------
     def action_tune(self) -> None:
