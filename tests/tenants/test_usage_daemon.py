@@ -116,3 +116,18 @@ def test_in_flight_while_a_stream_runs(served):
     assert after["in_flight"] == 0
     # Its prompt counted at admission, its completion at its end: more tokens than during.
     assert after["tokens_per_minute"] > during["tokens_per_minute"]
+
+
+def test_an_open_apis_anonymous_usage_is_listed_as_open(make_daemon):
+    d = make_daemon(admin=True, engine={"max_model_len": 256}, limits={"requests_per_minute": 1})
+    with d.client() as anyone:
+        ok = complete(anyone)
+        assert ok.status_code == 200, ok.text
+        assert complete(anyone).status_code == 429  # the open API's one shared bucket
+    (opened,) = [k for k in keys(d) if k["name"] == "(open)"]
+    assert opened["source"] == "open"
+    assert opened["usage"]["requests_per_minute"] == 1
+    assert opened["usage"]["tokens_per_minute"] == tokens(ok) and opened["usage"]["share"] == 1.0
+    assert opened["usage"]["throttled"] == {"requests_per_minute": 1}
+    name = "controlplane:requests_throttled_total"
+    assert metric(d, name, api_key="(open)", reason="requests_per_minute") == 1

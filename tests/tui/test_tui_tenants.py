@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from controlplane.tui.confirm import ConfirmScreen
+from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.tenants import KeyFormScreen, KeysTable, SecretScreen, TenantsScreen
 from tests.admin.test_admin_api import MODEL, TOKEN
-from tests.tui.support import FakeClient, fake_app, loaded, screen_text, wait_until
+from tests.tui.support import T0, FakeClient, loaded, screen_text, wait_until
 from tests.tui.test_tui_oncall import make_app
 
 CONFIG_KEY = {"name": "from-file", "key": "sk-from-file-0123456789"}
@@ -250,6 +251,5 @@ async def tenants_loaded(pilot: Any) -> None:
 
 
 def test_snapshot_tenants_screen(snap_compare):
-    app = fake_app()
-    app._clients[app.home_url] = KeysFake()
+    app = DashboardApp("http://127.0.0.1:8000", "token", client=KeysFake(), clock=lambda: T0)
     assert snap_compare(app, terminal_size=(120, 30), run_before=tenants_loaded)
