@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from controlplane.tenants.keys import AuthFailures, hash_secret
-from harness import InProcessDaemon
+from harness import InProcessDaemon, wait_rows
 from tests.admin.test_admin_api import MODEL, TOKEN
 
 CONFIG_KEY = {"name": "from-file", "key": "sk-from-file-0123456789"}
@@ -169,8 +169,70 @@ def test_brute_force_is_rate_limited(served):
             assert r.json()["error"]["code"] == "too_many_authentication_failures"
     assert statuses[:10] == [401] * 10 and set(statuses[10:]) == {429}
     assert models(d, secret).status_code == 429  # not even the right key is tried
+    # Another address is not held back meanwhile: its right key works, its wrong key is a 401.
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30)
+    with other:
+        for key, status in ((secret, 200), ("cp-guess-other", 401), (secret, 200)):
+            r = other.get(d.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == status, r.text
+    assert models(d, secret).status_code == 429  # the guessing address still is
     d.daemon.runtime.auth_failures = AuthFailures()  # the next tests' address is clean
     assert models(d, secret).status_code == 200
+
+
+def test_a_key_revoked_mid_stream_finishes_it_and_an_abort_cuts_it(served):
+    """A revoke refuses the key's new requests at once (401); a stream already running goes on
+    to its end, its row final (success, its 120 tokens): docs/tenants.md says why. Revoked and
+    then aborted (POST /admin/keys/{name}/abort, which works on a revoked key), the stream ends
+    at once with finish_reason abort, its row aborted with the tokens it produced."""
+    d = served
+    body = {
+        "model": MODEL,
+        "prompt": "hello",
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with admin(d) as c:
+        for name, cut in (("revoked-mid-stream", False), ("revoked-then-aborted", True)):
+            secret = c.post("/admin/keys", json={"name": name}).json()["secret"]
+            headers = {"Authorization": f"Bearer {secret}"}
+            url = d.url + "/v1/completions"
+            with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as s:
+                assert s.status_code == 200
+                lines = (line[5:].strip() for line in s.iter_lines() if line.startswith("data:"))
+                first = json.loads(next(lines))
+                assert c.post(f"/admin/keys/{name}/revoke").status_code == 200
+                live = c.get("/admin/requests", params={"api_key_name": name}).json()["live"]
+                assert len(live) == 1, live  # revoked while its stream runs
+                assert models(d, secret).status_code == 401  # new requests refused at once
+                assert complete(d, secret).status_code == 401
+                if cut:
+                    aborted = c.post(f"/admin/keys/{name}/abort")
+                    assert aborted.status_code == 200 and aborted.json()["aborted"] == 1
+                rest = list(lines)
+            assert rest[-1] == "[DONE]"  # either way the stream ends in order
+            chunks = [json.loads(x) for x in rest[:-1]]
+            usage = chunks[-1]["usage"]
+            reasons = [ch["finish_reason"] for x in [first, *chunks] for ch in x["choices"]]
+            text = "".join(ch["text"] for x in [first, *chunks] for ch in x["choices"])
+            (row,) = wait_rows(
+                d.daemon.cfg.store_url,
+                lambda rs: len(rs) == 1 and rs[0]["status"] != "running",
+                where=f"api_key_name = '{name}'",
+            )
+            assert row["prompt_tokens"] == usage["prompt_tokens"] > 0
+            assert row["completion_tokens"] == usage["completion_tokens"]
+            assert row["finish_time"] is not None and row["id"] == first["id"]
+            if cut:
+                assert reasons[-1] == "abort" and row["status"] == "aborted", row
+                assert row["error"] == "aborted by admin (ops)"
+                assert 0 < row["completion_tokens"] < 120
+            else:
+                assert reasons[-1] == "length" and row["status"] == "success", row
+                assert row["completion_tokens"] == 120 and text
+    d.daemon.runtime.auth_failures = AuthFailures()  # the revoked keys' 401s forgotten
 
 
 def wait_status(d: InProcessDaemon, key: str, status: int, timeout: float) -> float:

@@ -6,6 +6,8 @@ admission and corrected to what the request used; [limits] changed live."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import httpx
@@ -95,6 +97,71 @@ def test_openai_sdk_raises_rate_limit_error_and_retries_after_retry_after(daemon
         retrying.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert len(sent) == 2  # the first try and one retry
     assert len(slept) == 1 and abs(slept[0] - wait_ms / 1000) < 1.0
+
+
+def test_openai_sdk_retry_after_the_wait_succeeds(daemon, monkeypatch):
+    """With retries on, a 429 costs the caller only the wait: the SDK sleeps what Retry-After
+    says, and its retry, the key's one slot free by then, returns the completion (a table key
+    with max_concurrent 1, its slot held by a stream that ends as the 429 arrives)."""
+    with daemon.client(ADMIN_TOKEN) as admin:
+        made = admin.post(
+            "/admin/keys",
+            json={"name": "sdk-retry", "max_concurrent": 1, "requests_per_minute": 100},
+        )
+        assert made.status_code == 201, made.text
+        secret = made.json()["secret"]
+        held = contextlib.ExitStack()
+        holder = held.enter_context(daemon.client(secret))
+        stream = held.enter_context(
+            holder.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": "hi",
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+        )
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # kept: closing it would close the stream
+        assert next(lines).startswith("data:")  # running: the key's one slot is taken
+        live = admin.get("/admin/requests", params={"api_key_name": "sdk-retry"}).json()["live"]
+        assert len(live) == 1
+        answers: list[httpx.Response] = []
+
+        def on_response(r: httpx.Response) -> None:
+            answers.append(r)
+            if r.status_code == 429:  # the stream ends now; its slot is free once it is gone
+                held.close()
+                deadline = time.monotonic() + 10
+                while admin.get("/admin/requests", params={"api_key_name": "sdk-retry"}).json()[
+                    "live"
+                ]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+
+        me = threading.current_thread()
+        slept: list[float] = []
+        real_sleep = time.sleep
+
+        def sleep(seconds: float) -> None:
+            if threading.current_thread() is me:  # the SDK's, not the daemon's threads'
+                slept.append(seconds)
+            real_sleep(seconds)
+
+        monkeypatch.setattr(openai._base_client.time, "sleep", sleep)
+        http = httpx.Client(event_hooks={"response": [on_response]})
+        client = openai.OpenAI(
+            base_url=daemon.url + "/v1", api_key=secret, max_retries=2, http_client=http
+        )
+        got = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert got.choices[0].finish_reason in ("length", "stop")
+    assert [r.status_code for r in answers] == [429, 200]
+    assert answers[0].headers["Retry-After"] == "1" and answers[0].headers["retry-after-ms"]
+    assert slept == [int(answers[0].headers["retry-after-ms"]) / 1000]
 
 
 def test_tokens_reserved_then_corrected_and_limits_live(daemon):
