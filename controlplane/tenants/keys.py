@@ -17,7 +17,10 @@ hmac.compare_digest.
 The bound: every daemon reloads the table every `server.key_refresh_s` (KeyCache.run_forever),
 so a key revoked (or rotated) on one daemon stops working on every daemon of the fleet within
 one refresh interval, plus the reload's own time; on the daemon that made the change at once.
-An expiry needs no reload: `expires_at` is compared with the clock at each request.
+An expiry needs no reload: `expires_at` is compared with the clock at each request. A key is
+checked at admission only: requests already admitted (streams included) run to their end after
+a revoke, rotation or expiry, as after a suspension; POST /admin/keys/{name}/abort cuts them
+(docs/tenants.md says why).
 
 The API stays open (no key needed) while the config file has no key and the table has no row;
 the first table key closes it, and revoking every key does not open it again.
