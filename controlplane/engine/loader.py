@@ -24,6 +24,12 @@ from controlplane.engine.model.config import ModelConfig, config_from_hf_dir
 from controlplane.engine.model.linear import PackedLinear, cpu_packing_supported, pack_linears
 from controlplane.engine.model.llama import CausalLM, RotaryEmbedding, fuse_projections
 from controlplane.engine.model.quant import QuantConfig, quantize_model
+from controlplane.engine.parallel.tensor_parallel import (
+    ShardPlan,
+    TensorParallel,
+    local_config,
+    take_shard,
+)
 from controlplane.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,16 +74,31 @@ def load_model(
     quant: QuantConfig | None = None,
     fuse: bool = True,
     huge_pages: bool = True,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
+    """`tp`: load this rank's shard of a tensor-parallel model (engine/parallel)."""
     model_dir = Path(model_dir)
+    shards = None if tp is None else tp.plan(cfg)
     with torch.device("meta"):
         model = CausalLM(cfg, max_len)
+        if shards is not None:
+            local = CausalLM(local_config(cfg, shards), max_len, tp, shards)
     if is_gguf(model_dir):
         state = _gguf_state(model_dir, model, cfg, dtype, device)
     elif (model_dir / RANDOM_WEIGHTS_FILE).is_file():
         state = random_state(model_dir, model, cfg, dtype, device)
     else:
-        state = _safetensors_state(model_dir, model, cfg, dtype, device)
+        state = _safetensors_state(model_dir, model, cfg, dtype, device, shards)
+    if shards is not None:
+        # A whole tensor that the loader could not read by slice (GGUF blocks are dequantized
+        # whole; random weights are generated whole, so every rank draws the same model):
+        # this rank's part of it.
+        full = _loaded_parameters(model, cfg)
+        state = {
+            name: take_shard(name, t, shards, cfg) if t.shape == full[name] else t
+            for name, t in state.items()
+        }
+        model = local
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if fuse:
@@ -112,8 +133,14 @@ def _loaded_parameters(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[int
 
 
 def _safetensors_state(
-    model_dir: Path, model: CausalLM, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    model: CausalLM,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shards: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Every parameter's tensor; with `shards`, only this rank's part of each is read."""
     files = weight_files(model_dir)
     state: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
@@ -130,7 +157,11 @@ def _safetensors_state(
                     f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {expected}"
                 )
             # Same dtype on CPU: the mmap'd tensor itself, no copy.
-            state[name] = handles[path].get_tensor(name).to(device=device, dtype=dtype)
+            if shards is None:
+                tensor = handles[path].get_tensor(name)
+            else:
+                tensor = take_shard(name, handles[path].get_slice(name), shards, cfg)
+            state[name] = tensor.to(device=device, dtype=dtype)
     return state
 
 

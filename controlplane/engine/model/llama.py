@@ -8,6 +8,7 @@ writes K/V through the paged cache via an `AttentionBackend`.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 
 from controlplane.engine.attention.backend import AttentionBackend, AttentionMetadata
 from controlplane.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from controlplane.engine.parallel.tensor_parallel import ShardPlan, TensorParallel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -182,34 +186,77 @@ def set_graph_attention(model: nn.Module, op: object) -> None:
             module.graph_op = op
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Tensor parallel: o_proj and down_proj multiply this rank's slice of their inputs;
+        # the sum over ranks is the layer's output.
+        self.reduce = _identity if tp is None else tp.all_reduce
 
     def forward(self, x, cos, sin, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.reduce(self.self_attn(self.input_layernorm(x), cos, sin, backend, meta))
+        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """One rank's rows [start, start + num) of the embedding table: ids outside them look up
+    zeros, and the sum over ranks is the full lookup."""
+
+    def __init__(self, num: int, dim: int, start: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim))
+        self.start, self.num, self.tp = start, num, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel | None = None, vocab_start: int = 0
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        if tp is None:
+            self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, vocab_start, tp
+            )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """Parameter names match transformers' *ForCausalLM, so checkpoints load by name."""
+    """Parameter names match transformers' *ForCausalLM, so checkpoints load by name.
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+    Tensor parallel (`shards`: this rank's plan, `cfg` its local configuration, see
+    engine/parallel): the same modules over this rank's heads, MLP rows and vocabulary slice,
+    with the all-reduces and the logits' gather the split needs; every rank returns the whole
+    logits."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_len: int,
+        tp: TensorParallel | None = None,
+        shards: ShardPlan | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.tp = tp
+        self.vocab_size = cfg.vocab_size if shards is None else shards.vocab_size
+        self.model = Backbone(cfg, tp, 0 if shards is None else shards.vocab.start)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_len)
 
@@ -231,4 +278,7 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, backend, meta)
         # Only rows we sample from need the final norm and the (large) vocabulary projection.
         x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()  # [N, vocab]
+        logits = self.lm_head(x).float()  # [N, vocab] (tensor parallel: this rank's slice)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.vocab_size)
+        return logits

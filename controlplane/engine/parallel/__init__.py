@@ -1,0 +1,1 @@
+"""Running one model across several devices (controlplane/engine/parallel/tensor_parallel.py)."""

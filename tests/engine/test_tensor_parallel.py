@@ -1,0 +1,149 @@
+"""Tensor parallelism (engine/parallel): a model split over 2 and 3 ranks (gloo, one process a
+rank on loopback) computes the logits of the whole model, within float32 rounding: a prompt's
+prefill and two decode steps through the paged KV cache, each rank holding its heads, MLP rows,
+vocabulary slice and its own KV cache. Shard plans: KV heads split or replicated, a vocabulary
+that the ranks do not divide, and clear errors for a split that cannot be made."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from controlplane.engine.attention.backend import SeqSpan
+from controlplane.engine.attention.torch_paged import TorchPagedAttention
+from controlplane.engine.errors import InvalidSettingError
+from controlplane.engine.kv_cache import KVCache, KVCacheSpec
+from controlplane.engine.loader import load_model, load_model_config
+from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards
+
+PROMPT = [5, 17, 250, 3, 99, 1000, 42, 7, 512, 64, 8, 11, 900, 13, 21, 34, 55, 89, 144]
+BLOCK = 8
+
+
+def _logits(model_dir: Path, tp: TensorParallel | None) -> torch.Tensor:
+    """Logits of every prompt position, then of two greedy decode steps."""
+    cfg = load_model_config(model_dir)
+    model = load_model(
+        model_dir,
+        cfg,
+        torch.float32,
+        torch.device("cpu"),
+        256,
+        cpu_weight_packing=False,
+        huge_pages=False,
+        tp=tp,
+    )
+    local = model.config
+    kv = KVCache(
+        KVCacheSpec(local.num_layers, local.num_kv_heads, local.head_dim, BLOCK, torch.float32),
+        num_blocks=8,
+        num_swap_blocks=0,
+        device=torch.device("cpu"),
+    )
+    backend = TorchPagedAttention(kv)
+    table = list(range(8))
+    ids, out = list(PROMPT), []
+    n = len(ids)
+    with torch.inference_mode():
+        meta = backend.prepare([SeqSpan(n, n, table)], torch.device("cpu"))
+        logits = model(torch.tensor(ids), torch.arange(n), backend, meta, torch.arange(n))
+        out.append(logits)
+        for _ in range(2):
+            ids.append(int(logits[-1].argmax()))
+            pos = len(ids) - 1
+            meta = backend.prepare([SeqSpan(1, len(ids), table)], torch.device("cpu"))
+            logits = model(
+                torch.tensor(ids[-1:]), torch.tensor([pos]), backend, meta, torch.tensor([0])
+            )
+            out.append(logits)
+    return torch.cat(out)
+
+
+def _rank(rank: int, size: int, init: str, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        logits = _logits(Path(model_dir), TensorParallel(rank, size))
+        torch.save(logits, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _split(model_dir: Path, size: int, tmp_path: Path) -> list[torch.Tensor]:
+    """Every rank's logits of the model split over `size` processes."""
+    out = tmp_path / f"tp{size}"
+    out.mkdir()
+    init = f"file://{tmp_path / f'init{size}'}"
+    mp.spawn(_rank, args=(size, init, str(model_dir), str(out)), nprocs=size, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+
+
+def _llama(out: Path, tokenizer_src: Path, **cfg: object) -> Path:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        **cfg,
+    )
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_src / name, out / name)
+    return out
+
+
+def test_two_ranks_compute_the_whole_models_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    whole = _logits(tiny_model_dir, None)
+    ranks = _split(tiny_model_dir, 2, tmp_path)
+    for logits in ranks:  # every rank ends with the whole rows (the sampler's input)
+        assert logits.shape == whole.shape
+        torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "tied"), [(3, False), (1, True)], ids=["kv-split", "kv-replicated-tied"]
+)
+def test_three_ranks_split_or_replicate_kv_heads_and_pad_the_vocabulary(
+    tiny_model_dir: Path, tmp_path: Path, kv_heads: int, tied: bool
+) -> None:
+    model = _llama(
+        tmp_path / "model",
+        tiny_model_dir,
+        num_attention_heads=6,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+    )
+    plan = plan_shards(load_model_config(model), 2, 3)
+    assert len(plan.kv_heads) == 1 and plan.vocab == range(684, 1026)  # 1024 padded to 1026
+    whole = _logits(model, None)
+    for logits in _split(model, 3, tmp_path):
+        torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
+
+
+def test_a_split_that_cannot_be_made_names_the_setting_and_the_dimension(
+    tiny_model_dir: Path,
+) -> None:
+    cfg = load_model_config(tiny_model_dir)  # 4 heads, 2 KV heads, 128 MLP rows
+    with pytest.raises(
+        InvalidSettingError,
+        match=r"tensor_parallel_size: must divide the model's attention heads \(4\); 3",
+    ):
+        plan_shards(cfg, 0, 3)
+    import dataclasses
+
+    odd = dataclasses.replace(cfg, num_heads=8, num_kv_heads=6)
+    with pytest.raises(InvalidSettingError, match=r"KV heads \(6\) or be a multiple of them; 4"):
+        plan_shards(odd, 0, 4)
+    plans = [plan_shards(cfg, r, 4) for r in range(4)]  # 2 KV heads over 4 ranks: each twice
+    assert [p.kv_heads for p in plans] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [p.heads for p in plans] == [range(r, r + 1) for r in range(4)]
