@@ -218,11 +218,16 @@ def test_deprioritize_admits_at_the_budget(served):
     before = metric(
         d, "controlplane:budget_requests_total", api_key="slowed", action="deprioritized"
     )
+    # Its requests run at the lowest priority class (9): counted there by the queue-time
+    # histogram, which labels each finished request with the class it was scheduled in.
+    queued = "controlplane:request_queue_time_by_class_seconds_count"
+    lowest = metric(d, queued, priority_class="9")
     assert [complete(d, secret).status_code for _ in range(3)] == [200] * 3
     after = metric(
         d, "controlplane:budget_requests_total", api_key="slowed", action="deprioritized"
     )
     assert after == before + 3
+    assert metric(d, queued, priority_class="9") == lowest + 3
     shown = listed(d, "slowed")["budget"]
     assert shown["state"] == "exhausted" and shown["budget_action"] == "deprioritize"
     assert shown["spend_usd"] > 0 and shown["use"] is None  # spent on a budget of 0
