@@ -131,10 +131,11 @@ class InferenceAPI:
 
     def _refused(self, key_name: str | None, reason: str) -> None:
         """A request of `key_name` refused for `reason` (controlplane.tenants.usage.REASONS):
-        its key's live usage and controlplane:requests_throttled_total. Called by `serve` and,
-        for a suspended key's 403, by `authenticate` (the route's guard answers it before
-        `serve` runs)."""
+        its key's live usage, controlplane:requests_throttled_total and the `refusals` table
+        (the reports' throttled counts). Called by `serve` and, for a suspended key's 403, by
+        `authenticate` (the route's guard answers it before `serve` runs)."""
         self.runtime.usage.refused(key_name, reason)
+        self.runtime.ledger.refused(self.runtime.instance_id, key_name, reason)
         self.runtime.metrics.request_throttled(OPEN if key_name is None else key_name, reason)
 
     # -- admission --------------------------------------------------------------------------

@@ -97,6 +97,13 @@ class RequestLedger:
             except Exception:  # the request's end is recorded whatever its listener does
                 log.exception("request %r: the final record's listener failed", rec.id)
 
+    def refused(self, instance_id: str, key_name: str | None, reason: str) -> None:
+        """A request refused before anything ran (no record): counted in the `refusals` table
+        by the recorder (controlplane.store.recorder.Recorder.refused), per hour, key and
+        reason, for the reports."""
+        if self.recorder is not None:
+            self.recorder.refused(instance_id, key_name, reason)
+
     def progress(self, rec: RequestRecord, out: RequestOutput) -> None:
         """A running request produced `out`: at most every PROGRESS_INTERVAL_S, record it again
         as running with its tokens so far, so that a kill loses at most that much of its usage."""

@@ -413,3 +413,35 @@ class ApiKeyRow(Base):
 
     def __repr__(self) -> str:
         return f"ApiKeyRow(name={self.name!r}, prefix={self.prefix!r})"
+
+
+class RefusalRow(Base):
+    """Requests refused before anything ran (a rate limit's or a budget's 429, a suspended
+    key's 403, a full queue, a limiter down: controlplane.tenants.usage.REASONS), counted per
+    UTC hour, instance, API key and reason (migration 0014). A refused request has no
+    `requests` row: this is where the reports count it.
+
+    One row per (hour, instance, key, reason), never one per refusal: each daemon counts its
+    refusals in memory and adds them to its rows with the request rows' writer
+    (store.recorder, every store.flush_interval_s), an upsert that adds `requests` to the row.
+    `instance_id` is the daemon's own (the fleet's instances.id), so several daemons on one
+    database never write the same row. `api_key_name` is "" for an open API's requests (as in
+    `cost_rollups`).
+    """
+
+    __tablename__ = "refusals"
+
+    hour_bucket: Mapped[str] = mapped_column(String(13), primary_key=True)
+    instance_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    api_key_name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    reason: Mapped[str] = mapped_column(String(32), primary_key=True)
+    day_bucket: Mapped[str] = mapped_column(String(10))
+    requests: Mapped[int] = mapped_column(BigInteger)  # refused in the hour
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())  # the last flush that added
+
+    def __repr__(self) -> str:
+        return (
+            f"RefusalRow(hour_bucket={self.hour_bucket!r}, instance_id={self.instance_id!r}, "
+            f"api_key_name={self.api_key_name!r}, reason={self.reason!r}, "
+            f"requests={self.requests!r})"
+        )

@@ -15,6 +15,17 @@ process killed outright loses nothing it had submitted: the next start replays t
 (`replay_journal`, in store.recovery) before marking rows left "running" as interrupted
 (`mark_interrupted`).
 Records still unwritten at close (the database was down) stay in the journal for that replay.
+
+Refused requests (`refused`: a rate limit's or budget's 429, a suspended key's 403, a full
+queue) have no request row; the same writer counts them into `refusals` (migration 0014):
+`refused` adds one to an in-memory count per (hour, instance, key, reason), and each write
+adds the counts taken to their rows with an upsert (`requests = requests + excluded`), in
+their own transaction after the batch's, as often as the records are written (a partial
+batch's flush_interval_s; `flush` and `close` write them too). A count is taken out of memory
+only for its write: a failed write puts it back (added to what came meanwhile), so an outage
+loses nothing (the counts are a few per key an hour, never dropped for room) and a committed
+write is never repeated. They are not journaled: a process killed outright loses at most
+flush_interval_s of refusals; a clean stop writes them (`close`).
 """
 
 from __future__ import annotations
@@ -36,13 +47,14 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from controlplane.config import StoreSettings
 from controlplane.store.db import dialect_insert, make_engine
 from controlplane.store.journal import Journal, encode
-from controlplane.store.models import RequestRow, time_buckets
+from controlplane.store.models import RefusalRow, RequestRow, time_buckets
 from controlplane.store.prices import PriceBook, cost
 from controlplane.store.records import RequestRecord
 
 log = logging.getLogger(__name__)
 
 REQUESTS = RequestRow.__table__
+REFUSALS = RefusalRow.__table__
 _STOP_GRACE_S = 1.0
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 _TIME_FIELDS = ("arrival_time", "first_token_time", "finish_time")
@@ -97,6 +109,24 @@ def upsert_statement(dialect_name: str) -> Any:
     )
 
 
+def refusals_statement(dialect_name: str) -> Any:
+    """The upsert that adds refusal counts to their (hour, instance, key, reason) rows."""
+    insert = dialect_insert(dialect_name)
+    stmt = insert(REFUSALS)
+    return stmt.on_conflict_do_update(
+        index_elements=[REFUSALS.c[name] for name in REFUSAL_KEY],
+        set_={
+            "requests": REFUSALS.c.requests + stmt.excluded.requests,
+            "updated_at": stmt.excluded.updated_at,
+        },
+    )
+
+
+# A refusal count's key: (hour_bucket, instance_id, api_key_name, reason), the table's.
+REFUSAL_KEY = ("hour_bucket", "instance_id", "api_key_name", "reason")
+RefusalKey = tuple[str, str, str, str]
+
+
 def is_outage(exc: BaseException) -> bool:
     """True when the database cannot take writes right now (down, unreachable, locked, not
     migrated): keep the records and retry. False when the records themselves are rejected
@@ -145,6 +175,14 @@ class Recorder:
         self._flush_waiters = 0
         self._stopping = False
         self._warned_late_submit = False
+        # Refused requests: counts per RefusalKey not written yet, and every refusal counted /
+        # written or lost, ever (flush waits on these as on the records).
+        self._refusals: dict[RefusalKey, int] = {}
+        self._refused = 0
+        self._refusals_resolved = 0
+        self._refusals_written = 0
+        self._refusals_lost = 0
+        self._refusal_stmt = refusals_statement(self._engine.dialect.name)
 
         # Writer-thread state.
         self._book: PriceBook | None = None
@@ -192,19 +230,42 @@ class Recorder:
                 "request record %r submitted after the recorder was closed; dropped", record.id
             )
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every record submitted before this call has been written (or dropped and
-        counted, see `dropped`). False if `timeout` seconds passed first."""
+    def refused(
+        self, instance_id: str, api_key_name: str | None, reason: str, at: datetime | None = None
+    ) -> None:
+        """Count a request of `api_key_name` (None: an open API's, kept as "") refused for
+        `reason` at `at` (default now) on this daemon (`instance_id`); written with the next
+        batch. Never blocks on the database."""
+        if not self.settings.record_requests:
+            return
+        hour = time_buckets(as_utc(at) or datetime.now(UTC))[0]
+        key = (hour, instance_id, api_key_name or "", reason)
         with self._cond:
-            target = self._submitted
+            if self._stopping:
+                self._refusals_lost += 1
+                return
+            first = not self._refusals and not self._buffer
+            self._refusals[key] = self._refusals.get(key, 0) + 1
+            self._refused += 1
+            if first:  # starts the flush_interval clock, as a first record does
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every record submitted and every refusal counted before this call has
+        been written (or dropped and counted, see `dropped`). False if `timeout` seconds
+        passed first."""
+        with self._cond:
+            target, refused = self._submitted, self._refused
+
+            def done() -> bool:
+                return self._resolved >= target and self._refusals_resolved >= refused
+
             self._flush_waiters += 1
             self._cond.notify_all()  # don't let a partial batch wait for flush_interval_s
             try:
                 return (
-                    self._cond.wait_for(
-                        lambda: self._resolved >= target or not self._thread.is_alive(), timeout
-                    )
-                    and self._resolved >= target
+                    self._cond.wait_for(lambda: done() or not self._thread.is_alive(), timeout)
+                    and done()
                 )
             finally:
                 self._flush_waiters -= 1
@@ -235,8 +296,18 @@ class Recorder:
             self._buffer.clear()
             self._dropped += lost
             self._resolved += lost
+            refusals_lost = sum(self._refusals.values())
+            self._refusals.clear()
+            self._refusals_lost += refusals_lost
+            self._refusals_resolved += refusals_lost
             self._cond.notify_all()
             journal, self._journal = self._journal, None
+        if refusals_lost:
+            log.error(
+                "request store unreachable at shutdown: %d refused requests were not counted "
+                "in the refusals table",
+                refusals_lost,
+            )
         self._log_drops(force=True)
         kept = journal is not None and not journal.failed
         if journal is not None:
@@ -284,6 +355,18 @@ class Recorder:
             return len(self._buffer) + self._inflight
 
     @property
+    def refusals_written(self) -> int:
+        """Refused requests added to the refusals table, ever."""
+        with self._cond:
+            return self._refusals_written
+
+    @property
+    def refusals_lost(self) -> int:
+        """Refused requests never added (counted after close, or unwritten at close)."""
+        with self._cond:
+            return self._refusals_lost
+
+    @property
     def failed_writes(self) -> int:
         with self._cond:
             return self._failed_writes
@@ -301,10 +384,17 @@ class Recorder:
         while True:
             with self._cond:
                 batch = self._next_batch()
-                if not batch:
+                if batch is None:
                     return  # stopping, and nothing left
                 self._inflight = len(batch)
-            written, rejected, retry, error = self._write(batch)
+                refusals, self._refusals = self._refusals, {}
+            written, rejected = 0, 0
+            retry: list[RequestRecord] = []
+            error: BaseException | None = None
+            if batch:
+                written, rejected, retry, error = self._write(batch)
+            if refusals:
+                error = self._write_refusals(refusals, error)
             with self._cond:
                 self._inflight = 0
                 self._written += written
@@ -312,6 +402,8 @@ class Recorder:
                 self._resolved += written + rejected
                 # The batch is written in order: what is not retried is committed (or rejected).
                 self._forget(batch[: len(batch) - len(retry)])
+                if error is not None and not retry:  # only the refusal counts' write failed
+                    self._failed_writes += 1
                 if retry:
                     self._failed_writes += 1
                     # Back to the front, in order, then enforce the bound again (the batch was
@@ -344,17 +436,18 @@ class Recorder:
         if self._journal is not None and records:
             self._journal.committed(records)
 
-    def _next_batch(self) -> list[RequestRecord]:
+    def _next_batch(self) -> list[RequestRecord] | None:
         """Wait (lock held) for a batch worth writing: a full one, a partial one that has waited
         flush_interval_s, or anything when flushing, stopping or catching up after an outage.
-        Returns [] only when stopping with an empty buffer."""
+        Refusal counts waiting count as a partial batch (the batch may then be []). Returns
+        None only when stopping with nothing left."""
         s = self.settings
         deadline: float | None = None
         while True:
             n = len(self._buffer)
-            if n == 0:
+            if n == 0 and not self._refusals:
                 if self._stopping:
-                    return []
+                    return None
                 deadline = None
                 self._cond.wait()
                 continue
@@ -393,6 +486,43 @@ class Recorder:
                 rejected += 1
                 log.error("request record %r rejected by the database, dropped: %s", rec.id, exc)
         return written, rejected, [], None
+
+    def _write_refusals(
+        self, counts: dict[RefusalKey, int], error: BaseException | None
+    ) -> BaseException | None:
+        """Add `counts` to their rows in one transaction, unless the batch just found the
+        database down (`error`). Not written: they go back into the counts (added to those
+        counted meanwhile), for the next write. Returns the outage error, if any."""
+        if error is None:
+            now = datetime.now(UTC)
+            rows = [
+                {**dict(zip(REFUSAL_KEY, key, strict=True)), "requests": n, "updated_at": now}
+                | {"day_bucket": key[0][:10]}  # the hour bucket's date: "2026-11-30T14"
+                for key, n in sorted(counts.items())
+            ]
+            try:
+                with self._engine.begin() as conn:
+                    conn.execute(self._refusal_stmt, rows)
+            except Exception as exc:
+                if is_outage(exc):
+                    error = exc
+                else:  # rejected (a value the column cannot hold): retrying cannot help
+                    n = sum(counts.values())
+                    log.error("%d refused requests rejected by the database, dropped: %s", n, exc)
+                    with self._cond:
+                        self._refusals_lost += n
+                        self._refusals_resolved += n
+                    return None
+            else:
+                n = sum(counts.values())
+                with self._cond:
+                    self._refusals_written += n
+                    self._refusals_resolved += n
+                return None
+        with self._cond:
+            for key, n in counts.items():
+                self._refusals[key] = self._refusals.get(key, 0) + n
+        return error
 
     def _write_rows(self, records: list[RequestRecord]) -> None:
         rows = collapse(records)
