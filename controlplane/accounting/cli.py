@@ -9,6 +9,7 @@ import): the store and rich are imported when a report runs.
     controlplane report utilization --since 24h --group-by hour,instance --format json
 
     controlplane report cost --since 10m --group-by api_key,end_user
+    controlplane report requests --since 24h --group-by api_key   # throttled, budget use
 
 `--format table` (the default) prints a table with a totals row; `csv` prints a header and the
 rows (no totals row, so scripts can sum columns); `json` prints {"columns", "rows", "totals",
@@ -172,6 +173,12 @@ _HEADERS = {
     "max_gpu_temperature_c": "GPU max °C",
     "gpu_energy_j": "GPU kWh",
     "provisional": "*",
+    "throttled": "throttled",
+    "throttled_by_reason": "throttled by reason",
+    "budget_usd": "budget $",
+    "budget_period": "period",
+    "budget_spend_usd": "spent $",
+    "budget_use": "budget use",
 }
 _FOOTNOTE = (
     "* provisional: requests the hourly rollup has not counted yet, summed from the request "
@@ -189,6 +196,7 @@ _PERCENT = {
     "mean_kv_usage",
     "mean_batch_fill_seqs",
     "mean_batch_fill_tokens",
+    "budget_use",
 }
 
 
@@ -203,6 +211,8 @@ def _cell(column: str, value: Any) -> str:
         return value or "(no user)"
     if isinstance(value, str):
         return value
+    if isinstance(value, dict):  # throttled_by_reason
+        return ", ".join(f"{reason} {n:,}" for reason, n in value.items())
     if column in _PERCENT:
         return f"{value * 100:.1f}%"
     if column == "mean_gpu_utilization_pct":
@@ -213,7 +223,7 @@ def _cell(column: str, value: Any) -> str:
         return f"{value / 3600:.2f} h"
     if column.startswith("mean_") and column.endswith("_s"):
         return f"{value:.3f}"
-    if column.endswith("_cost_usd") or column == "cache_savings_usd":
+    if column.endswith("_usd"):
         return f"{value:,.4f}"
     if column.endswith("_per_mtok") or "_per_mtok_" in column:
         return f"{value:,.4f}"
@@ -268,6 +278,8 @@ def _print_table(report: Any) -> None:
 def _csv_value(value: Any) -> Any:
     if isinstance(value, bool):  # as in JSON, not Python's True / False
         return "true" if value else "false"
+    if isinstance(value, dict):  # throttled_by_reason: reason=count;reason=count
+        return ";".join(f"{k}={v}" for k, v in value.items())
     return "" if value is None else value
 
 
@@ -340,15 +352,16 @@ def _run(args: argparse.Namespace) -> int:
     if report is None:  # no database or no schema yet: an empty report of the same shape
         if kind != "cost":
             start, end, _, _ = reports.window(since, until)
-        metrics = {
-            "cost": reports.COST_METRICS,
-            "requests": reports.REQUEST_METRICS,
-            "utilization": reports.UTILIZATION_METRICS,
+        columns = {
+            "cost": [*args.group_by, *reports.COST_METRICS],
+            "requests": reports.request_columns(args.group_by),
+            "utilization": [*args.group_by, *reports.UTILIZATION_METRICS],
         }[kind]
+        metrics = columns[len(args.group_by) :]
         report = reports.Report(
             kind=kind,
             group_by=args.group_by,
-            columns=[*args.group_by, *metrics],
+            columns=columns,
             rows=[],
             totals={**dict.fromkeys(metrics), **({"provisional": False} if kind == "cost" else {})},
             since=start.isoformat(),
@@ -399,7 +412,8 @@ def add_report_parser(subparsers: Any) -> None:
     helps = {
         "cost": "list-price and GPU-amortized cost by day|hour, model and API key",
         "requests": "requests, tokens, list cost and latency by day|hour, model, API key and "
-        "user, from the request rows",
+        "user, from the request rows; by API key also the requests refused (per hour) and "
+        "each key's budget use",
         "utilization": "engine and GPU utilization by day|hour and instance",
     }
     for kind in ("cost", "requests", "utilization"):

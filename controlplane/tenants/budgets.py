@@ -40,17 +40,19 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Protocol
 
-from sqlalchemy import Engine, and_, func, not_, select
+from sqlalchemy import Connection, Engine, and_, func, not_, select
 
-from controlplane.store.models import RequestRow, time_buckets
+from controlplane.store.models import ApiKeyRow, RequestRow, time_buckets
 from controlplane.store.prices import PriceBook, cost
 from controlplane.store.records import RequestRecord
-from controlplane.tenants.keys import BUDGET_ACTIONS, BUDGET_PERIODS, KeyCache, LiveKey
+from controlplane.tenants.keys import BUDGET_ACTIONS, BUDGET_PERIODS, KeyCache
 
 log = logging.getLogger("controlplane.budgets")
 
 REQUESTS = RequestRow.__table__
+API_KEYS = ApiKeyRow.__table__
 DEFAULT_PERIOD = "month"  # OpenAI's usage limits are monthly; the keys CLI shows this default
 DEFAULT_ACTION = "reject"  # OpenAI's behaviour at a quota
 SOFT, EXHAUSTED = "soft_threshold", "exhausted"
@@ -68,7 +70,18 @@ class Budget:
     action: str  # reject | deprioritize
 
 
-def budget_of(key: LiveKey | None) -> Budget | None:
+class _Budgeted(Protocol):
+    """What a budget is read from: a LiveKey, or an `api_keys` row."""
+
+    @property
+    def budget_usd(self) -> float | None: ...
+    @property
+    def budget_period(self) -> str | None: ...
+    @property
+    def budget_action(self) -> str | None: ...
+
+
+def budget_of(key: _Budgeted | None) -> Budget | None:
     """The key's budget, or None: no budget_usd (a config file key has none)."""
     if key is None or key.budget_usd is None:
         return None
@@ -98,6 +111,79 @@ def _day(at: datetime) -> str:
     return time_buckets(at)[1]
 
 
+def use_of(spend_usd: float, budget_usd: float) -> float:
+    """Spend / budget (a budget of 0: 1 once the period has begun, nothing may be spent)."""
+    if budget_usd > 0:
+        return spend_usd / budget_usd
+    return 1.0 if spend_usd == 0 else math.inf
+
+
+def spend_by_day(
+    conn: Connection,
+    names: Iterable[str],
+    since: datetime,
+    leave_out: tuple[str, datetime] | None = None,
+) -> dict[str, dict[str, float]]:
+    """The keys' list-price spend since `since`: key -> UTC arrival day -> USD, the sum of
+    their priced request rows (`cost_usd`, priced at ingest) by `day_bucket`. `leave_out`
+    (instance id, started at): that process's rows from then on are not read (a daemon counts
+    its own locally). The one spend query: the budgets' read and the reports' budget use."""
+    c = REQUESTS.c
+    where = [c.api_key_name.in_(sorted(names)), c.arrival_time >= since, c.cost_usd.is_not(None)]
+    if leave_out is not None:
+        where.append(not_(and_(c.instance_id == leave_out[0], c.arrival_time >= leave_out[1])))
+    stmt = (
+        select(c.api_key_name, c.day_bucket, func.sum(c.cost_usd))
+        .where(*where)
+        .group_by(c.api_key_name, c.day_bucket)
+    )
+    out: dict[str, dict[str, float]] = {}
+    for name, day, total in conn.execute(stmt):
+        out.setdefault(name, {})[day] = float(total or 0.0)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Use:
+    """A table key's spend against its budget in the period holding `now`, from the rows."""
+
+    budget: Budget
+    spend_usd: float
+    period_start: datetime
+    resets_at: datetime
+
+    @property
+    def use(self) -> float:
+        return use_of(self.spend_usd, self.budget.usd)
+
+
+def budget_use(
+    conn: Connection, now: datetime, names: Iterable[str] | None = None
+) -> dict[str, Use]:
+    """Every live (not revoked) table key with a budget (of `names`, default all): its spend
+    in its current period, from every instance's request rows (what the whole fleet spent,
+    once written). What `controlplane report requests --group-by api_key` shows; the daemon's
+    own figure (BudgetTracker) is the same sum, its own spend counted as each request ends."""
+    k = API_KEYS.c
+    stmt = select(k.name, k.budget_usd, k.budget_period, k.budget_action).where(
+        k.revoked_at.is_(None), k.budget_usd.is_not(None)
+    )
+    if names is not None:
+        stmt = stmt.where(k.name.in_(sorted(names)))
+    budgets = {r.name: b for r in conn.execute(stmt) if (b := budget_of(r)) is not None}
+    if not budgets:
+        return {}
+    bounds = {name: period_bounds(b.period, now) for name, b in budgets.items()}
+    days = spend_by_day(conn, budgets, min(start for start, _ in bounds.values()))
+    out = {}
+    for name, b in budgets.items():
+        start, end = bounds[name]
+        first = _day(start)
+        spend = sum(v for d, v in days.get(name, {}).items() if d >= first)
+        out[name] = Use(b, spend, start, end)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Standing:
     """A key's spend against its budget in the current period."""
@@ -111,10 +197,7 @@ class Standing:
 
     @property
     def use(self) -> float:
-        """Spend / budget (a budget of 0: 1 once the period has begun, nothing may be spent)."""
-        if self.budget.usd > 0:
-            return self.spend_usd / self.budget.usd
-        return 1.0 if self.spend_usd == 0 else math.inf
+        return use_of(self.spend_usd, self.budget.usd)
 
     @property
     def exhausted(self) -> bool:
@@ -315,20 +398,8 @@ class BudgetTracker:
             book = PriceBook.load(conn)
             if budgets:
                 since = min(period_bounds(b.period, now)[0] for b in budgets.values())
-                c = REQUESTS.c
-                own = and_(c.instance_id == self.instance_id, c.arrival_time >= self.started_at)
-                stmt = (
-                    select(c.api_key_name, c.day_bucket, func.sum(c.cost_usd))
-                    .where(
-                        c.api_key_name.in_(sorted(budgets)),
-                        c.arrival_time >= since,
-                        c.cost_usd.is_not(None),
-                        not_(own),
-                    )
-                    .group_by(c.api_key_name, c.day_bucket)
-                )
-                for name, day, total in conn.execute(stmt):
-                    fleet.setdefault(name, {})[day] = float(total or 0.0)
+                own = (self.instance_id, self.started_at)
+                fleet = spend_by_day(conn, budgets, since, leave_out=own)
         first = _day(month_start)
         with self._lock:
             self._fleet, self._book = fleet, book

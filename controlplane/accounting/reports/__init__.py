@@ -38,7 +38,14 @@ succeeded / failed, tokens, the cached share of prompt tokens, list cost (the su
 `cost_usd`, priced at ingest) and mean TTFT and end-to-end latency (over the rows that have
 one). No GPU cost: that is shared out per hour by the rollup, which is not kept per user (users
 are chosen by clients, unbounded, and rollups are kept forever). Request rows are pruned after
-`jobs.request_retention_days`, so a request report reaches back that far at most.
+`jobs.request_retention_days`, so a request report reaches back that far at most. Grouped by
+api_key (alone or with day|hour) a request report also counts the requests refused in the
+window's hours (`throttled`, `throttled_by_reason`), which have no request row, from the
+`refusals` table (per UTC hour, instance, key and reason; store.recorder writes it); a group
+whose every request was refused has a row of its own. By api_key alone each row also has the
+table key's budget use in its current period (`budget_usd`, `budget_period`,
+`budget_spend_usd`, `budget_use`; controlplane.tenants.budgets.budget_use, the spend query the
+daemons' budgets read), null for a key without a budget.
 
 Utilization reports read `utilization_samples` and `gpu_samples`. Means are time-weighted (by
 the samples' interval_s) over the samples that carry the reading; GPU means are per GPU;
@@ -53,10 +60,12 @@ parameter's name in `field` and the reason in `message`, for the CLI and the API
 from __future__ import annotations
 
 from controlplane.accounting.reports.base import (
+    BUDGET_METRICS,
     COST_GROUPS,
     COST_METRICS,
     REQUEST_GROUPS,
     REQUEST_METRICS,
+    THROTTLED_METRICS,
     UTILIZATION_GROUPS,
     UTILIZATION_METRICS,
     Report,
@@ -70,10 +79,11 @@ from controlplane.accounting.reports.cost import (
     cost_report,
     cost_window,
 )
-from controlplane.accounting.reports.requests import requests_report
+from controlplane.accounting.reports.requests import request_columns, requests_report
 from controlplane.accounting.reports.utilization import utilization_report
 
 __all__ = [
+    "BUDGET_METRICS",
     "COST_GROUPS",
     "COST_METRICS",
     "COST_SOURCES",
@@ -82,11 +92,13 @@ __all__ = [
     "MIN_WINDOW",
     "REQUEST_GROUPS",
     "REQUEST_METRICS",
+    "THROTTLED_METRICS",
     "UTILIZATION_GROUPS",
     "UTILIZATION_METRICS",
     "Report",
     "cost_report",
     "cost_window",
+    "request_columns",
     "requests_report",
     "utilization_report",
     "window",

@@ -14,6 +14,7 @@ from controlplane.store.models import (
     CostRollupRow,
     GpuSampleRow,
     JobWatermarkRow,
+    RefusalRow,
     RequestRow,
     UtilizationSampleRow,
     time_buckets,
@@ -21,6 +22,7 @@ from controlplane.store.models import (
 
 ROLLUPS = CostRollupRow.__table__
 REQUESTS = RequestRow.__table__
+REFUSALS = RefusalRow.__table__
 WATERMARKS = JobWatermarkRow.__table__
 _FINAL = sorted(FINAL_STATUSES)
 SAMPLES = UtilizationSampleRow.__table__
@@ -61,6 +63,12 @@ REQUEST_METRICS = (
     "mean_ttft_s",
     "mean_e2e_latency_s",
 )
+# A requests report by api_key (alone or with day|hour) adds the requests refused in the
+# window's hours (the `refusals` counts; controlplane.tenants.usage.REASONS): in all, and
+# reason -> count.
+THROTTLED_METRICS = ("throttled", "throttled_by_reason")
+# By api_key alone, also each table key's budget in its current period (None: no budget).
+BUDGET_METRICS = ("budget_usd", "budget_period", "budget_spend_usd", "budget_use")
 # Sample readings averaged over time (weighted by interval_s, over samples that carry them).
 _SAMPLE_MEANS = (
     "busy_fraction",
