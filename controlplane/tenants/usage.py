@@ -20,7 +20,8 @@ across every key on this daemon.
 Why buckets and not a log of events: a key sending thousands of requests a second would keep
 thousands of timestamps; sixty one-second buckets a key are a fixed size and a sliding minute
 to within one second, which is what a live view needs. State is per daemon, in memory: a
-restart starts from zero (Prometheus keeps the refusal counters' history).
+restart starts from zero (Prometheus keeps the refusal counters' history, and the `refusals`
+table the reports', per hour: serving counts each refusal there too, through the ledger).
 
 Every call happens on the daemon's event loop (admission, the flights' end callbacks, the
 admin route), so there is no lock.
