@@ -31,6 +31,8 @@ from controlplane.engine.grammar_mask import MaskBatch, MaskJob
 from controlplane.engine.model_runner import ModelRunner
 from controlplane.engine.output import finish_text, make_output, merge, take_token
 from controlplane.engine.overlap import Overlap, overlap_wanted
+from controlplane.engine.parallel.rank import worker_main
+from controlplane.engine.parallel.workers import Workers
 from controlplane.engine.parts import build, make_backend
 from controlplane.engine.prompt_logprobs import score as score_prompt
 from controlplane.engine.sampler import Sampler
@@ -89,7 +91,12 @@ class Engine:
         backend = make_backend(s.attention_backend, self.kv_cache, self.device, s.bf16_dot)
         log.info("attention: %s", type(backend).__name__)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
-        mode = compile_mode(s.compile, self.device, long_running)
+        if parts.workers is not None:
+            self.runner.workers = Workers(parts.workers, self.device, worker_main)
+            log.info("tensor parallel: %d ranks", s.tensor_parallel_size)
+        # Tensor parallel steps run eagerly for now: a compiled step or a graph would have to
+        # capture the layers' collectives (issue 56).
+        mode = "off" if parts.workers else compile_mode(s.compile, self.device, long_running)
         # The block the background warm-up writes its dummy K/V into, released by the step
         # thread (the pool's only user) once the warm-up is over.
         self._warm_up_block: list[int] = []
@@ -110,8 +117,9 @@ class Engine:
                 own_backend, self.device, self._warm_up_block[0]
             )
         compiled = self.runner.compiled if mode == "start" else None
-        if graph_replayers is not None or graphs_enabled(
-            s.cuda_graphs, self.device, backend, compiled is not None
+        if parts.workers is None and (
+            graph_replayers is not None
+            or graphs_enabled(s.cuda_graphs, self.device, backend, compiled is not None)
         ):
             self.runner.graphs = CudaGraphDecode(
                 compiled or eager_step(self.model),
@@ -155,6 +163,8 @@ class Engine:
         """Finish the step in flight and stop the device queue's thread (if one started)."""
         self._overlap.drain()
         self._overlap.close()
+        if self.runner.workers is not None:
+            self.runner.workers.close()
 
     @property
     def compile_state(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -41,6 +42,15 @@ class StepInputs:
     traced: list[tuple[str, int]] = field(default_factory=list)  # (request id, rows): trace
 
 
+class StepSink(Protocol):
+    """Where rank 0 of a tensor-parallel engine sends each step's inputs before running it
+    (parallel/workers.py's Workers)."""
+
+    def send(self, inputs: StepInputs, fed: torch.Tensor | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def samples(item: ScheduledSeq) -> bool:
     """Whether a scheduled chunk reaches the end of what is known of its sequence: then its
     last row predicts a new token."""
@@ -63,6 +73,8 @@ class ModelRunner:
         # The last step's prompt rows (prompt logprobs): (sequence, first position, logits of
         # its rows from that position on), for the requests that asked; [] for most steps.
         self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
+        # Tensor parallel (rank 0): the workers every step's inputs go to before it runs.
+        self.workers: StepSink | None = None
 
     @staticmethod
     def sampling_sequences(step: SchedulerOutput) -> list[Sequence]:
@@ -124,6 +136,8 @@ class ModelRunner:
         """The step on the device: KV copies, then the forward. Returns the logits of the
         sampling rows (float32); `fed_tokens`: the previous step's sampled tokens, for the
         rows `prepare` left to them."""
+        if self.workers is not None:
+            self.workers.send(inputs, fed_tokens)
         # Copy-on-write first: a sequence that took a copy and was then preempted in the same
         # step (priority and fair preempt any running one) swaps out the copied block, and a
         # block it gave back may be a swap-in's target.

@@ -22,6 +22,8 @@ from controlplane.engine.model.config import ModelConfig
 from controlplane.engine.model.linear import auto_dtype
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.model.quant import QuantConfig, memory_use
+from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards
+from controlplane.engine.parallel.workers import WorkerSpec, free_init_method
 from controlplane.engine.settings import EngineSettings
 from controlplane.engine.tokenizer import Tokenizer
 from controlplane.engine.types import MemoryUse
@@ -52,6 +54,7 @@ class EngineParts:
     block_pool: BlockPool
     swap_pool: BlockPool
     draft: DraftModel | None
+    workers: WorkerSpec | None = None  # tensor parallel: what ranks 1.. are built from
 
 
 def make_backend(
@@ -101,6 +104,27 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
     )
 
 
+def tensor_parallel_rank0(
+    s: EngineSettings, cfg: ModelConfig, quant: QuantConfig, device: torch.device
+) -> TensorParallel:
+    """Rank 0's place in a tensor-parallel engine, once the split is known to be possible
+    (InvalidSettingError naming tensor_parallel_size, or what it cannot run with yet)."""
+    plan_shards(cfg, 0, s.tensor_parallel_size)  # raises naming the dimension it cannot split
+    if quant.kind != "none" or quant.lm_head or quant.embedding:
+        raise InvalidSettingError(
+            "tensor_parallel_size",
+            f"serves float weights only for now; quantization resolves to {quant.kind} "
+            "(set quantization = none)",
+        )
+    if device.type == "cuda" and torch.cuda.device_count() < s.tensor_parallel_size:
+        raise InvalidSettingError(
+            "tensor_parallel_size",
+            f"{s.tensor_parallel_size} ranks need as many GPUs; "
+            f"{torch.cuda.device_count()} visible",
+        )
+    return TensorParallel(0, s.tensor_parallel_size)
+
+
 def build(s: EngineSettings) -> EngineParts:
     """The parts of an engine for checked settings `s` (ModelLoadError, InvalidSettingError)."""
     if not s.model:
@@ -131,6 +155,9 @@ def build(s: EngineSettings) -> EngineParts:
     kind = quant.kind
     if s.quantization == "auto":
         log.info("quantization auto: %s (how the checkpoint stores its linear weights)", kind)
+    tp = None
+    if s.tensor_parallel_size > 1:
+        tp = tensor_parallel_rank0(s, cfg, quant, device)
     model = load_model(
         model_dir,
         cfg,
@@ -140,6 +167,7 @@ def build(s: EngineSettings) -> EngineParts:
         s.cpu_weight_packing,
         quant,
         huge_pages=s.huge_pages,
+        tp=tp,
     )
     log.info(
         "loaded %s (%s, %.1fM params, %s on %s) in %.2fs",
@@ -151,7 +179,8 @@ def build(s: EngineSettings) -> EngineParts:
         time.perf_counter() - t0,
     )
     kv_dtype = STORAGE_DTYPES.get(s.kv_cache_dtype, dtype)  # auto: the model's dtype
-    spec = KVCacheSpec.for_model(cfg, s.block_size, kv_dtype)
+    # Tensor parallel: each rank's KV cache holds its own KV heads (rank 0's plan sizes all).
+    spec = KVCacheSpec.for_model(model.config, s.block_size, kv_dtype)
     draft_cfg = draft_spec = None
     share = 1.0  # of the KV budget, for the target's cache
     if s.speculative_draft_model:
@@ -178,6 +207,11 @@ def build(s: EngineSettings) -> EngineParts:
     num_swap = s.swap_space_bytes // spec.bytes_per_block
     log.info("KV cache: %s; swap space: %d blocks", why, num_swap)
     kv_cache = KVCache(spec, num_blocks, num_swap, device)
+    workers = None
+    if tp is not None:  # the engine starts them (parallel/rank.py)
+        workers = WorkerSpec(
+            s, str(model_dir), free_init_method(), dtype, max_model_len, num_blocks, num_swap
+        )
     memory = memory_use(model, spec, num_blocks, kind, dtype)
     log.info("memory: %s", memory.describe())
     block_pool = BlockPool(num_blocks)
@@ -218,4 +252,5 @@ def build(s: EngineSettings) -> EngineParts:
         block_pool,
         swap_pool,
         draft,
+        workers,
     )

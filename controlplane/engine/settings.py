@@ -128,6 +128,15 @@ class EngineSettings:
         None,
         Range(1, 1 << 40),
     )
+    # Restart-only: the ranks are processes started with the engine, each holding its shard.
+    tensor_parallel_size: int = _restart(
+        "Split the model over this many ranks (processes; one device each on CUDA), each "
+        "holding its share of every layer's heads and MLP rows and its own KV cache (of "
+        "kv_cache_memory_bytes on a CPU). Must divide the model's attention heads and MLP "
+        "size. Float weights; the decode step runs eagerly. See docs/engine.md#tensor-parallelism.",
+        1,
+        Range(1, 64),
+    )
     swap_space_bytes: int = _restart(
         "Host memory for KV blocks swapped out under preemption_mode = swap, in bytes.",
         1 << 28,

@@ -147,3 +147,35 @@ def test_a_split_that_cannot_be_made_names_the_setting_and_the_dimension(
     plans = [plan_shards(cfg, r, 4) for r in range(4)]  # 2 KV heads over 4 ranks: each twice
     assert [p.kv_heads for p in plans] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
     assert [p.heads for p in plans] == [range(r, r + 1) for r in range(4)]
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
+    tiny_model_dir: Path, preemption: str
+) -> None:
+    """The engine with tensor_parallel_size = 2 (a worker process beside it) under chunked
+    prefill, preemption and prefix hits: the greedy tokens of tensor_parallel_size = 1. Closing
+    it stops the worker."""
+    from controlplane.engine import Engine
+    from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end
+
+    kw = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        attention_backend="torch",
+        preemption_mode=preemption,
+        **MIXED_ENGINE,
+    )
+    one = Engine(**kw)
+    prompts, params = mixed_workload(one.model_config.vocab_size, 11, 10)
+    expected = run_to_end(one, prompts, params)
+    two = Engine(tensor_parallel_size=2, **kw)
+    try:
+        workers = two.runner.workers
+        assert workers is not None and [p.is_alive() for p in workers.procs] == [True]
+        assert two.kv_cache.spec.num_kv_heads == 1  # rank 0 holds one of the 2 KV heads
+        assert run_to_end(two, prompts, params) == expected
+        assert two.stats().num_preemptions > 0 and two.stats().prefix_cache_hits_total > 0
+    finally:
+        two.close()
+    assert [p.exitcode for p in workers.procs] == [0]  # left its loop, not killed

@@ -1,0 +1,52 @@
+"""A worker rank of a tensor-parallel engine (started by parallel/workers.py's Workers): its
+shard, its KV cache, then one forward per step rank 0 sends, until rank 0 sends None."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from controlplane.engine.kv_cache import STORAGE_DTYPES, KVCache, KVCacheSpec
+from controlplane.engine.loader import load_model, load_model_config
+from controlplane.engine.model_runner import ModelRunner
+from controlplane.engine.parallel.tensor_parallel import TensorParallel
+from controlplane.engine.parallel.workers import WorkerSpec, join_group
+from controlplane.engine.parts import make_backend, resolve_device, resolve_model_path
+
+
+def worker_main(rank: int, spec: WorkerSpec) -> None:
+    """A worker: its shard, its KV cache, then one forward per step rank 0 sends, until None."""
+    s = spec.settings
+    size = s.tensor_parallel_size
+    device = resolve_device(s.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    meta_group = join_group(rank, size, spec.init_method, device)
+    try:
+        model_dir = resolve_model_path(s.model)
+        cfg = load_model_config(model_dir)
+        model = load_model(
+            model_dir,
+            cfg,
+            spec.dtype,
+            device,
+            spec.max_model_len,
+            s.cpu_weight_packing,
+            huge_pages=s.huge_pages,
+            tp=TensorParallel(rank, size),
+        )
+        kv_dtype = STORAGE_DTYPES.get(s.kv_cache_dtype, spec.dtype)
+        kv_spec = KVCacheSpec.for_model(model.config, s.block_size, kv_dtype)
+        kv = KVCache(kv_spec, spec.num_blocks, spec.num_swap_blocks, device)
+        runner = ModelRunner(model, kv, make_backend(s.attention_backend, kv, device), device)
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=meta_group)
+            if box[0] is None:
+                break
+            inputs, fed = box[0]
+            runner.run(inputs, None if fed is None else fed.to(device))
+    finally:
+        dist.destroy_process_group()
