@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -39,6 +39,7 @@ PREFIX = "controlplane:ratelimit:"
 TTL_MS = 600_000
 RETRY_S = 1.0
 TIMEOUT_S = 0.5
+MAX_CONNECTIONS = 64  # a daemon's connections to Redis; more checks at once wait for one
 
 # KEYS[1]: the key's hash. ARGV: mode (acquire, release, peek), rpm, tpm, max_concurrent,
 # tokens (acquire: the reservation; release: what to put back, negative for an overrun), ttl_ms.
@@ -87,12 +88,17 @@ _REFUSED = {1: "max_concurrent", 2: "requests_per_minute", 3: "tokens_per_minute
 class RedisLimiter:
     def __init__(self, url: str, failure: str = "open", *, timeout_s: float = TIMEOUT_S) -> None:
         self.url, self.failure = url, failure
-        self.client = Redis.from_url(
+        # A burst of checks waits for one of MAX_CONNECTIONS (at most timeout_s, as for an
+        # answer): redis-py's default pool raises at once past its 100, which read as Redis down.
+        pool = BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # a check never waits through retries
         )
+        self.client = Redis.from_pool(pool)  # closed with the client
         self.script = self.client.register_script(SCRIPT)
         self.failures = 0  # calls that found Redis unreachable
         self.outages = 0  # times it went down (each logged once)

@@ -227,6 +227,35 @@ def test_redis_tokens_corrected_and_concurrency_shared():
     run(go())
 
 
+@needs_redis
+def test_a_burst_of_checks_is_counted_not_taken_for_an_outage(caplog):
+    """More concurrent checks than the client's connections (150 at once, as a daemon sees
+    when 150 requests arrive together): each waits for a connection and is counted. Found by
+    benchmarks/admission_overhead.py: redis-py's asyncio pool (100 connections) raised
+    MaxConnectionsError for the rest, which the limiter took for Redis down: those requests
+    were admitted uncounted (open: a burst slipped past the limit) or refused with 503
+    (closed), an outage was logged, and the checks of the next second skipped Redis."""
+    key = f"burst-{uuid.uuid4().hex}"
+    n = 150
+
+    async def go():
+        lim = RedisLimiter(REDIS_URL, "closed")
+        try:
+            limits = KeyLimits(requests_per_minute=n - 10)
+            decisions = await asyncio.gather(*(lim.acquire(key, limits, 0, 0) for _ in range(n)))
+            return decisions, lim.failures, lim.outages
+        finally:
+            await lim.close()
+
+    with caplog.at_level("WARNING", logger="controlplane.limits"):
+        decisions, failures, outages = run(go())
+    assert failures == 0 and outages == 0
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+    admitted = [d for d in decisions if d.allowed]
+    assert len(admitted) == n - 10 and all(d.lease.backed for d in admitted)
+    assert {d.limit for d in decisions if not d.allowed} == {"requests_per_minute"}
+
+
 @pytest.mark.parametrize("failure", ["open", "closed"])
 def test_redis_down_fails_open_or_closed(failure, caplog):
     url = f"redis://127.0.0.1:{closed_port()}/0"
