@@ -9,7 +9,8 @@ The workload of ``benchmarks.offline_throughput`` (``--num-requests`` requests, 
 at once: prompts of 32 to 512 random token ids, 16 to 512 completion tokens each, EOS ignored,
 greedy) as ``/v1/completions`` requests of one config file key, through ``controlplane serve``
 in its own process on the demo model (``--size``) with the offline benchmark's engine settings
-(16 sequences, 1024 batched tokens, prefill chunks of 512). A run's figures: requests/s and
+(16 sequences, 1024 batched tokens, prefill chunks of 512), the prefix cache off (each run
+sends the same prompts: every run after the first would hit it). A run's figures: requests/s and
 completion tokens/s over the wall time from the first request sent to the last answer.
 
 * ``none``: [limits] all 0, so admission never calls a limiter (the path of a daemon without
@@ -20,19 +21,23 @@ completion tokens/s over the wall time from the first request sent to the last a
   key name of this run): a Lua script round trip to Redis at admission and another at the end.
 
 Each daemon runs its ``none`` and limited runs in turn, ``--rounds`` times (none, limited, then
-limited, none: ABBA), after a warm-up; a limited figure is compared with the median of the
-``none`` runs of its own daemon. Every answer must be a 200; the limited runs' answers carry the
-``x-ratelimit-*`` headers (the checks ran), the ``none`` runs' do not.
+limited, none: ABBA), after a run of the workload untimed (the first run of a daemon took 2.3x
+its later ones); a limited run is compared with the ``none`` run of its round (on a shared
+machine the load drifts between rounds more than inside one) and the median of those ratios is
+reported, with their range and the ratio of the medians. Every answer must be a 200; the limited
+runs' answers carry the ``x-ratelimit-*`` headers (the checks ran), the ``none`` runs' do not.
 
     python -m benchmarks.admission_overhead
-    python -m benchmarks.admission_overhead --num-requests 16 --rounds 1   # smoke
+    python -m benchmarks.admission_overhead --num-requests 16 --rounds 1 --size tiny   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -127,7 +132,8 @@ def set_limits(url: str, values: dict[str, int]) -> None:
 def run_daemon(
     args: argparse.Namespace, folder: Path, model: Path, backend: str, workload
 ) -> list[Run]:
-    """One daemon on `backend`: a warm-up, then `--rounds` of none and limited runs (ABBA)."""
+    """One daemon on `backend`: the workload once untimed, then `--rounds` of none and limited
+    runs (ABBA)."""
     name = f"bench-{backend}-{uuid.uuid4().hex[:8]}"  # its own Redis hash, this run only
     key = f"sk-{name}-0123456789abcdef"
     engine = {
@@ -136,6 +142,9 @@ def run_daemon(
         "prefill_chunk_size": 512,
         "max_model_len": 1024,
         "compile": args.compile,
+        # Every run sends the same prompts: with the cache on, the runs after the first would
+        # skip their prefills (the first run of each daemon some 10x slower than the rest).
+        "enable_prefix_caching": False,
     }
     limits = {"backend": backend, "redis_url": args.redis_url, **NONE}
     sections = admin_sections(engine=engine, limits=limits, api_keys=[{"name": name, "key": key}])
@@ -148,8 +157,8 @@ def run_daemon(
             from harness.fairness import wait_compiled
 
             print(f"{backend}: compiled step {wait_compiled(daemon.url, ADMIN_TOKEN)}", flush=True)
-        warm = min(16, len(workload.prompts))
-        asyncio.run(send_all(daemon.url, key, workload.prompts[:warm], workload.out_lens[:warm]))
+        # The whole workload once, untimed: a daemon's first run of it took 2.3x its later ones.
+        asyncio.run(send_all(daemon.url, key, workload.prompts, workload.out_lens))
         order = []
         for i in range(args.rounds):
             order += ["none", backend] if i % 2 == 0 else [backend, "none"]
@@ -181,6 +190,8 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     parser.add_argument("--backends", default="memory,redis")
     args = parser.parse_args()
+    # A SIGTERM (a run stopped early) unwinds through run_daemon's finally: the daemon stops too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     folder = Path(tempfile.mkdtemp(prefix="admission-overhead-"))
     model = write_demo_model(folder / "model", size=args.size)
@@ -192,19 +203,29 @@ def main() -> None:
         f"{args.rounds} round(s) a daemon, {args.size} demo model, compile {args.compile}"
     )
     print(
-        f"{'daemon':<8} {'limits':<8} {'req/s':>8} {'tok/s':>9} {'req/s vs none':>14} {'tok/s vs none':>14}"
+        "(each run sends the same requests and gets the same tokens: a ratio of requests/s is the"
+        " ratio of tokens/s. 'vs none': the median over rounds of a limited run's figure over the"
+        " no-limits run of its round, their range in brackets; 'medians': the medians' ratio)"
+    )
+    print(
+        f"{'daemon':<8} {'limits':<8} {'req/s':>8} {'tok/s':>9} {'vs none':>9} {'range':>15}"
+        f" {'medians':>8}"
     )
     for backend, runs in results.items():
         base = [r for r in runs if r.config == "none"]
-        base_rps = statistics.median(r.requests_per_s for r in base)
+        mine = [r for r in runs if r.config == backend]
+        paired = [m.tokens_per_s / b.tokens_per_s for b, m in zip(base, mine, strict=True)]
         base_tps = statistics.median(r.tokens_per_s for r in base)
-        for config in ("none", backend):
-            mine = [r for r in runs if r.config == config]
-            rps = statistics.median(r.requests_per_s for r in mine)
-            tps = statistics.median(r.tokens_per_s for r in mine)
+        for config, group in (("none", base), (backend, mine)):
+            rps = statistics.median(r.requests_per_s for r in group)
+            tps = statistics.median(r.tokens_per_s for r in group)
+            ratio, spread = "1.000x", ""
+            if config != "none":
+                ratio = f"{statistics.median(paired):.3f}x"
+                spread = f"[{min(paired):.3f}, {max(paired):.3f}]"
             print(
-                f"{backend:<8} {config:<8} {rps:>8.3f} {tps:>9.1f} {rps / base_rps:>13.3f}x"
-                f" {tps / base_tps:>13.3f}x"
+                f"{backend:<8} {config:<8} {rps:>8.3f} {tps:>9.1f} {ratio:>9} {spread:>15}"
+                f" {tps / base_tps:>7.3f}x"
             )
 
 
