@@ -18,6 +18,7 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from controlplane.tenants.limits import (
@@ -96,7 +97,11 @@ class RedisLimiter:
             timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # a check never waits through retries
+            # A dropped connection is tried once more, at once, on a fresh one: the pool's idle
+            # connections to a Redis that restarted fail on their first use (one more "outage"
+            # logged after it answered again, seen in the kill-and-restart test). A timeout is
+            # never retried: a check waits at most timeout_s.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self.client = Redis.from_pool(pool)  # closed with the client
         self.script = self.client.register_script(SCRIPT)
