@@ -82,10 +82,13 @@ def test_a_misbehaving_key_filtered_grouped_and_aborted(tiny_model_dir, tmp_path
     # end in ~1.5 s, and after the suspension the key's last ones ended before the operator's
     # keys reached them (CI, twice). What is tested here is the dashboard, not the kernel.
     d = start(tmp_path, tiny_model_dir, {"max_num_seqs": 4, "attention_backend": "torch"})
-    # Long enough that both keys still have requests in flight when the operator acts.
-    good = loadgen(d.url, "--api-key", "sk-good-0001", "--requests", "20", "--concurrency-limit",
+    # Long enough that both keys still have requests in flight when the operator acts: more
+    # requests than the test can see end (it kills both clients when it is done). On a Zen 5
+    # core the tiny model decodes ~2000 tokens/s, so 60 of the bad key's requests were all
+    # over before the operator reached them.
+    good = loadgen(d.url, "--api-key", "sk-good-0001", "--requests", "200", "--concurrency-limit",
                    "2", "--prompt-len", "8-16", "--output-len", "900-1000")  # fmt: skip
-    bad = loadgen(d.url, "--api-key", "sk-bad-0002", "--requests", "60", "--concurrency-limit",
+    bad = loadgen(d.url, "--api-key", "sk-bad-0002", "--requests", "600", "--concurrency-limit",
                   "12", "--prompt-len", "8-16", "--output-len", "900-1000", "--seed", "1")  # fmt: skip
     c = admin(d.url)
 
@@ -115,8 +118,16 @@ def test_a_misbehaving_key_filtered_grouped_and_aborted(tiny_model_dir, tmp_path
             await pilot.press("v", "v")  # back to one row per request
             await wait_until(pilot, lambda: table.group_by is None, 5)
             table.focus()
-            row = next(i for i, k in enumerate(table.rows) if k.value in live("bad-tenant"))
-            table.move_cursor(row=row)
+
+            def live_bad_row() -> int | None:
+                # The table refreshes every second and the key's requests end on their own
+                # (each within ~2 s on a fast CPU): wait for a row that is live now rather
+                # than assume one.
+                ids = set(live("bad-tenant"))
+                return next((i for i, k in enumerate(table.rows) if k.value in ids), None)
+
+            await wait_until(pilot, lambda: live_bad_row() is not None, 10, "a live bad row")
+            table.move_cursor(row=live_bad_row())
             # First stop the key's new requests (its client keeps sending), then abort.
             await pilot.press("s")
             await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5)
@@ -132,13 +143,6 @@ def test_a_misbehaving_key_filtered_grouped_and_aborted(tiny_model_dir, tmp_path
                 "suspended",
             )
             await wait_until(pilot, lambda: table.selected_group("api_key_name"), 5)
-
-            def live_bad_row() -> int | None:
-                # The table refreshes every second and the key's requests end on their own:
-                # wait for a row that is live now rather than assume one.
-                ids = set(live("bad-tenant"))
-                return next((i for i, k in enumerate(table.rows) if k.value in ids), None)
-
             await wait_until(pilot, lambda: live_bad_row() is not None, 10, "a live bad row")
             table.move_cursor(row=live_bad_row())
             count = sum(1 for r in table.rows_data if r.get("api_key_name") == "bad-tenant")
