@@ -313,7 +313,7 @@ class Scheduler:
                 seq.draft_token_ids, n = [], 1  # drop the drafts before preempting anyone
             while self._blocks_needed(seq, n) > self.pool.num_free:
                 victim = self._victim()
-                budget += self._unchoose(victim, chosen)
+                budget += chosen.pop(victim, 0)  # charged to its tenant after this loop
                 self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
