@@ -179,3 +179,26 @@ def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
     finally:
         two.close()
     assert [p.exitcode for p in workers.procs] == [0]  # left its loop, not killed
+
+
+def test_a_worker_that_dies_fails_the_step_naming_its_rank(tiny_model_dir: Path) -> None:
+    """A killed worker: the step's requests end with an error naming the rank and its exit
+    code (not a wait on a collective until its timeout), and closing the engine still ends."""
+    import os
+    import signal
+
+    from controlplane.engine import Engine, SamplingParams
+
+    engine = Engine(model=str(tiny_model_dir), dtype="float32", tensor_parallel_size=2)
+    try:
+        rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        (worker,) = engine.runner.workers.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        outs = [o for o in engine.step() if o.request_id == rid]
+        assert outs and outs[-1].finish_reason == "error"
+        assert "tensor-parallel rank 1 exited (exit code -9)" in outs[-1].error
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.close()

@@ -91,8 +91,19 @@ class Workers:
         self.meta_group = join_group(0, size, spec.init_method, device)
         self.closed = False
 
+    def check(self) -> None:
+        """RuntimeError naming the first worker that is gone: a step without it would wait on
+        its collectives until COLLECTIVE_TIMEOUT."""
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} exited (exit code {p.exitcode}); "
+                    "the engine cannot step without it"
+                )
+
     def send(self, inputs: StepInputs, fed: torch.Tensor | None) -> None:
         """The step's inputs to every worker (the host's sequence objects left out)."""
+        self.check()
         slim = dataclasses.replace(
             inputs,
             samplers=[],
