@@ -202,3 +202,33 @@ def test_a_worker_that_dies_fails_the_step_naming_its_rank(tiny_model_dir: Path)
         assert not engine.has_unfinished_requests()
     finally:
         engine.close()
+
+
+def test_two_ranks_under_speculation_and_structured_outputs(tiny_model_dir: Path) -> None:
+    """n-gram speculation (several rows a sequence, rejected drafts trimmed) and a grammar's
+    token masks (applied on rank 0, where the sampler is) over two ranks: the tokens of one."""
+    from controlplane.engine import Engine, SamplingParams
+    from controlplane.engine.structured import StructuredOutput
+    from tests.conftest import run_to_end, speculation_prompts
+
+    kw = dict(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        attention_backend="torch",
+        speculative_method="ngram",
+        speculative_num_tokens=3,
+        speculative_ngram_min=1,
+    )
+    prompts = [p[:120] for p in speculation_prompts()] + [[5, 6, 7]]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, **greedy) for _ in range(3)] + [
+        SamplingParams(max_tokens=12, structured=StructuredOutput("regex", r"[a-z]{3,8}"), **greedy)
+    ]
+    one = Engine(**kw)
+    expected = run_to_end(one, prompts, params)
+    two = Engine(tensor_parallel_size=2, **kw)
+    try:
+        assert run_to_end(two, prompts, params) == expected
+        assert two.stats().spec_decode_num_draft_tokens_total > 0  # it did speculate
+    finally:
+        two.close()
