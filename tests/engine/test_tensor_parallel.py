@@ -6,6 +6,7 @@ that the ranks do not divide, and clear errors for a split that cannot be made."
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -169,8 +170,11 @@ def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
     one = Engine(**kw)
     prompts, params = mixed_workload(one.model_config.vocab_size, 11, 10)
     expected = run_to_end(one, prompts, params)
+    threads = torch.get_num_threads()
     two = Engine(tensor_parallel_size=2, **kw)
     try:
+        # Each of the 2 ranks takes its share of the cores for torch's threads.
+        assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
         workers = two.runner.workers
         assert workers is not None and [p.is_alive() for p in workers.procs] == [True]
         assert two.kv_cache.spec.num_kv_heads == 1  # rank 0 holds one of the 2 KV heads
@@ -179,6 +183,7 @@ def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
     finally:
         two.close()
     assert [p.exitcode for p in workers.procs] == [0]  # left its loop, not killed
+    assert torch.get_num_threads() == threads  # given back
 
 
 def test_a_worker_that_dies_fails_the_step_naming_its_rank(tiny_model_dir: Path) -> None:

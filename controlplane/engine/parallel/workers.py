@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,9 +59,13 @@ def free_init_method() -> str:
 
 
 def join_group(rank: int, size: int, init_method: str, device: torch.device) -> Any:
-    """Join the tensor-parallel group; returns the gloo group the step inputs travel on."""
+    """Join the tensor-parallel group; returns the gloo group the step inputs travel on. On a
+    CPU each rank takes its share of the cores for torch's threads: ranks of the default
+    (every core each) would oversubscribe them size times."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dist.init_process_group(
         _backend(device),
         init_method=init_method,
@@ -88,6 +93,7 @@ class Workers:
         ]
         for p in self.procs:
             p.start()
+        self._threads = torch.get_num_threads()  # this process's, given back at close
         self.meta_group = join_group(0, size, spec.init_method, device)
         self.closed = False
 
@@ -128,3 +134,4 @@ class Workers:
                     p.kill()
                     p.join()
             dist.destroy_process_group()
+            torch.set_num_threads(self._threads)
