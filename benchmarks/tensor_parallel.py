@@ -1,0 +1,70 @@
+"""Tensor parallelism on a CPU (issue 56): what splitting a model over ranks costs where there
+is nothing to gain: an engine of `--ranks` ranks (each on cores / ranks threads) against one
+rank on every core, in the same run, decoding at batch 1 and batch 16.
+
+What is measured
+----------------
+The demo model (`--size`, float32), one engine per contender built in this process (the
+tensor-parallel one starts its workers). Each batch: `--batch` greedy requests of an 8-token
+prompt, EOS ignored, `--tokens` tokens each; decode tokens per second over the whole run (one
+warm-up request first, not timed). The ratio is tensor parallel / one rank: on a machine whose
+cores one rank already uses, below 1 is the price of the split (two all-reduces a layer and
+the logits' gather a step, and the step's inputs broadcast to every worker).
+
+    python -m benchmarks.tensor_parallel
+    python -m benchmarks.tensor_parallel --size tiny --tokens 32   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from controlplane.engine import Engine, SamplingParams
+from controlplane.engine.demo_model import write_demo_model
+
+
+def decode_rate(engine: Engine, batch: int, tokens: int) -> float:
+    """Tokens per second generating `tokens` for each of `batch` requests at once."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request([5, 6, 7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=4))  # warm
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i in range(batch):
+        engine.add_request([5 + i, 6, 7, 8, 9, 10, 11, 12], params)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="small", help="demo model size (tiny, small)")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens a request")
+    parser.add_argument("--batches", default="1,16")
+    args = parser.parse_args()
+    model = write_demo_model(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "model", args.size)
+    batches = [int(b) for b in args.batches.split(",")]
+    common = dict(model=str(model), dtype="float32", compile="off", max_num_seqs=max(batches))
+    rates: dict[tuple[int, int], float] = {}
+    for ranks in (1, args.ranks):
+        engine = Engine(tensor_parallel_size=ranks, **common)
+        try:
+            for batch in batches:
+                rates[ranks, batch] = decode_rate(engine, batch, args.tokens)
+                print(f"ranks {ranks} batch {batch}: {rates[ranks, batch]:.1f} tok/s", flush=True)
+        finally:
+            engine.close()
+    print(f"{args.size} model, float32, {args.tokens} tokens a request, eager steps")
+    print(f"{'batch':>5} {'1 rank tok/s':>13} {f'{args.ranks} ranks tok/s':>14} {'ratio':>7}")
+    for batch in batches:
+        one, many = rates[1, batch], rates[args.ranks, batch]
+        print(f"{batch:>5} {one:>13.1f} {many:>14.1f} {many / one:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
