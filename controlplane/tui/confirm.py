@@ -1,15 +1,43 @@
-"""The yes / no question every action that changes something asks first."""
+"""The yes / no question every action that changes something asks first, and how the action's
+call to the daemon reports a failure (one way on every screen)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Static
+
+from controlplane.client.admin import APIError, ClientError
+
+
+def ask_first(screen: Screen, question: str, call: Callable[[], None]) -> None:
+    """Push the confirmation over `screen`; `call` on yes."""
+
+    def answered(yes: bool | None) -> None:
+        if yes:
+            call()
+
+    screen.app.push_screen(ConfirmScreen(question), answered)
+
+
+async def call_daemon(
+    screen: Screen, fn: Callable[..., Awaitable[Any]], *args: Any
+) -> tuple[bool, Any]:
+    """(True, `await fn(*args)`), or (False, None) with the API's refusal or the unreachable
+    daemon shown as an error notification on `screen`."""
+    try:
+        return True, await fn(*args)
+    except APIError as exc:
+        screen.notify(f"{exc.status}: {exc.message}", severity="error", timeout=6)
+    except ClientError as exc:
+        screen.notify(f"daemon unreachable: {exc}", severity="error", timeout=6)
+    return False, None
 
 
 class ConfirmScreen(ModalScreen[bool]):

@@ -14,10 +14,9 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input
 
-from controlplane.client.admin import APIError, ClientError
 from controlplane.tui.commands import COMMANDS, CommandError
 from controlplane.tui.commands import parse as parse_command
-from controlplane.tui.confirm import ConfirmScreen
+from controlplane.tui.confirm import ask_first, call_daemon
 from controlplane.tui.cost_panel import CostPanel
 from controlplane.tui.daemon_feed import DaemonFeedScreen as Feed
 from controlplane.tui.header import HeaderBar
@@ -309,25 +308,15 @@ class DashboardScreen(Feed):
 
     def confirm(self, question: str, call: Callable[[], None]) -> None:
         """Ask first; `call` on yes."""
-
-        def answered(yes: bool | None) -> None:
-            if yes:
-                call()
-
-        self.app.push_screen(ConfirmScreen(question), answered)
+        ask_first(self, question, call)
 
     def _confirm_call(self, question: str, method: str, done: str) -> None:
         self.confirm(question, lambda: self.run_call(getattr(self.client, method), done=done))
 
     @work(group="calls")
     async def run_call(self, fn: Callable[..., Any], *args: Any, done: str) -> None:
-        try:
-            answer = await fn(*args)
-        except APIError as exc:
-            self.notify(f"{exc.status}: {exc.message}", severity="error", timeout=6)
-            return
-        except ClientError as exc:
-            self.notify(f"daemon unreachable: {exc}", severity="error", timeout=6)
+        ok, answer = await call_daemon(self, fn, *args)
+        if not ok:
             return
         if isinstance(answer, dict) and "state" in answer and self.stats is not None:
             self.stats = {**self.stats, "state": answer["state"]}

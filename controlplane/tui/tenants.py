@@ -27,7 +27,7 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 
 from controlplane.client.admin import APIError, ClientError
 from controlplane.tenants.usage import SORTS, sort_key
-from controlplane.tui.confirm import ConfirmScreen
+from controlplane.tui.confirm import ask_first, call_daemon
 from controlplane.tui.help import HelpScreen, help_rows
 from controlplane.tui.history import fmt_usd
 from controlplane.tui.tables import MeasuredTable
@@ -472,7 +472,8 @@ class TenantsScreen(Screen[None]):
         if k is None:
             return
         name = str(k["name"])
-        self._confirm(
+        ask_first(
+            self,
             f"Rotate API key [b]{escape(name)}[/]? Its current secret stops working at once "
             "(on the other daemons within server.key_refresh_s); the new one is shown once.",
             lambda: self.call(self.client.rotate_key, name, then=self._show_rotated),
@@ -489,7 +490,8 @@ class TenantsScreen(Screen[None]):
         if k.get("state") == "revoked":
             self.notify(f"{name} is revoked already", severity="warning")
             return
-        self._confirm(
+        ask_first(
+            self,
             f"Revoke API key [b]{escape(name)}[/]? It stops on every daemon sharing the "
             "database (here at once, elsewhere within server.key_refresh_s); cannot be undone. "
             "Audited.",
@@ -500,26 +502,12 @@ class TenantsScreen(Screen[None]):
             ),
         )
 
-    def _confirm(self, question: str, call: Callable[[], None]) -> None:
-        """Ask first (the dashboard's confirmation, No focused); `call` on yes."""
-
-        def answered(yes: bool | None) -> None:
-            if yes:
-                call()
-
-        self.app.push_screen(ConfirmScreen(question), answered)
-
     @work(group="tenants-calls")
     async def call(
         self, fn: Callable[..., Any], *args: Any, then: Callable[[dict[str, Any]], None]
     ) -> None:
-        try:
-            answer = await fn(*args)
-        except APIError as exc:
-            self.notify(f"{exc.status}: {exc.message}", severity="error", timeout=6)
-            return
-        except ClientError as exc:
-            self.notify(f"daemon unreachable: {exc}", severity="error", timeout=6)
+        ok, answer = await call_daemon(self, fn, *args)
+        if not ok:
             return
         then(answer)
         await self.fetch()
