@@ -143,6 +143,12 @@ def spend_by_day(
     return out
 
 
+def spend_since(days: dict[str, float] | None, start: datetime) -> float:
+    """USD of a key's days (UTC day -> USD) from `start`'s day on: its spend in a period."""
+    first = _day(start)
+    return sum(v for d, v in days.items() if d >= first) if days else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Use:
     """A table key's spend against its budget in the period holding `now`, from the rows."""
@@ -178,9 +184,7 @@ def budget_use(
     out = {}
     for name, b in budgets.items():
         start, end = bounds[name]
-        first = _day(start)
-        spend = sum(v for d, v in days.get(name, {}).items() if d >= first)
-        out[name] = Use(b, spend, start, end)
+        out[name] = Use(b, spend_since(days.get(name), start), start, end)
     return out
 
 
@@ -299,13 +303,7 @@ class BudgetTracker:
 
     # -- spend ----------------------------------------------------------------------------
     def _spend(self, key: str, start: datetime) -> float:
-        first = _day(start)
-        total = 0.0
-        for source in (self._fleet, self._local):
-            days = source.get(key)
-            if days:
-                total += sum(v for d, v in days.items() if d >= first)
-        return total
+        return spend_since(self._fleet.get(key), start) + spend_since(self._local.get(key), start)
 
     def standing(self, name: str | None, now: datetime | None = None) -> Standing | None:
         """The key's spend against its budget now; None: no such live key, or no budget."""
