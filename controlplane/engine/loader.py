@@ -83,21 +83,19 @@ def load_model(
         model = CausalLM(cfg, max_len)
         if shards is not None:
             local = CausalLM(local_config(cfg, shards), max_len, tp, shards)
+    read_by_slice = False  # whether only this rank's part of each tensor was read
     if is_gguf(model_dir):
         state = _gguf_state(model_dir, model, cfg, dtype, device)
     elif (model_dir / RANDOM_WEIGHTS_FILE).is_file():
         state = random_state(model_dir, model, cfg, dtype, device)
     else:
         state = _safetensors_state(model_dir, model, cfg, dtype, device, shards)
+        read_by_slice = True
     if shards is not None:
-        # A whole tensor that the loader could not read by slice (GGUF blocks are dequantized
-        # whole; random weights are generated whole, so every rank draws the same model):
-        # this rank's part of it.
-        full = _loaded_parameters(model, cfg)
-        state = {
-            name: take_shard(name, t, shards, cfg) if t.shape == full[name] else t
-            for name, t in state.items()
-        }
+        if not read_by_slice:
+            # Whole tensors (GGUF blocks are dequantized whole; random weights are drawn
+            # whole, so every rank draws the same model): this rank's part of each.
+            state = {name: take_shard(name, t, shards, cfg) for name, t in state.items()}
         model = local
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()

@@ -103,9 +103,21 @@ def _llama(out: Path, tokenizer_src: Path, **cfg: object) -> Path:
     return out
 
 
-def test_two_ranks_compute_the_whole_models_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
-    whole = _logits(tiny_model_dir, None)
-    ranks = _split(tiny_model_dir, 2, tmp_path)
+@pytest.mark.parametrize("weights", ["safetensors", "random"])
+def test_two_ranks_compute_the_whole_models_logits(
+    tiny_model_dir: Path, tmp_path: Path, weights: str
+) -> None:
+    """Safetensors are read by slice; random weights are drawn whole and then sliced (as GGUF
+    tensors are dequantized whole)."""
+    model = tiny_model_dir
+    if weights == "random":
+        model = tmp_path / "random"
+        model.mkdir()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_model_dir / name, model / name)
+        (model / "random_weights.json").write_text('{"seed": 3, "std": 0.2}')
+    whole = _logits(model, None)
+    ranks = _split(model, 2, tmp_path)
     for logits in ranks:  # every rank ends with the whole rows (the sampler's input)
         assert logits.shape == whole.shape
         torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
