@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from controlplane.engine.block_pool import BlockPool
@@ -272,7 +273,7 @@ class Scheduler:
         fcfs = s.scheduling_policy == "fcfs"
         if not fcfs:
             self.policy.begin_step(
-                s.scheduling_policy, [*self.running, *self.waiting, *self.swapped]
+                s.scheduling_policy, chain(self.running, self.waiting, self.swapped)
             )
 
         # A lowered max_num_seqs takes effect now, not when sequences happen to finish.
@@ -449,10 +450,11 @@ class Scheduler:
         return self.policy.victim(pool or self.running)
 
     def _unchoose(self, seq: Sequence, chosen: dict[Sequence, int]) -> int:
-        """Take a sequence about to be preempted out of this step: the tokens it gave back."""
+        """Take a sequence about to be preempted out of this step (priority and fair): the
+        tokens it gave back."""
         n = chosen.pop(seq, 0)
-        if n and self.settings.scheduling_policy != "fcfs":
-            self.policy.charge(seq, -n)
+        if n:
+            self.policy.charge(seq, -n)  # charged when it was chosen (a no-op unless fair)
         return n
 
     def _schedule_by_policy(
