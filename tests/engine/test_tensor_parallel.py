@@ -21,6 +21,7 @@ from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from controlplane.engine.loader import load_model, load_model_config
 from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards
+from controlplane.engine.parallel.workers import free_init_method
 
 PROMPT = [5, 17, 250, 3, 99, 1000, 42, 7, 512, 64, 8, 11, 900, 13, 21, 34, 55, 89, 144]
 BLOCK = 8
@@ -79,7 +80,7 @@ def _split(model_dir: Path, size: int, tmp_path: Path) -> list[torch.Tensor]:
     """Every rank's logits of the model split over `size` processes."""
     out = tmp_path / f"tp{size}"
     out.mkdir()
-    init = f"file://{tmp_path / f'init{size}'}"
+    init = free_init_method()  # the engine's own rendezvous (TCP on loopback)
     mp.spawn(_rank, args=(size, init, str(model_dir), str(out)), nprocs=size, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(size)]
 
