@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     from controlplane.runtime.runtime import Runtime
 
 
+def _health_body(runtime: Runtime, **fields: Any) -> dict[str, Any]:
+    """A probe's answer; with the cause (`error`) once the step loop has died."""
+    if (death := runtime.engine.death) is not None:
+        fields["error"] = death
+    return fields
+
+
 def create_app(runtime: Runtime) -> Litestar:
     """The HTTP app over `runtime` (its only view of the daemon and the engine)."""
     max_body = runtime.cfg.server.max_body_bytes
@@ -33,11 +40,12 @@ def create_app(runtime: Runtime) -> Litestar:
 
     @get("/health", summary="Readiness: 200 only while the engine is loaded and stepping")
     async def health() -> Response:
-        body = {
-            "status": runtime.reported_state,
-            "model": runtime.model_name or None,
-            "uptime_s": round(time.time() - runtime.started_at, 3),
-        }
+        body = _health_body(
+            runtime,
+            status=runtime.reported_state,
+            model=runtime.model_name or None,
+            uptime_s=round(time.time() - runtime.started_at, 3),
+        )
         return Response(body, status_code=200 if runtime.healthy else 503)
 
     # Probes for orchestrators (deploy/kubernetes.yaml). Liveness fails only when restarting
@@ -45,12 +53,12 @@ def create_app(runtime: Runtime) -> Litestar:
     @get("/health/live", summary="Liveness: 200 while the step loop runs (or the model loads)")
     async def health_live() -> Response:
         alive = runtime.alive
-        body = {"status": "alive" if alive else "dead", "state": runtime.state}
+        body = _health_body(runtime, status="alive" if alive else "dead", state=runtime.state)
         return Response(body, status_code=200 if alive else 503)
 
     @get("/health/ready", summary="Readiness: 200 only when loaded and admitting requests")
     async def health_ready() -> Response:
-        body = {"status": runtime.reported_state}
+        body = _health_body(runtime, status=runtime.reported_state)
         return Response(body, status_code=200 if runtime.healthy else 503)
 
     async def add_request_id(message: Any, scope: Any) -> None:

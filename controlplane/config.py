@@ -87,6 +87,11 @@ class ServerSettings:
     # On SIGTERM/SIGINT: how long running requests may finish before they are aborted. Longer
     # lets long generations end; shorter stops (and restarts) sooner.
     drain_timeout_s: float = bounded(30.0, 0, MAX_INTERVAL_S)
+    # A daemon whose engine stopped for good (its step loop died: a device fault, a lost
+    # tensor-parallel rank) answers `dead` on /health for this many seconds, so that probes
+    # and clients see why, then exits with status 1 so that a supervisor (systemd,
+    # Kubernetes) restarts it; its requests have their final rows by then. 0: exit at once.
+    dead_exit_s: float = bounded(5.0, 0, MAX_INTERVAL_S)
     # A start not ready this many seconds after the daemon began (a model load or a CPU kernel
     # build that cannot finish) is reported `dead` by /health and /health/live and the daemon
     # exits with status 1, so an orchestrator restarts it; 0: no deadline. It must cover a cold

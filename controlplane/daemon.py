@@ -116,6 +116,7 @@ class Daemon:
         self.fleet: FleetMember | None = None  # this daemon's fleet row, once listening
         self._tasks: set[asyncio.Task] = set()  # reloads started by SIGHUP (kept referenced)
         self._stop_loading = threading.Event()  # abandons a CPU kernel build (cpu_ops)
+        self._engine_died = False  # the step loop died: serve() stops with status 1
         live.subscribe(self._on_config_change)
 
     # Read-only views of the runtime, for the CLI and tests.
@@ -404,12 +405,35 @@ class Daemon:
             flush=True,
         )
         log.info("ready", extra={"event": "ready"})
+        background.append(asyncio.create_task(self._exit_when_dead()))
         await self._shutdown.wait()
-        await self._drain()
+        if not self._engine_died:
+            await self._drain()
         for task in background:
             task.cancel()
         await self._stop(server, server_task)
-        return 0
+        return 1 if self._engine_died else 0
+
+    async def _exit_when_dead(self) -> None:
+        """An engine whose step loop died never steps again: report `dead` for
+        server.dead_exit_s (probes and clients see why), then stop with status 1 so that a
+        supervisor restarts the daemon. The requests it held have failed with the cause (their
+        handlers record their rows; _stop flushes them)."""
+        aeng = self.aengine
+        while aeng is not None and aeng.is_running:
+            await asyncio.sleep(0.2)
+        if self._shutdown.is_set():
+            return  # a stop in progress ends the engine itself
+        wait = self.cfg.server.dead_exit_s
+        log.error(
+            "engine stopped: %s; reporting dead, exiting with status 1 in %g s",
+            aeng.error if aeng is not None else "unknown",
+            wait,
+            extra={"event": "dead"},
+        )
+        self._engine_died = True
+        await asyncio.sleep(wait)
+        self.request_shutdown("engine dead")
 
     async def _abandon_start(self, reason: str, server: _Server, server_task: asyncio.Task) -> int:
         """The model was still loading at SIGTERM (exit 0) or at the start deadline (`dead`,

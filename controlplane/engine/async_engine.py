@@ -301,6 +301,7 @@ class AsyncEngine:
         assert loop is not None
         try:
             while not self._stop.is_set():
+                self.engine.check_ranks()
                 outputs = self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     outputs += self.engine.step()

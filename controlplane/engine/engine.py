@@ -7,6 +7,7 @@ safe to call from other threads (they only swap immutable objects under a lock);
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -32,7 +33,7 @@ from controlplane.engine.model_runner import ModelRunner
 from controlplane.engine.output import finish_text, make_output, merge, take_token
 from controlplane.engine.overlap import Overlap, overlap_wanted
 from controlplane.engine.parallel.rank import worker_main
-from controlplane.engine.parallel.workers import Workers
+from controlplane.engine.parallel.workers import TensorParallelError, Workers
 from controlplane.engine.parts import build, make_backend
 from controlplane.engine.prompt_logprobs import score as score_prompt
 from controlplane.engine.sampler import Sampler
@@ -160,11 +161,21 @@ class Engine:
         return overlap_wanted(self._settings.async_scheduling, self.device)
 
     def close(self) -> None:
-        """Finish the step in flight and stop the device queue's thread (if one started)."""
-        self._overlap.drain()
-        self._overlap.close()
+        """Finish the step in flight and stop the device queue's thread (if one started), then
+        the tensor-parallel workers (if any; a group that lost a rank has nothing to finish)."""
+        try:
+            with contextlib.suppress(TensorParallelError):
+                self._overlap.drain()
+        finally:
+            self._overlap.close()
+            if self.runner.workers is not None:
+                self.runner.workers.close()
+
+    def check_ranks(self) -> None:
+        """TensorParallelError naming a tensor-parallel worker that is gone; the step loop
+        calls it between steps, so a worker lost while the engine is idle stops it too."""
         if self.runner.workers is not None:
-            self.runner.workers.close()
+            self.runner.workers.check()
 
     @property
     def compile_state(self) -> str:
@@ -547,7 +558,12 @@ class Engine:
     ) -> list[RequestOutput]:
         """The step raised in `phase` with no one request to blame, so every request whose KV
         this step touched fails (its blocks are freed; their contents are unknown) and the
-        engine goes on. Call from inside the `except` block (the log takes the traceback)."""
+        engine goes on. Call from inside the `except` block (the log takes the traceback).
+
+        Tensor parallel: a failed step leaves the group's collectives out of step, so the
+        engine cannot go on: the failure (naming the rank to blame) stops it."""
+        if self.runner.workers is not None:
+            raise self.runner.workers.failure(exc) from exc
         self._failed_steps += 1
         if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(

@@ -133,9 +133,15 @@ class EngineSettings:
         "Split the model over this many ranks (processes; one device each on CUDA), each "
         "holding its share of every layer's heads and MLP rows and its own KV cache (of "
         "kv_cache_memory_bytes on a CPU). Must divide the model's attention heads and MLP "
-        "size. Float weights; the decode step runs eagerly. See docs/engine.md#tensor-parallelism.",
+        "size. The decode step runs eagerly. See docs/engine.md#tensor-parallelism.",
         1,
         Range(1, 64),
+    )
+    tensor_parallel_timeout_s: float = _restart(
+        "How long a tensor-parallel step may wait for a rank before the engine stops, naming "
+        "the rank (a hung worker); also how long rank 0 waits for the workers to join at start.",
+        120.0,
+        Range(1.0, 3600.0),
     )
     swap_space_bytes: int = _restart(
         "Host memory for KV blocks swapped out under preemption_mode = swap, in bytes.",

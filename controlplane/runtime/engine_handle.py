@@ -44,6 +44,12 @@ class EngineHandle:
         return self.aengine is not None and self.aengine.is_running
 
     @property
+    def death(self) -> str | None:
+        """Why the step loop died (/health says it), None while it runs or before it loads."""
+        error = self.aengine.error if self.aengine is not None else None
+        return None if error is None else str(error) or repr(error)
+
+    @property
     def max_model_len(self) -> int | None:
         return self.aengine.engine.max_model_len if self.aengine else None
 

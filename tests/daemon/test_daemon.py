@@ -558,7 +558,9 @@ def test_json_logs_and_metrics_behind_token(tiny_model_dir, tmp_path):
 
 
 def test_engine_failure_is_reported_not_hung(make_daemon):
-    d = make_daemon(with_file=False, store={"flush_interval_s": 0.1})
+    # dead_exit_s: it answers `dead` all along the test (it then exits 1: see
+    # tests/engine/test_tensor_parallel_supervision.py).
+    d = make_daemon(with_file=False, store={"flush_interval_s": 0.1}, server={"dead_exit_s": 300})
     cfg = d.cfg
     engine = d.daemon.aengine.engine
     real_step = engine.step

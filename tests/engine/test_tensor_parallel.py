@@ -199,29 +199,6 @@ def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
     assert torch.get_num_threads() == threads  # given back
 
 
-def test_a_worker_that_dies_fails_the_step_naming_its_rank(tiny_model_dir: Path) -> None:
-    """A killed worker: the step's requests end with an error naming the rank and its exit
-    code (not a wait on a collective until its timeout), and closing the engine still ends."""
-    import os
-    import signal
-
-    from controlplane.engine import Engine, SamplingParams
-
-    engine = Engine(model=str(tiny_model_dir), dtype="float32", tensor_parallel_size=2)
-    try:
-        rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
-        engine.step()
-        (worker,) = engine.runner.workers.procs
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(30)
-        outs = [o for o in engine.step() if o.request_id == rid]
-        assert outs and outs[-1].finish_reason == "error"
-        assert "tensor-parallel rank 1 exited (exit code -9)" in outs[-1].error
-        assert not engine.has_unfinished_requests()
-    finally:
-        engine.close()
-
-
 def test_two_ranks_under_speculation_and_structured_outputs(tiny_model_dir: Path) -> None:
     """n-gram speculation (several rows a sequence, rejected drafts trimmed) and a grammar's
     token masks (applied on rank 0, where the sampler is) over two ranks: the tokens of one."""

@@ -1,5 +1,7 @@
 """A worker rank of a tensor-parallel engine (started by parallel/workers.py's Workers): its
-shard, its KV cache, then one forward per step rank 0 sends, until rank 0 sends None."""
+shard, its KV cache, then one forward per step rank 0 sends, until rank 0 sends None. Each
+step it takes is written to the channel before it runs (how rank 0 tells a hung rank), and an
+error is reported there before the worker exits with it."""
 
 from __future__ import annotations
 
@@ -12,18 +14,26 @@ from controlplane.engine.kv_cache import STORAGE_DTYPES, KVCache, KVCacheSpec
 from controlplane.engine.loader import load_model, load_model_config
 from controlplane.engine.model_runner import ModelRunner
 from controlplane.engine.parallel.tensor_parallel import TensorParallel
-from controlplane.engine.parallel.workers import WorkerSpec, join_group
+from controlplane.engine.parallel.workers import WorkerChannel, WorkerSpec, join_group
 from controlplane.engine.parts import make_backend, resolve_device, resolve_model_path
 
 
-def worker_main(rank: int, spec: WorkerSpec) -> None:
+def worker_main(rank: int, spec: WorkerSpec, channel: WorkerChannel) -> None:
     """A worker: its shard, its KV cache, then one forward per step rank 0 sends, until None."""
+    try:
+        _serve(rank, spec, channel)
+    except BaseException as exc:
+        channel.report(rank, exc)
+        raise
+
+
+def _serve(rank: int, spec: WorkerSpec, channel: WorkerChannel) -> None:
     s = spec.settings
     size = s.tensor_parallel_size
     device = resolve_device(s.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
-    meta_group = join_group(rank, size, spec.init_method, device)
+    meta_group = join_group(rank, size, spec.init_method, device, s.tensor_parallel_timeout_s)
     try:
         model_dir = resolve_model_path(s.model)
         cfg = load_model_config(model_dir)
@@ -41,12 +51,14 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         kv_spec = KVCacheSpec.for_model(model.config, s.block_size, kv_dtype)
         kv = KVCache(kv_spec, spec.num_blocks, spec.num_swap_blocks, device)
         runner = ModelRunner(model, kv, make_backend(s.attention_backend, kv, device), device)
+        channel.taken[rank] = 0  # loaded
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=meta_group)
             if box[0] is None:
                 break
-            inputs, fed = box[0]
+            step, inputs, fed = box[0]
+            channel.taken[rank] = step
             runner.run(inputs, None if fed is None else fed.to(device))
     finally:
         dist.destroy_process_group()

@@ -7,15 +7,27 @@ every worker in one object broadcast, then all ranks run the forward together (t
 all-reduces and the logits' gather join them); only rank 0 samples. The broadcast goes over a
 gloo group (objects travel through the host), the forward's collectives over the default group
 (gloo on a CPU, NCCL on CUDA).
+
+Supervision: a group that lost a rank cannot step again (its collectives are out of step), so
+any failure of a step is fatal to the engine: `failure` turns it into a TensorParallelError
+naming the rank and the cause (exited with a code or a signal, an error it reported, or hung:
+it did not take the step within tensor_parallel_timeout_s, the collectives' timeout), the
+engine's step loop stops on it, and the daemon reports `dead` and exits non-zero. Each worker
+writes the last step it took into shared memory (`_taken`), which is how a hung rank is told
+from the ranks that wait on it in a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import os
+import queue
+import signal
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,8 +42,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a collective may wait for a rank before it fails (a worker that died or hangs).
-COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+LOADING = -1  # a worker's `_taken` entry until its shard and KV cache are built
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the tensor-parallel group is lost (rank None: the group failed as a whole,
+    no one rank to blame); the engine cannot step again."""
+
+    def __init__(self, rank: int | None, cause: str) -> None:
+        who = "tensor-parallel group" if rank is None else f"tensor-parallel rank {rank}"
+        super().__init__(f"{who}: {cause}")
+        self.rank, self.cause = rank, cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +68,32 @@ class WorkerSpec:
     num_swap_blocks: int
 
 
+@dataclass(slots=True)
+class WorkerChannel:
+    """What a worker shares with rank 0 besides the group (picklable to a spawned process):
+    the last step each rank took (LOADING while it loads), and the errors workers report
+    before they exit (rank, cause)."""
+
+    taken: Any  # multiprocessing.Array("q", size)
+    errors: Any  # multiprocessing.Queue
+
+    def report(self, rank: int, exc: BaseException) -> None:
+        """A worker's last word: why it is about to exit."""
+        with contextlib.suppress(Exception):  # best effort: the exit code still tells rank 0
+            self.errors.put_nowait((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _exit_cause(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -58,7 +105,9 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def join_group(rank: int, size: int, init_method: str, device: torch.device) -> Any:
+def join_group(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float
+) -> Any:
     """Join the tensor-parallel group; returns the gloo group the step inputs travel on. On a
     CPU each rank takes its share of the cores for torch's threads: ranks of the default
     (every core each) would oversubscribe them size times."""
@@ -71,7 +120,7 @@ def join_group(rank: int, size: int, init_method: str, device: torch.device) -> 
         init_method=init_method,
         rank=rank,
         world_size=size,
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=timedelta(seconds=timeout_s),
     )
     return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 
@@ -80,32 +129,102 @@ class Workers:
     """Ranks 1..size-1 of a tensor-parallel engine, seen from rank 0."""
 
     def __init__(
-        self, spec: WorkerSpec, device: torch.device, target: Callable[[int, WorkerSpec], None]
+        self,
+        spec: WorkerSpec,
+        device: torch.device,
+        target: Callable[[int, WorkerSpec, WorkerChannel], None],
     ) -> None:
-        """Start ranks 1..size-1 as processes running `target(rank, spec)` (parallel/rank.py's
-        `worker_main`), then join the group as rank 0."""
+        """Start ranks 1..size-1 as processes running `target(rank, spec, channel)`
+        (parallel/rank.py's `worker_main`), join the group as rank 0, then wait until every
+        worker has built its shard (TensorParallelError naming a worker that failed to)."""
         size = spec.settings.tensor_parallel_size
+        self.timeout_s = spec.settings.tensor_parallel_timeout_s
         ctx = multiprocessing.get_context("spawn")
+        self.channel = WorkerChannel(ctx.Array("q", [LOADING] * size), ctx.Queue())
         # daemon: a worker never outlives the engine's process.
         self.procs = [
-            ctx.Process(target=target, args=(rank, spec), name=f"tp-rank-{rank}", daemon=True)
+            ctx.Process(
+                target=target, args=(rank, spec, self.channel), name=f"tp-rank-{rank}", daemon=True
+            )
             for rank in range(1, size)
         ]
         for p in self.procs:
             p.start()
         self._threads = torch.get_num_threads()  # this process's, given back at close
-        self.meta_group = join_group(0, size, spec.init_method, device)
+        self.sent = 0  # steps sent
+        self.lost: TensorParallelError | None = None
         self.closed = False
+        try:
+            self.meta_group = join_group(0, size, spec.init_method, device, self.timeout_s)
+        except Exception as exc:
+            self._kill()
+            raise self.failure(exc) from exc
+        self._wait_loaded()
+
+    def _wait_loaded(self) -> None:
+        """Until every worker has its shard and KV cache (they load after joining the group,
+        for as long as their shard takes: no timeout here, a dead worker ends the wait)."""
+        taken = self.channel.taken
+        while any(taken[r] == LOADING for r in range(1, len(self.procs) + 1)):
+            try:
+                self.check()
+            except TensorParallelError:
+                self.close()
+                raise
+            time.sleep(0.02)
+        log.info("tensor parallel: %d workers loaded", len(self.procs))
+
+    def _reported(self) -> dict[int, str]:
+        """The causes workers reported before exiting, by rank."""
+        causes: dict[int, str] = {}
+        while True:
+            try:
+                rank, cause = self.channel.errors.get(timeout=0.05)
+            except (queue.Empty, OSError, EOFError, ValueError):
+                return causes
+            causes.setdefault(rank, cause)
+
+    def _dead(self) -> TensorParallelError | None:
+        """The first worker that is gone, with its cause."""
+        gone = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if not gone:
+            return None
+        reported = self._reported()
+        rank, p = gone[0]
+        cause = _exit_cause(p.exitcode)
+        if rank in reported:
+            cause = f"{reported[rank]} ({cause})"
+        return TensorParallelError(rank, cause)
 
     def check(self) -> None:
-        """RuntimeError naming the first worker that is gone: a step without it would wait on
-        its collectives until COLLECTIVE_TIMEOUT."""
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                raise RuntimeError(
-                    f"tensor-parallel rank {rank} exited (exit code {p.exitcode}); "
-                    "the engine cannot step without it"
+        """TensorParallelError naming the first worker that is gone: a step without it would
+        wait on its collectives until the timeout. Cheap (a waitpid per worker): the step loop
+        calls it between steps, so a worker lost while the engine is idle is seen too."""
+        if self.lost is None:
+            self.lost = self._dead()
+        if self.lost is not None:
+            raise self.lost
+
+    def failure(self, exc: BaseException) -> TensorParallelError:
+        """What a failed step means for the group, blaming the rank that caused it: a worker
+        that is gone, else a worker that had not taken the latest step (hung: the others wait
+        on it in a collective until the timeout), else the group (rank 0's own error)."""
+        if self.lost is None:
+            self.lost = self._dead()
+        if self.lost is None:
+            taken = self.channel.taken
+            behind = [r for r in range(1, len(self.procs) + 1) if taken[r] < self.sent]
+            if behind and not isinstance(exc, TensorParallelError):
+                self.lost = TensorParallelError(
+                    behind[0],
+                    f"hung: did not take step {self.sent} within {self.timeout_s:g} s "
+                    f"(its last was {taken[behind[0]]}); {exc!r}",
                 )
+            elif isinstance(exc, TensorParallelError):
+                self.lost = exc
+            else:
+                self.lost = TensorParallelError(None, f"a step failed on rank 0: {exc!r}")
+        return self.lost
 
     def send(self, inputs: StepInputs, fed: torch.Tensor | None) -> None:
         """The step's inputs to every worker (the host's sequence objects left out)."""
@@ -116,22 +235,32 @@ class Workers:
             prompt_spans=[(None, lo, k) for _, lo, k in inputs.prompt_spans],
             traced=[],
         )
-        box = [(slim, None if fed is None else fed.cpu())]
+        self.sent += 1
+        box = [(self.sent, slim, None if fed is None else fed.cpu())]
         dist.broadcast_object_list(box, src=0, group=self.meta_group)
 
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
     def close(self, timeout: float = 30) -> None:
-        """Stop every worker (it leaves its loop at None) and the group; kills what is left."""
+        """Stop every worker and leave the group. A healthy group is told to stop (a worker
+        leaves its loop at None); after a loss, the workers left are killed (a hung one would
+        never take the message). Every worker is joined: no zombie is left."""
         if self.closed:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if self.lost is None and all(p.is_alive() for p in self.procs):
                 dist.broadcast_object_list([None], src=0, group=self.meta_group)
+                for p in self.procs:
+                    p.join(timeout)
         finally:
-            for p in self.procs:
-                p.join(timeout)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            dist.destroy_process_group()
+            self._kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             torch.set_num_threads(self._threads)
+            self.channel.errors.close()
+            self.channel.errors.join_thread()

@@ -1,0 +1,154 @@
+"""Supervision of a tensor-parallel engine (engine/parallel/workers.py): a worker that dies or
+hangs stops the engine with an error naming its rank and the cause; closing it leaves no
+process behind; the daemon reports `dead` with the cause, every request it held gets its one
+final row, and it exits with status 1 for a supervisor to restart it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from controlplane.config import load_config
+from controlplane.engine import Engine, SamplingParams
+from controlplane.engine.parallel.workers import TensorParallelError
+from harness import DaemonProcess, wait_rows, write_config
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+def _workers_left() -> list[multiprocessing.Process]:
+    """This process's tensor-parallel children still running (active_children joins the
+    finished ones: a zombie would show here as alive)."""
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank-")]
+
+
+def _two_ranks(model: Path, **kw: object) -> Engine:
+    return Engine(model=str(model), dtype="float32", tensor_parallel_size=2, **kw)
+
+
+def test_a_killed_worker_stops_the_engine_naming_its_rank_and_signal(tiny_model_dir: Path) -> None:
+    engine = _two_ranks(tiny_model_dir)
+    try:
+        engine.add_request([5, 6, 7], LONG)
+        engine.step()
+        (worker,) = engine.runner.workers.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        with pytest.raises(TensorParallelError, match="rank 1: killed by SIGKILL") as caught:
+            engine.step()
+        assert caught.value.rank == 1
+        # Between steps too (the step loop checks while idle): the same error, at once.
+        with pytest.raises(TensorParallelError, match="rank 1"):
+            engine.check_ranks()
+    finally:
+        engine.close()
+    assert _workers_left() == []
+
+
+def test_a_hung_worker_is_named_after_the_timeout_and_killed_at_close(
+    tiny_model_dir: Path,
+) -> None:
+    """SIGSTOP: the worker is alive but takes no step. Rank 0's collective times out after
+    tensor_parallel_timeout_s; the rank that had not taken the step is the one named."""
+    engine = _two_ranks(tiny_model_dir, tensor_parallel_timeout_s=3.0)
+    (worker,) = engine.runner.workers.procs
+    try:
+        engine.add_request([5, 6, 7], LONG)
+        engine.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1: hung: did not take step 2") as e:
+            engine.step()
+        waited = time.monotonic() - t0
+        assert e.value.rank == 1 and 2.5 < waited < 60, waited
+    finally:
+        engine.close()
+    assert worker.exitcode == -signal.SIGKILL  # a stopped process takes no message: killed
+    assert _workers_left() == []
+
+
+def test_the_async_engine_stops_when_a_worker_dies_while_it_is_idle(tiny_model_dir: Path) -> None:
+    import asyncio
+
+    from controlplane.engine import AsyncEngine
+
+    async def scenario() -> BaseException | None:
+        aeng = AsyncEngine(_two_ranks(tiny_model_dir))
+        aeng.start()
+        try:
+            (worker,) = aeng.engine.runner.workers.procs
+            os.kill(worker.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while aeng.is_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return aeng.error
+        finally:
+            await aeng.shutdown()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, TensorParallelError) and error.rank == 1
+    assert _workers_left() == []
+
+
+def test_the_daemon_reports_dead_records_every_request_and_exits_1(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg_path = write_config(
+        tmp_path / "cp.toml",
+        tmp_path / "data",
+        tiny_model_dir,
+        engine={"tensor_parallel_size": 2, "dtype": "float32"},
+        server={"dead_exit_s": 3.0},
+        store={"flush_interval_s": 0.1},
+    )
+    url = load_config(cfg_path, env={}).store_url
+    d = DaemonProcess.start(cfg_path)
+    (worker,) = [
+        c
+        for c in psutil.Process(d.proc.pid).children()
+        if "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    assert httpx.get(d.url + "/health/ready").status_code == 200  # the worker has loaded
+    model = httpx.get(d.url + "/v1/models").json()["data"][0]["id"]
+    streaming = threading.Barrier(4)
+    results: list[str] = []
+
+    def call(i: int) -> None:
+        body = {"model": model, "prompt": f"r{i}", "max_tokens": 2000, "ignore_eos": True}
+        with httpx.stream(
+            "POST", d.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # generating
+            streaming.wait(30)
+            results.append("\n".join(lines))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        streaming.wait(30)
+        worker.kill()
+        deadline = time.monotonic() + 20
+        while (h := httpx.get(d.url + "/health")).json()["status"] != "dead":
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.05)
+        assert h.status_code == 503 and "tensor-parallel rank 1" in h.json()["error"]
+        for t in threads:
+            t.join(60)
+        assert len(results) == 3 and all("rank 1" in text for text in results), results
+        assert d.proc.wait(60) == 1  # after dead_exit_s
+    finally:
+        d.kill()
+    assert any('"event": "dead"' in line or "reporting dead" in line for line in d.lines)
+    got = wait_rows(url, lambda r: len(r) == 3)
+    assert all(r["status"] == "error" and "rank 1" in r["error"] for r in got), got
+    assert not psutil.pid_exists(worker.pid) or worker.status() != psutil.STATUS_ZOMBIE
