@@ -386,6 +386,7 @@ class Daemon:
             self.runtime.metrics.bind_recorder(lambda: rec.dropped, lambda: rec.buffered)
         # /metrics' kernels_loaded and compiled_step: what /admin/stats says, at each scrape.
         self.runtime.metrics.bind_kernels(self.runtime.kernels, self.runtime.engine.compile_state)
+        self.runtime.metrics.bind_ranks(self.runtime.engine.tensor_parallel)
         from controlplane.jobs.periodic import Jobs
 
         self.jobs = Jobs(self.runtime)

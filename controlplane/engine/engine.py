@@ -48,7 +48,13 @@ from controlplane.engine.settings import (
 )
 from controlplane.engine.spec_decode import propose, verify
 from controlplane.engine.structured import CompiledGrammar, Grammars, grammar_failed
-from controlplane.engine.types import RequestMetrics, RequestOutput, StepStats, TokenLogprobs
+from controlplane.engine.types import (
+    RankStats,
+    RequestMetrics,
+    RequestOutput,
+    StepStats,
+    TokenLogprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +99,21 @@ class Engine:
         log.info("attention: %s", type(backend).__name__)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
         if parts.workers is not None:
-            self.runner.workers = Workers(parts.workers, self.device, worker_main)
-            log.info("tensor parallel: %d ranks", s.tensor_parallel_size)
+            assert self.model.tp is not None
+            workers = Workers(parts.workers, self.device, worker_main, self.model.tp.clock)
+            workers.channel.board.post_memory(
+                0, self.memory.weights_bytes, self.memory.kv_cache_bytes
+            )
+            self.runner.workers = workers
+            log.info(
+                "tensor parallel: %d ranks; %s",
+                s.tensor_parallel_size,
+                "; ".join(
+                    f"rank {r.rank}: weights {r.weights_bytes / 2**20:.1f} MiB, "
+                    f"KV cache {r.kv_cache_bytes / 2**20:.1f} MiB"
+                    for r in workers.ranks()
+                ),
+            )
         # Tensor parallel steps run eagerly for now: a compiled step or a graph would have to
         # capture the layers' collectives (issue 56).
         mode = "off" if parts.workers else compile_mode(s.compile, self.device, long_running)
@@ -170,6 +189,11 @@ class Engine:
             self._overlap.close()
             if self.runner.workers is not None:
                 self.runner.workers.close()
+
+    def rank_stats(self) -> list[RankStats] | None:
+        """Each tensor-parallel rank's memory and recent step times; None without TP."""
+        workers = self.runner.workers
+        return workers.ranks() if isinstance(workers, Workers) else None
 
     def check_ranks(self) -> None:
         """TensorParallelError naming a tensor-parallel worker that is gone; the step loop

@@ -48,6 +48,8 @@ class StepSink(Protocol):
 
     def send(self, inputs: StepInputs, fed: torch.Tensor | None) -> None: ...
 
+    def ran(self) -> None: ...
+
     def check(self) -> None: ...
 
     def failure(self, exc: BaseException) -> Exception: ...
@@ -185,6 +187,8 @@ class ModelRunner:
                 self.trace.append((request_id, positions[row : row + n], logits[row : row + n]))
                 row += n
             logits = logits[logits_rows]
+        if self.workers is not None:
+            self.workers.ran()
         return logits
 
     def _forward(

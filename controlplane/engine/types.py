@@ -169,3 +169,33 @@ class MemoryUse:
             f"{self.kv_cache_bytes / 2**20:.1f} MiB ({self.kv_cache_blocks} blocks, "
             f"{self.kv_cache_dtype})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RankStats:
+    """One rank of a tensor-parallel engine, for /admin/stats, /metrics and the TUI: its memory
+    and its recent steps. Times are wall times on the rank's host thread: on a CPU the whole
+    forward and the time inside the collectives; on CUDA, where kernels and collectives run
+    asynchronously, the host's share only."""
+
+    rank: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    steps: int
+    step_s: float  # its forward, averaged over recent steps (exponentially, RankBoard.ALPHA)
+    all_reduce_s: float  # of which inside the collectives (all-reduces, the logits' gather)
+
+    @property
+    def all_reduce_share(self) -> float:
+        return self.all_reduce_s / self.step_s if self.step_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "rank": self.rank,
+            "weights_bytes": self.weights_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "steps": self.steps,
+            "step_ms": round(self.step_s * 1000, 3),
+            "all_reduce_ms": round(self.all_reduce_s * 1000, 3),
+            "all_reduce_share": round(self.all_reduce_share, 4),
+        }

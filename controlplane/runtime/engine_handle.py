@@ -221,6 +221,14 @@ class EngineHandle:
         """The compiled decode step: off | warming | ready | failed (Engine.compile_state)."""
         return self.aengine.engine.compile_state if self.aengine else "off"
 
+    def tensor_parallel(self) -> dict[str, Any] | None:
+        """/admin/stats' `tensor_parallel`: the ranks' memory and recent steps; None at one
+        rank (or before the model loads)."""
+        ranks = self.aengine.engine.rank_stats() if self.aengine else None
+        if ranks is None:
+            return None
+        return {"size": len(ranks), "ranks": [r.as_dict() for r in ranks]}
+
     def memory(self) -> dict[str, Any] | None:
         return dataclasses.asdict(self.aengine.engine.memory) if self.aengine else None
 

@@ -308,6 +308,7 @@ class Runtime:
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_queue_len=self.cfg.server.max_queue_len,
             memory=self.engine.memory(),
+            tensor_parallel=self.engine.tensor_parallel(),
             compiled_step=self.engine.compile_state(),
             cpu_kernels=self.cpu_kernels() if self.cpu_kernels is not None else None,
             kernels=self.kernels(),

@@ -248,6 +248,7 @@ class Metrics:
         self._recorder: tuple[Callable[[], int] | None, Callable[[], int] | None] = (None, None)
         # /admin/stats `kernels` and `compiled_step`, read at scrape time (bind_kernels).
         self._kernels: tuple[Callable[[], Mapping[str, Any]], Callable[[], str]] | None = None
+        self._ranks: Callable[[], Mapping[str, Any] | None] | None = None
         self._ignored_names: set[str] = set()  # field names with a label of their own
         self._budget_keys: set[str] = set()  # key names with a budget label of their own
         self._ignored_other = False  # whether the OTHER_FIELD label is in use
@@ -448,6 +449,7 @@ class Metrics:
 
         reg.register(ScrapeTimeCollector(self))
         reg.register(_KernelsCollector(self))
+        reg.register(_RanksCollector(self))
         ProcessCollector(registry=reg)
         self.http = http
         if http is not None:
@@ -684,6 +686,11 @@ class Metrics:
         from these at each scrape; until bound neither series is exposed."""
         self._kernels = (kernels, compiled_step)
 
+    def bind_ranks(self, ranks: Callable[[], Mapping[str, Any] | None]) -> None:
+        """Read the tensor_parallel_* gauges from this (/admin/stats' `tensor_parallel`) at
+        each scrape; none are exposed until bound, nor while it answers None (one rank)."""
+        self._ranks = ranks
+
     # -- exposition -----------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition (UTF-8) and its media type, without the charset (see
@@ -736,3 +743,56 @@ class _KernelsCollector(Collector):
         for name in COMPILED_STEP_STATES:
             state.add_metric([o.model_name, name], 1.0 if name == compiled else 0.0)
         yield state
+
+
+class _RanksCollector(Collector):
+    """``tensor_parallel_size`` and each rank's memory, step time and all-reduce share, read
+    at scrape time (the ranks write them to shared memory: parallel/workers.py RankBoard)."""
+
+    def __init__(self, owner: Metrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> list[Metric]:
+        prefix = self._owner.prefix + "tensor_parallel_"
+        names = ("size", "rank_memory_bytes", "rank_step_seconds", "rank_all_reduce_share")
+        return [GaugeMetricFamily(prefix + name, "", labels=[]) for name in names]
+
+    def collect(self) -> Iterator[Metric]:
+        o = self._owner
+        try:
+            tp = o._ranks() if o._ranks is not None else None
+        except Exception:
+            log.warning("metrics: reading the tensor-parallel ranks failed", exc_info=True)
+            return
+        if not tp:
+            return
+        prefix = o.prefix + "tensor_parallel_"
+        size = GaugeMetricFamily(
+            prefix + "size", "Ranks the model is split over.", labels=["model_name"]
+        )
+        size.add_metric([o.model_name], float(tp["size"]))
+        yield size
+        labels = ["model_name", "rank"]
+        memory = GaugeMetricFamily(
+            prefix + "rank_memory_bytes",
+            "A rank's weights and KV cache, in bytes.",
+            labels=[*labels, "kind"],
+        )
+        step = GaugeMetricFamily(
+            prefix + "rank_step_seconds",
+            "A rank's forward pass, averaged over its recent steps (host wall time).",
+            labels=labels,
+        )
+        share = GaugeMetricFamily(
+            prefix + "rank_all_reduce_share",
+            "The share of a rank's recent steps spent in the collectives (all-reduces and "
+            "the logits' gather).",
+            labels=labels,
+        )
+        for r in tp["ranks"]:
+            rank = str(r["rank"])
+            memory.add_metric([o.model_name, rank, "weights"], float(r["weights_bytes"]))
+            memory.add_metric([o.model_name, rank, "kv_cache"], float(r["kv_cache_bytes"]))
+            step.add_metric([o.model_name, rank], r["step_ms"] / 1000)
+            share.add_metric([o.model_name, rank], float(r["all_reduce_share"]))
+        yield from (memory, step, share)

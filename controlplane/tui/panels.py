@@ -199,7 +199,23 @@ class KVPanel(Panel):
             f"weights [b]{fmt_bytes(mem.get('weights_bytes'))}[/]\n"
             f"KV [b]{fmt_bytes(mem.get('kv_cache_bytes'))}[/]"
             + (f" {mem['kv_cache_dtype']}" if mem.get("kv_cache_dtype") else "")
+            + tensor_parallel_lines(stats)
         )
+
+
+def tensor_parallel_lines(stats: dict[str, Any]) -> str:
+    """One line a tensor-parallel rank (memory, recent step time and the all-reduce share of
+    it), under the memory lines; nothing at one rank."""
+    tp = stats.get("tensor_parallel")
+    if not tp:
+        return ""
+    lines = [f"\nTP [b]{tp['size']}[/] ranks"]
+    for r in tp["ranks"]:
+        lines.append(
+            f"r{r['rank']} {fmt_bytes(r['weights_bytes'])}+{fmt_bytes(r['kv_cache_bytes'])} "
+            f"step [b]{fmt_num(r['step_ms'])}[/] ms, all-reduce [b]{fmt_pct(r['all_reduce_share'])}[/]"
+        )
+    return "\n".join(lines)
 
 
 class LatencyPanel(Panel):

@@ -152,3 +152,35 @@ def test_the_daemon_reports_dead_records_every_request_and_exits_1(
     got = wait_rows(url, lambda r: len(r) == 3)
     assert all(r["status"] == "error" and "rank 1" in r["error"] for r in got), got
     assert not psutil.pid_exists(worker.pid) or worker.status() != psutil.STATUS_ZOMBIE
+
+
+def test_the_ranks_memory_and_step_times_are_visible(make_daemon) -> None:
+    """/admin/stats' tensor_parallel, the tensor_parallel_* gauges of /metrics and the TUI's
+    lines, from the ranks' own figures: weights and KV cache split in two, steps counted on
+    both ranks, and the share of a step inside the collectives between 0 and 1."""
+    from controlplane.tui.panels import tensor_parallel_lines
+    from harness.config import ADMIN_TOKEN
+
+    d = make_daemon(admin=True, engine={"tensor_parallel_size": 2, "dtype": "float32"})
+    model = d.engine.model_config
+    with d.client(ADMIN_TOKEN) as c:
+        name = c.get("/v1/models").json()["data"][0]["id"]
+        for i in range(3):
+            body = {"model": name, "prompt": f"p{i}", "max_tokens": 16, "ignore_eos": True}
+            assert c.post("/v1/completions", json=body).status_code == 200
+        tp = c.get("/admin/stats").json()["tensor_parallel"]
+        metrics = c.get("/metrics").text
+    assert tp["size"] == 2 and [r["rank"] for r in tp["ranks"]] == [0, 1]
+    r0, r1 = tp["ranks"]
+    # Each rank holds half the heads and MLP rows: its KV cache is half of one rank's.
+    assert r0["kv_cache_bytes"] == r1["kv_cache_bytes"] > 0
+    assert r0["weights_bytes"] > 0 and r1["weights_bytes"] > 0
+    assert r0["weights_bytes"] + r1["weights_bytes"] < 2 * model.num_params * 4
+    for r in (r0, r1):
+        assert r["steps"] >= 16 and r["step_ms"] > 0
+        assert 0 < r["all_reduce_share"] < 1 and r["all_reduce_ms"] <= r["step_ms"]
+    assert r0["steps"] == r1["steps"]  # every step ran on both ranks
+    assert 'tensor_parallel_size{model_name="' in metrics
+    assert 'rank="1"' in metrics.split("tensor_parallel_rank_all_reduce_share")[-1]
+    lines = tensor_parallel_lines({"tensor_parallel": tp})
+    assert "TP [b]2[/] ranks" in lines and "r1 " in lines and "all-reduce" in lines

@@ -5,6 +5,7 @@ error is reported there before the worker exits with it."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from controlplane.engine.kv_cache import STORAGE_DTYPES, KVCache, KVCacheSpec
 from controlplane.engine.loader import load_model, load_model_config
+from controlplane.engine.model.quant import weight_bytes
 from controlplane.engine.model_runner import ModelRunner
 from controlplane.engine.parallel.tensor_parallel import TensorParallel
 from controlplane.engine.parallel.workers import WorkerChannel, WorkerSpec, join_group
@@ -51,6 +53,8 @@ def _serve(rank: int, spec: WorkerSpec, channel: WorkerChannel) -> None:
         kv_spec = KVCacheSpec.for_model(model.config, s.block_size, kv_dtype)
         kv = KVCache(kv_spec, spec.num_blocks, spec.num_swap_blocks, device)
         runner = ModelRunner(model, kv, make_backend(s.attention_backend, kv, device), device)
+        board, clock = channel.board, model.tp.clock
+        board.post_memory(rank, weight_bytes(model), spec.num_blocks * kv_spec.bytes_per_block)
         channel.taken[rank] = 0  # loaded
         while True:
             box: list[Any] = [None]
@@ -59,6 +63,8 @@ def _serve(rank: int, spec: WorkerSpec, channel: WorkerChannel) -> None:
                 break
             step, inputs, fed = box[0]
             channel.taken[rank] = step
+            t0, in_collectives = time.perf_counter(), clock.seconds
             runner.run(inputs, None if fed is None else fed.to(device))
+            board.post_step(rank, time.perf_counter() - t0, clock.seconds - in_collectives)
     finally:
         dist.destroy_process_group()

@@ -19,7 +19,8 @@ replicated.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -137,21 +138,36 @@ def take_shard(name: str, source: Any, plan: ShardPlan, cfg: ModelConfig) -> tor
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     """A rank's place in the tensor-parallel group and its collectives (gloo on a CPU, NCCL
-    on CUDA; `group` None: the default process group)."""
+    on CUDA; `group` None: the default process group). `clock` sums the host's wall time
+    inside the collectives (the all-reduce share of a step, RankStats)."""
 
     rank: int
     size: int
     group: Any = None
+    clock: CollectiveClock = field(default_factory=lambda: CollectiveClock())
 
     def plan(self, cfg: ModelConfig) -> ShardPlan:
         return plan_shards(cfg, self.rank, self.size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self.clock.seconds += time.perf_counter() - t0
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[rows, vocab / size] on every rank -> [rows, vocab_size] on every rank."""
         parts = [torch.empty_like(logits) for _ in range(self.size)]
+        t0 = time.perf_counter()
         dist.all_gather(parts, logits.contiguous(), group=self.group)
+        self.clock.seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+
+class CollectiveClock:
+    """Seconds spent in a rank's collectives since it started (read as differences)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0

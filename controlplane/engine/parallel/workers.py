@@ -36,6 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from controlplane.engine.parallel.tensor_parallel import CollectiveClock
+from controlplane.engine.types import RankStats
+
 if TYPE_CHECKING:
     from controlplane.engine.model_runner import StepInputs
     from controlplane.engine.settings import EngineSettings
@@ -68,14 +71,51 @@ class WorkerSpec:
     num_swap_blocks: int
 
 
+class RankBoard:
+    """Each rank's memory and recent step times in shared memory: ranks write their own row
+    after each step, rank 0 reads every row when asked (/admin/stats, a scrape). No message
+    travels for it, and a reader never waits on a step."""
+
+    FIELDS = 5  # weights bytes, KV bytes, steps, step seconds, collective seconds
+    ALPHA = 0.2  # weight of the latest step in the averages (about the last 5-10 steps)
+
+    def __init__(self, ctx: Any, size: int) -> None:
+        self.size = size
+        self._rows = ctx.Array("d", size * self.FIELDS)
+
+    def post_memory(self, rank: int, weights_bytes: int, kv_cache_bytes: int) -> None:
+        at = rank * self.FIELDS
+        with self._rows.get_lock():
+            self._rows[at], self._rows[at + 1] = weights_bytes, kv_cache_bytes
+
+    def post_step(self, rank: int, step_s: float, all_reduce_s: float) -> None:
+        at, a = rank * self.FIELDS, self.ALPHA
+        with self._rows.get_lock():
+            rows = self._rows
+            first = rows[at + 2] == 0
+            rows[at + 2] += 1
+            rows[at + 3] = step_s if first else (1 - a) * rows[at + 3] + a * step_s
+            rows[at + 4] = all_reduce_s if first else (1 - a) * rows[at + 4] + a * all_reduce_s
+
+    def read(self) -> list[RankStats]:
+        with self._rows.get_lock():
+            flat = list(self._rows)
+        out = []
+        for rank in range(self.size):
+            w, kv, steps, step_s, comm_s = flat[rank * self.FIELDS : (rank + 1) * self.FIELDS]
+            out.append(RankStats(rank, int(w), int(kv), int(steps), step_s, comm_s))
+        return out
+
+
 @dataclass(slots=True)
 class WorkerChannel:
     """What a worker shares with rank 0 besides the group (picklable to a spawned process):
-    the last step each rank took (LOADING while it loads), and the errors workers report
-    before they exit (rank, cause)."""
+    the last step each rank took (LOADING while it loads), the errors workers report before
+    they exit (rank, cause), and every rank's figures (RankBoard)."""
 
     taken: Any  # multiprocessing.Array("q", size)
     errors: Any  # multiprocessing.Queue
+    board: RankBoard
 
     def report(self, rank: int, exc: BaseException) -> None:
         """A worker's last word: why it is about to exit."""
@@ -133,14 +173,20 @@ class Workers:
         spec: WorkerSpec,
         device: torch.device,
         target: Callable[[int, WorkerSpec, WorkerChannel], None],
+        clock: CollectiveClock,
     ) -> None:
         """Start ranks 1..size-1 as processes running `target(rank, spec, channel)`
         (parallel/rank.py's `worker_main`), join the group as rank 0, then wait until every
-        worker has built its shard (TensorParallelError naming a worker that failed to)."""
+        worker has built its shard (TensorParallelError naming a worker that failed to).
+        `clock`: rank 0's time in the collectives (its model's TensorParallel.clock)."""
+        self.clock = clock
+        self._started = (0.0, 0.0)  # perf_counter and clock at the step's send
         size = spec.settings.tensor_parallel_size
         self.timeout_s = spec.settings.tensor_parallel_timeout_s
         ctx = multiprocessing.get_context("spawn")
-        self.channel = WorkerChannel(ctx.Array("q", [LOADING] * size), ctx.Queue())
+        self.channel = WorkerChannel(
+            ctx.Array("q", [LOADING] * size), ctx.Queue(), RankBoard(ctx, size)
+        )
         # daemon: a worker never outlives the engine's process.
         self.procs = [
             ctx.Process(
@@ -236,8 +282,18 @@ class Workers:
             traced=[],
         )
         self.sent += 1
+        self._started = (time.perf_counter(), self.clock.seconds)
         box = [(self.sent, slim, None if fed is None else fed.cpu())]
         dist.broadcast_object_list(box, src=0, group=self.meta_group)
+
+    def ran(self) -> None:
+        """Rank 0 ran the step `send` began: its times go on the board."""
+        t0, before = self._started
+        self.channel.board.post_step(0, time.perf_counter() - t0, self.clock.seconds - before)
+
+    def ranks(self) -> list[RankStats]:
+        """Every rank's memory and recent steps (RankBoard)."""
+        return self.channel.board.read()
 
     def _kill(self) -> None:
         for p in self.procs:
