@@ -22,7 +22,11 @@ from controlplane.engine.model.config import ModelConfig
 from controlplane.engine.model.linear import auto_dtype
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.model.quant import QuantConfig, memory_use
-from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards
+from controlplane.engine.parallel.tensor_parallel import (
+    TensorParallel,
+    check_int4_groups,
+    plan_shards,
+)
 from controlplane.engine.parallel.workers import WorkerSpec, free_init_method
 from controlplane.engine.settings import EngineSettings
 from controlplane.engine.tokenizer import Tokenizer
@@ -104,17 +108,26 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
     )
 
 
+# Whether parallel/rank.py hands its ranks' load_model the QuantConfig rank 0 loads with.
+# Loading and quantizing a shard serves every format (loader, parallel/tensor_parallel.py), but
+# until the workers are given `quant_config(s.quantization, s, cfg)` they would load float
+# shards beside rank 0's quantized ones: refused rather than served mixed.
+WORKERS_QUANTIZE = False
+
+
 def tensor_parallel_rank0(
     s: EngineSettings, cfg: ModelConfig, quant: QuantConfig, device: torch.device
 ) -> TensorParallel:
     """Rank 0's place in a tensor-parallel engine, once the split is known to be possible
     (InvalidSettingError naming tensor_parallel_size, or what it cannot run with yet)."""
     plan_shards(cfg, 0, s.tensor_parallel_size)  # raises naming the dimension it cannot split
-    if quant.kind != "none" or quant.lm_head or quant.embedding:
+    if quant.kind == "int4":  # groups must not straddle two ranks (parallel/tensor_parallel.py)
+        check_int4_groups(cfg, s.tensor_parallel_size, quant.group_size)
+    if (quant.kind != "none" or quant.lm_head or quant.embedding) and not WORKERS_QUANTIZE:
         raise InvalidSettingError(
             "tensor_parallel_size",
             f"serves float weights only for now; quantization resolves to {quant.kind} "
-            "(set quantization = none)",
+            "(set quantization = none): the worker ranks do not quantize their shards yet",
         )
     if device.type == "cuda" and torch.cuda.device_count() < s.tensor_parallel_size:
         raise InvalidSettingError(

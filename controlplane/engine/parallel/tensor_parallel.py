@@ -14,6 +14,18 @@ A model of `size` ranks splits, per layer:
   a gather of [rows, vocab / size] per step is small beside the weights each rank reads).
 Norms, rotary tables and biases of row-parallel layers (none in these architectures) are
 replicated.
+
+Quantized weights: the loader quantizes after loading, so each rank quantizes its own part.
+- Column-parallel layers (and the vocabulary's rows) are split by output rows, and every format
+  quantizes rows independently (int8 and FP8: one scale a row; int4: groups along a row): a
+  rank's part quantizes exactly as the same rows of the whole tensor do.
+- Row-parallel layers (o, down) are split along their input features K. int4 groups run along
+  K, so a rank's share of K must be a multiple of the group size, or a group would straddle
+  two ranks: `check_int4_groups` refuses that split at start-up rather than pad each rank's
+  share into groups the whole model does not have. int8 and FP8 keep one scale per output row
+  of each rank's share (a group of K / size features): the scale of the whole row would need
+  every rank's weights, and each rank reads only its own; finer scales round no worse, but the
+  logits differ from one rank's by the rounding of the weights, not only of the sums.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import torch.distributed as dist
 
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.model.config import ModelConfig
+from controlplane.engine.settings import INT4_GROUP_SIZES
 
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -84,6 +97,36 @@ def plan_shards(cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
     )
 
 
+def row_parallel_inputs(cfg: ModelConfig) -> dict[str, int]:
+    """The input features (K) of each row-parallel layer: what the ranks split."""
+    return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+
+
+def check_int4_groups(cfg: ModelConfig, size: int, group_size: int) -> None:
+    """InvalidSettingError naming tensor_parallel_size when int4 groups of `group_size` input
+    features would straddle two ranks' shares of a row-parallel layer's K, with what would
+    serve instead."""
+    for layer, k in row_parallel_inputs(cfg).items():
+        share = k // size
+        if share % group_size == 0:
+            continue
+        first = share // group_size * group_size  # the group rank 1's share starts inside
+        fits = [g for g in INT4_GROUP_SIZES if share % g == 0]
+        instead = (
+            f"quantization_group_size = {' or '.join(map(str, fits))}"
+            if fits
+            else f"a tensor_parallel_size whose share of {k} is a multiple of {group_size}"
+        )
+        raise InvalidSettingError(
+            "tensor_parallel_size",
+            f"int4 groups of {group_size} input features (quantization_group_size) would "
+            f"straddle the ranks in {layer}: its {k} input features over {size} ranks are "
+            f"{share} a rank, so rank 1's share starts at feature {share}, inside the group "
+            f"of features {first}-{first + group_size - 1} (each rank quantizes only its "
+            f"own share); {instead} would serve, or quantization = int8",
+        )
+
+
 def local_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
     """The hyper-parameters of one rank's modules (the KV cache is sized from them too)."""
     return dataclasses.replace(
@@ -119,8 +162,10 @@ def shard_index(name: str, plan: ShardPlan, cfg: ModelConfig) -> tuple[int, slic
 
 
 def take_shard(name: str, source: Any, plan: ShardPlan, cfg: ModelConfig) -> torch.Tensor:
-    """This rank's part of tensor `name` from `source`: a tensor, or a safetensors slice (only
-    the shard's bytes are read). Rows of the padded vocabulary past vocab_size are zeros."""
+    """This rank's part of tensor `name` from `source`: a tensor, a safetensors slice or a GGUF
+    tensor (gguf/slices.py's TensorPart): of those two only the shard's bytes are read. Rows of
+    the padded vocabulary past vocab_size are zeros (int8 quantizes a zero row to zeros with a
+    tiny scale: quant/weights.py's TINY)."""
     where = shard_index(name, plan, cfg)
     if where is None:
         return source if isinstance(source, torch.Tensor) else source[:]
