@@ -5,6 +5,12 @@ directory, the tensor safetensors maps from the file (zero-copy on CPU when the 
 matches); from a `.gguf` file, the tensor dequantized from its blocks (see engine/gguf); from
 a directory that holds `random_weights.json` instead of weights, a random tensor generated on
 the device (benchmarks of shapes no checkpoint on disk is worth: `random_state`).
+
+A tensor-parallel rank reads only its part of each tensor from safetensors (`get_slice`) and
+GGUF files (gguf/slices.py: its rows, or its block-aligned columns, dequantized alone); random
+weights are drawn whole, so that every rank draws the same model, then sliced. Quantization
+comes after loading, so each rank quantizes its own part (parallel/tensor_parallel.py says
+why that equals quantizing the whole model, or where it cannot and is refused).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from controlplane.engine.model.quant import QuantConfig, quantize_model
 from controlplane.engine.parallel.tensor_parallel import (
     ShardPlan,
     TensorParallel,
+    check_int4_groups,
     local_config,
     take_shard,
 )
@@ -83,9 +90,12 @@ def load_model(
         model = CausalLM(cfg, max_len)
         if shards is not None:
             local = CausalLM(local_config(cfg, shards), max_len, tp, shards)
+    if shards is not None and quant is not None and quant.kind == "int4":
+        check_int4_groups(cfg, shards.size, quant.group_size)  # a direct caller's too
     read_by_slice = False  # whether only this rank's part of each tensor was read
     if is_gguf(model_dir):
-        state = _gguf_state(model_dir, model, cfg, dtype, device)
+        state = _gguf_state(model_dir, model, cfg, dtype, device, shards)
+        read_by_slice = True
     elif (model_dir / RANDOM_WEIGHTS_FILE).is_file():
         state = random_state(model_dir, model, cfg, dtype, device)
     else:
@@ -93,8 +103,8 @@ def load_model(
         read_by_slice = True
     if shards is not None:
         if not read_by_slice:
-            # Whole tensors (GGUF blocks are dequantized whole; random weights are drawn
-            # whole, so every rank draws the same model): this rank's part of each.
+            # Whole tensors (random weights are drawn whole, so every rank draws the same
+            # model): this rank's part of each.
             state = {name: take_shard(name, t, shards, cfg) for name, t in state.items()}
         model = local
     model.load_state_dict(state, strict=False, assign=True)
@@ -193,13 +203,29 @@ def random_state(
 
 
 def _gguf_state(
-    path: Path, model: CausalLM, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    path: Path,
+    model: CausalLM,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shards: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
+    """Every parameter's tensor; with `shards`, only this rank's part of each is dequantized."""
     from controlplane.engine.gguf import weights
     from controlplane.engine.gguf.file import open_gguf
+    from controlplane.engine.gguf.slices import TensorPart
+
+    def take(name: str, part: TensorPart) -> torch.Tensor:
+        assert shards is not None
+        return take_shard(name, part, shards, cfg)
 
     return weights.load_state_dict(
-        open_gguf(path), cfg, _loaded_parameters(model, cfg), dtype, device
+        open_gguf(path),
+        cfg,
+        _loaded_parameters(model, cfg),
+        dtype,
+        device,
+        None if shards is None else take,
     )
 
 

@@ -32,6 +32,10 @@ class GGUFTensor:
     type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    # The stored row of each logical row (gguf/weights.py: llama.cpp's q/k interleave undone),
+    # None: the stored order. Applied when rows are read, so that a tensor-parallel rank picks
+    # its heads' rows off the file map instead of copying the whole tensor in a new order.
+    rows: np.ndarray | None = None
 
     @property
     def type_name(self) -> str:

@@ -3,23 +3,25 @@
 llama.cpp's converter reorders the rows of Llama's q_proj / k_proj within each head so that its
 RoPE kernel can rotate adjacent pairs (x0, x1), (x2, x3), ...; transformers and this engine
 rotate halves (x_i, x_{i+d/2}). Undoing it is a pure row permutation, so it is applied to the
-raw rows (block-quantized data is laid out per row) before anything is dequantized: the raw
-blocks a quantized linear receives are already in this engine's row order. Qwen2 files are
+raw rows (block-quantized data is laid out per row) as they are read, before anything is
+dequantized: the raw blocks a quantized linear receives are already in this engine's row order,
+and a tensor-parallel rank reads only its heads' rows (gguf/slices.py). Qwen2 files are
 converted without the permutation.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf import dequantize as gguf_dequantize
 
 from controlplane.engine.errors import ModelLoadError
 from controlplane.engine.gguf.file import GGUFFile, GGUFTensor
+from controlplane.engine.gguf.slices import TensorPart, byte_rows, read
 from controlplane.engine.model.config import ModelConfig
 
 Q = GGMLQuantizationType
@@ -65,9 +67,10 @@ def unpermute_rows(rows: int, num_heads: int) -> np.ndarray:
 
 
 def raw_blocks(t: GGUFTensor) -> torch.Tensor:
-    """The stored bytes as a uint8 tensor [rows, bytes_per_row] (a copy, off the file map)."""
-    data = t.data.reshape(t.data.shape[0], -1) if t.data.ndim > 1 else t.data.reshape(1, -1)
-    return torch.from_numpy(np.array(data.view(np.uint8), copy=True))
+    """The stored bytes as a uint8 tensor [rows, bytes_per_row] in this engine's row order (a
+    copy, off the file map)."""
+    data = byte_rows(t)
+    return torch.from_numpy(np.array(data if t.rows is None else data[t.rows], copy=True))
 
 
 def dequantize(t: GGUFTensor) -> torch.Tensor:
@@ -77,10 +80,7 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     Q4_1 / Q8_0 formulas measured 3-6x slower on this 2-core machine (its uint8 shifts and
     narrow strided copies), so numpy it is.
     """
-    values = gguf_dequantize(t.data, t.type)
-    if t.type == Q.F32:  # a view of the read-only file map; every other type is a new array
-        values = values.copy()
-    return torch.from_numpy(values).reshape(t.shape)
+    return read(t)
 
 
 def engine_tensors(f: GGUFFile, cfg: ModelConfig) -> dict[str, GGUFTensor]:
@@ -102,7 +102,7 @@ def engine_tensors(f: GGUFFile, cfg: ModelConfig) -> dict[str, GGUFTensor]:
                 order = unpermute_rows(t.shape[0], heads)
             except ValueError as exc:
                 raise ModelLoadError(f"{f.path}: tensor {name!r}: {exc}") from None
-            t = replace(t, data=np.ascontiguousarray(t.data[order]))
+            t = replace(t, rows=order)  # applied as rows are read
         out[param] = replace(t, name=name)
     return out
 
@@ -113,9 +113,11 @@ def load_state_dict(
     expected: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     device: torch.device,
+    take: Callable[[str, TensorPart], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Dequantized parameters for `expected` (name -> shape); missing or misshapen tensors are
-    errors naming the file and the tensor."""
+    errors naming the file and the tensor. `take(name, part)`: the part of each a
+    tensor-parallel rank holds (`take_shard`), only that part dequantized."""
     tensors = engine_tensors(f, cfg)
     state: dict[str, torch.Tensor] = {}
     for param, shape in expected.items():
@@ -126,5 +128,6 @@ def load_state_dict(
             raise ModelLoadError(
                 f"{f.path}: tensor {t.name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}"
             )
-        state[param] = dequantize(t).to(device=device, dtype=dtype)
+        tensor = dequantize(t) if take is None else take(param, TensorPart(t))
+        state[param] = tensor.to(device=device, dtype=dtype)
     return state
