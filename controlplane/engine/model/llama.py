@@ -208,17 +208,28 @@ class DecoderLayer(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """One rank's rows [start, start + num) of the embedding table: ids outside them look up
-    zeros, and the sum over ranks is the full lookup."""
+    zeros, and the sum over ranks is the full lookup.
+
+    The rows are looked up in `weight`, or in `table` once `use_table` swaps one in (an int8
+    table of the same rows, quant.quantize_model): the masking and the all-reduce stay here."""
 
     def __init__(self, num: int, dim: int, start: int, tp: TensorParallel) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim))
+        self.table: nn.Module | None = None
         self.start, self.num, self.tp = start, num, tp
+
+    def use_table(self, table: nn.Module) -> None:
+        """Look rows up in `table` (this rank's rows, ids local to them) from now on; the
+        float `weight` is dropped (a tied lm_head keeps its own reference)."""
+        self.table = table
+        del self.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.num)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside, 0)
+        out = F.embedding(local, self.weight) if self.table is None else self.table(local)
         return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 

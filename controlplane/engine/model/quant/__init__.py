@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from controlplane.engine.model.llama import VocabParallelEmbedding
 from controlplane.engine.model.quant.fp8 import FP8_KERNELS, Fp8Linear
 from controlplane.engine.model.quant.int4 import INT4_KERNELS, Int4Linear, pack_int4
 from controlplane.engine.model.quant.int4_cpu import (
@@ -193,10 +194,11 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
         model.lm_head = head
         count += 1
         if tied and quant.embedding:
-            model.model.embed_tokens = Int8Embedding(head.qweight, head.scales, dtype)
-    if quant.embedding and isinstance(model.model.embed_tokens, nn.Embedding):
-        q = quantize_int8(model.model.embed_tokens.weight)
-        model.model.embed_tokens = Int8Embedding(q.qweight, q.scales, dtype)
+            _set_int8_embedding(model, Int8Embedding(head.qweight, head.scales, dtype))
+    float_table = _float_embedding(model)
+    if quant.embedding and float_table is not None:
+        q = quantize_int8(float_table)
+        _set_int8_embedding(model, Int8Embedding(q.qweight, q.scales, dtype))
     log.info(
         "quantized %d linear layers to %s%s (lm_head %s, embedding %s%s%s): weights %.1f MiB -> "
         "%.1f MiB",
@@ -213,6 +215,28 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> int:
     for line in choices.lines():
         log.info("kernels: %s", line)
     return count
+
+
+def _float_embedding(model: nn.Module) -> torch.Tensor | None:
+    """The token embedding's float table, None once it is int8."""
+    embed = model.model.embed_tokens
+    if isinstance(embed, nn.Embedding):
+        return embed.weight
+    if isinstance(embed, VocabParallelEmbedding) and embed.table is None:
+        return embed.weight
+    return None
+
+
+def _set_int8_embedding(model: nn.Module, table: Int8Embedding) -> None:
+    """Make `table` the token embedding's. A tensor-parallel rank's embedding keeps its module
+    (ids outside its vocabulary rows masked, then the all-reduce) and looks its rows up in the
+    table: the same rows as its lm_head's shard, so a tied pair shares one int8 table, and the
+    padded vocabulary's zero rows quantize to zeros (scale TINY, no division by zero)."""
+    embed = model.model.embed_tokens
+    if isinstance(embed, VocabParallelEmbedding):
+        embed.use_table(table)
+    else:
+        model.model.embed_tokens = table
 
 
 def _int8_activated(module: nn.Module) -> bool:
