@@ -109,12 +109,6 @@ def quant_config(quantization: str, s: EngineSettings, cfg: ModelConfig) -> Quan
 
 
 # Whether parallel/rank.py hands its ranks' load_model the QuantConfig rank 0 loads with.
-# Loading and quantizing a shard serves every format (loader, parallel/tensor_parallel.py), but
-# until the workers are given `quant_config(s.quantization, s, cfg)` they would load float
-# shards beside rank 0's quantized ones: refused rather than served mixed.
-WORKERS_QUANTIZE = False
-
-
 def tensor_parallel_rank0(
     s: EngineSettings, cfg: ModelConfig, quant: QuantConfig, device: torch.device
 ) -> TensorParallel:
@@ -123,12 +117,6 @@ def tensor_parallel_rank0(
     plan_shards(cfg, 0, s.tensor_parallel_size)  # raises naming the dimension it cannot split
     if quant.kind == "int4":  # groups must not straddle two ranks (parallel/tensor_parallel.py)
         check_int4_groups(cfg, s.tensor_parallel_size, quant.group_size)
-    if (quant.kind != "none" or quant.lm_head or quant.embedding) and not WORKERS_QUANTIZE:
-        raise InvalidSettingError(
-            "tensor_parallel_size",
-            f"serves float weights only for now; quantization resolves to {quant.kind} "
-            "(set quantization = none): the worker ranks do not quantize their shards yet",
-        )
     if device.type == "cuda" and torch.cuda.device_count() < s.tensor_parallel_size:
         raise InvalidSettingError(
             "tensor_parallel_size",
@@ -223,7 +211,7 @@ def build(s: EngineSettings) -> EngineParts:
     workers = None
     if tp is not None:  # the engine starts them (parallel/rank.py)
         workers = WorkerSpec(
-            s, str(model_dir), free_init_method(), dtype, max_model_len, num_blocks, num_swap
+            s, str(model_dir), free_init_method(), dtype, quant, max_model_len, num_blocks, num_swap
         )
     memory = memory_use(model, spec, num_blocks, kind, dtype)
     log.info("memory: %s", memory.describe())

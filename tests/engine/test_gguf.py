@@ -243,10 +243,15 @@ def test_digits_are_split_one_by_one_as_in_smollm_pretokenizer(engine):
 
 
 def write_tiny_gguf(
-    path: Path, arch: str = "llama", tensors: dict | None = None, heads: int = 4
+    path: Path,
+    arch: str = "llama",
+    tensors: dict | None = None,
+    heads: int = 4,
+    tokenizer: bool = False,
 ) -> Path:
     """A one-layer Llama-shaped GGUF (hidden 64, 4 heads, 2 KV heads) with float32 tensors
-    unless `tensors` overrides some as (raw bytes, type)."""
+    unless `tensors` overrides some as (raw bytes, type); `tokenizer`: with a byte-level BPE
+    tokenizer of 256 tokens (an engine can load it; prompts are token ids)."""
     import gguf
 
     g = np.random.default_rng(0)
@@ -273,6 +278,13 @@ def write_tiny_gguf(
     w.add_head_count_kv(2)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
+    if tokenizer:
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        w.add_tokenizer_model("gpt2")  # 255 of the 256 byte tokens and one merge (none: refused)
+        w.add_token_list([*sorted(ByteLevel.alphabet())[:255], "ab"])
+        w.add_token_merges(["a b"])
+        w.add_eos_token_id(2)
     for name, shape in shapes.items():
         override = (tensors or {}).get(name)
         if override is None:

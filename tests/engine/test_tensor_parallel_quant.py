@@ -98,7 +98,7 @@ def _quant(quantization: str, model: Path, **settings: object) -> QuantConfig:
     return quant_config(quantization, s, load_model_config(model))
 
 
-def _int4_gguf(path: Path) -> Path:
+def _int4_gguf(path: Path, tokenizer: bool = False) -> Path:
     """The tiny Llama GGUF (test_gguf.py: hidden 64, 4 heads, 2 KV heads, MLP 256, vocabulary
     256, tied) with every linear in Q4_0 / Q4_1 blocks of 32 and the embedding in Q8_0. The
     row-parallel layers' shares of K over two ranks (32 and 128) are whole blocks."""
@@ -117,7 +117,7 @@ def _int4_gguf(path: Path) -> Path:
         tensors[f"blk.0.{name}.weight"] = (gguf.quantize(w, qtype), qtype)
     embed = g.standard_normal((256, 64)).astype(np.float32)
     tensors["token_embd.weight"] = (gguf.quantize(embed, T.Q8_0), T.Q8_0)
-    return write_tiny_gguf(path, tensors=tensors)
+    return write_tiny_gguf(path, tensors=tensors, tokenizer=tokenizer)
 
 
 def _weights(model: Path, quant: QuantConfig, tp: TensorParallel | None) -> dict[str, Tensor]:
@@ -267,3 +267,41 @@ def test_a_sliced_gguf_read_is_the_whole_read_sliced(tmp_path: Path, caplog) -> 
         assert torch.equal(read(down, cols=slice(128, 256)), whole[:, 128:])
     assert "columns 128:256 cut through Q4_K blocks of 256 values" in caplog.text
     assert torch.equal(read(down, slice(10, 20)), whole[10:20])
+
+
+def test_an_engine_over_two_ranks_serves_an_int4_gguf_as_one_rank_does(tmp_path: Path) -> None:
+    """The engine's workers quantize their shards as rank 0 does (WorkerSpec.quant): the
+    ranks' weights are int4-sized, and greedy tokens follow one rank's up to a near-tie (the
+    bfloat16 roundings of the test above; the rule of tests/engine/test_structured.py)."""
+    from controlplane.engine import Engine, SamplingParams
+    from controlplane.engine.gguf.file import clear_cache
+    from tests.engine.test_structured import assert_same_up_to_ties
+
+    model = _int4_gguf(tmp_path / "q4.gguf", tokenizer=True)
+    clear_cache()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44], [200, 3, 9]]
+
+    def greedy(engine: Engine) -> list[tuple[list[int], list]]:
+        ids = [engine.add_request(p, params) for p in prompts]
+        got: dict[str, tuple[list[int], list]] = {i: ([], []) for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert not out.error, out.error
+                got[out.request_id][0].extend(out.new_token_ids)
+                got[out.request_id][1].extend(out.logprobs)
+        return [got[i] for i in ids]
+
+    one = Engine(model=str(model), dtype="float32")
+    expected = greedy(one)
+    two = Engine(model=str(model), dtype="float32", tensor_parallel_size=2)
+    try:
+        ranks = two.rank_stats()
+        actual = greedy(two)
+    finally:
+        two.close()
+    # Int4 linears (half a byte a weight) on both ranks: each holds about half of one rank's.
+    assert ranks is not None and ranks[0].weights_bytes == ranks[1].weights_bytes
+    assert ranks[0].weights_bytes < 0.75 * one.memory.weights_bytes
+    for a, b in zip(expected, actual, strict=True):
+        assert_same_up_to_ties(a, b)

@@ -46,6 +46,7 @@ def _serve(rank: int, spec: WorkerSpec, channel: WorkerChannel) -> None:
             device,
             spec.max_model_len,
             s.cpu_weight_packing,
+            spec.quant,
             huge_pages=s.huge_pages,
             tp=TensorParallel(rank, size),
         )

@@ -40,6 +40,7 @@ from controlplane.engine.parallel.tensor_parallel import CollectiveClock
 from controlplane.engine.types import RankStats
 
 if TYPE_CHECKING:
+    from controlplane.engine.model.quant import QuantConfig
     from controlplane.engine.model_runner import StepInputs
     from controlplane.engine.settings import EngineSettings
 
@@ -66,6 +67,7 @@ class WorkerSpec:
     model_dir: str
     init_method: str
     dtype: torch.dtype
+    quant: QuantConfig  # rank 0's: every rank quantizes its shard alike
     max_model_len: int
     num_blocks: int
     num_swap_blocks: int
