@@ -9,7 +9,10 @@ tensor-parallel one starts its workers). Each batch: `--batch` greedy requests o
 prompt, EOS ignored, `--tokens` tokens each; decode tokens per second over the whole run (one
 warm-up request first, not timed). The ratio is tensor parallel / one rank: on a machine whose
 cores one rank already uses, below 1 is the price of the split (two all-reduces a layer and
-the logits' gather a step, and the step's inputs broadcast to every worker).
+the logits' gather a step, and the step's inputs broadcast to every worker). For the split
+engine it also prints, per batch, each rank's share of its forward spent inside the
+collectives (the engine's own figure: /admin/stats tensor_parallel, averaged over the last
+steps) and rank 0's time a step to broadcast the step's inputs (the one pickled object).
 
     python -m benchmarks.tensor_parallel
     python -m benchmarks.tensor_parallel --size tiny --tokens 32   # smoke
@@ -24,6 +27,30 @@ from pathlib import Path
 
 from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.demo_model import write_demo_model
+
+
+class SendTimer:
+    """Rank 0's time in Workers.send (the step's inputs, broadcast), wrapped around it."""
+
+    def __init__(self, engine: Engine) -> None:
+        workers = engine.runner.workers
+        self.seconds, self.calls = 0.0, 0
+        if workers is not None:
+            send = workers.send
+
+            def timed(*args: object) -> None:
+                t0 = time.perf_counter()
+                send(*args)
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+            workers.send = timed  # type: ignore[method-assign]
+
+    def take_us(self) -> float:
+        """Mean microseconds a send since the last call."""
+        mean = self.seconds / self.calls * 1e6 if self.calls else 0.0
+        self.seconds, self.calls = 0.0, 0
+        return mean
 
 
 def decode_rate(engine: Engine, batch: int, tokens: int) -> float:
@@ -51,19 +78,28 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(model=str(model), dtype="float32", compile="off", max_num_seqs=max(batches))
     rates: dict[tuple[int, int], float] = {}
+    split: dict[int, str] = {}  # batch -> the split engine's collective shares and send time
     for ranks in (1, args.ranks):
         engine = Engine(tensor_parallel_size=ranks, **common)
+        timer = SendTimer(engine)
         try:
             for batch in batches:
+                timer.take_us()  # the warm-up's sends are not this batch's
                 rates[ranks, batch] = decode_rate(engine, batch, args.tokens)
                 print(f"ranks {ranks} batch {batch}: {rates[ranks, batch]:.1f} tok/s", flush=True)
+                if (stats := engine.rank_stats()) is not None:
+                    shares = " / ".join(f"{r.all_reduce_share:.0%}" for r in stats)
+                    split[batch] = f"{shares:>14} {timer.take_us():>9.0f}"
         finally:
             engine.close()
     print(f"{args.size} model, float32, {args.tokens} tokens a request, eager steps")
-    print(f"{'batch':>5} {'1 rank tok/s':>13} {f'{args.ranks} ranks tok/s':>14} {'ratio':>7}")
+    print(
+        f"{'batch':>5} {'1 rank tok/s':>13} {f'{args.ranks} ranks tok/s':>14} {'ratio':>7} "
+        f"{'collectives':>14} {'send us':>9}"
+    )
     for batch in batches:
         one, many = rates[1, batch], rates[args.ranks, batch]
-        print(f"{batch:>5} {one:>13.1f} {many:>14.1f} {many / one:>6.2f}x")
+        print(f"{batch:>5} {one:>13.1f} {many:>14.1f} {many / one:>6.2f}x {split[batch]}")
 
 
 if __name__ == "__main__":
