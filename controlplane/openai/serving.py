@@ -419,6 +419,8 @@ class InferenceAPI:
                     prompt_tokens=len(ids),
                     end_user=parsed.user,
                     x_request_id=rid.value,
+                    n=p.n,
+                    max_tokens=p.max_tokens,
                 )
                 if grammar is not None:
                     kind = structured_type(parsed)

@@ -171,6 +171,10 @@ class RequestRow(Base):
     # the grammar compile time in ms (0 when the grammar was cached).
     structured: Mapped[str | None] = mapped_column(String(16))
     grammar_compile_ms: Mapped[float | None] = mapped_column(Float)
+    # What it asked for (migration 0015): choices sampled from its prompt (completion_tokens
+    # sums them) and its max_tokens (None: up to the model's length). Replays read them.
+    n: Mapped[int] = mapped_column(Integer, default=1, server_default=text("1"))
+    max_tokens: Mapped[int | None] = mapped_column(Integer)
 
     def __repr__(self) -> str:
         return f"RequestRow(id={self.id!r}, status={self.status!r}, model={self.model!r})"

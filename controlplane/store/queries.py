@@ -51,6 +51,8 @@ REQUEST_FIELDS = (
     "x_request_id",
     "structured",
     "grammar_compile_ms",
+    "n",
+    "max_tokens",
 )
 _TIME_FIELDS = frozenset({"arrival_time", "first_token_time", "finish_time"})
 # What the API accepts as an X-Request-Id (anything else cannot be in a row).

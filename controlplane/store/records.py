@@ -51,6 +51,10 @@ class RequestRecord:
     # it came from the cache).
     structured: str | None = None
     grammar_compile_ms: float | None = None
+    # What it asked for: choices sampled from its prompt, and its max_tokens (None: the model's
+    # length). A replay (controlplane.planning) drives them again.
+    n: int = 1
+    max_tokens: int | None = None
 
     @property
     def is_final(self) -> bool:

@@ -61,6 +61,8 @@ def test_completions_n_choices_usage_and_one_row(client, daemon):
     )
     assert row["completion_tokens"] == usage["completion_tokens"]
     assert row["prompt_tokens"] == len(PROMPT)
+    # What it asked for (a replay drives it again): n, and max_tokens (post sends 6).
+    assert (row["n"], row["max_tokens"]) == (3, 6)
 
 
 def test_several_prompts_are_indexed_prompt_major(client):
