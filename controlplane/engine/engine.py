@@ -100,7 +100,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device)
         if parts.workers is not None:
             assert self.model.tp is not None
-            workers = Workers(parts.workers, self.device, worker_main, self.model.tp.clock)
+            workers = Workers(parts.workers, self.device, worker_main, self.model.tp)
             workers.channel.board.post_memory(
                 0, self.memory.weights_bytes, self.memory.kv_cache_bytes
             )

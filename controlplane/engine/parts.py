@@ -22,6 +22,7 @@ from controlplane.engine.model.config import ModelConfig
 from controlplane.engine.model.linear import auto_dtype
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.model.quant import QuantConfig, memory_use
+from controlplane.engine.parallel.shm import shm_supported
 from controlplane.engine.parallel.tensor_parallel import (
     TensorParallel,
     check_int4_groups,
@@ -117,6 +118,12 @@ def tensor_parallel_rank0(
     plan_shards(cfg, 0, s.tensor_parallel_size)  # raises naming the dimension it cannot split
     if quant.kind == "int4":  # groups must not straddle two ranks (parallel/tensor_parallel.py)
         check_int4_groups(cfg, s.tensor_parallel_size, quant.group_size)
+    if s.tensor_parallel_comm == "shm" and (device.type == "cuda" or not shm_supported()):
+        raise InvalidSettingError(
+            "tensor_parallel_comm",
+            "shm runs between CPU ranks of an x86 host (it relies on x86's store ordering); "
+            "CUDA ranks use NCCL, other CPUs gloo (auto chooses)",
+        )
     if device.type == "cuda" and torch.cuda.device_count() < s.tensor_parallel_size:
         raise InvalidSettingError(
             "tensor_parallel_size",

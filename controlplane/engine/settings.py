@@ -38,6 +38,7 @@ CUDA_GRAPH_MODES = ("auto", "off")
 MAX_DECODE_ROWS = 32
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+TENSOR_PARALLEL_COMMS = ("auto", "shm", "gloo")
 MAX_SPECULATIVE_TOKENS = 16
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's packed int4 kernels accept
 
@@ -142,6 +143,17 @@ class EngineSettings:
         "the rank (a hung worker); also how long rank 0 waits for the workers to join at start.",
         120.0,
         Range(1.0, 3600.0),
+    )
+    # auto: shared memory where it runs (a CPU of x86: it relies on x86's store ordering);
+    # gloo stays for other CPUs and to rule the shared memory out.
+    tensor_parallel_comm: str = _restart(
+        "How tensor-parallel ranks on a CPU exchange the layers' sums, the logits and each "
+        "step's inputs: shm (a shared-memory segment between the processes; x86 only), gloo "
+        "(torch.distributed over loopback sockets, much slower per step), or auto (shm on an "
+        "x86 CPU, gloo on other CPUs). CUDA ranks use NCCL whatever it says. gloo to rule the "
+        "shared memory out. See docs/engine.md#tensor-parallelism.",
+        "auto",
+        choices=TENSOR_PARALLEL_COMMS,
     )
     swap_space_bytes: int = _restart(
         "Host memory for KV blocks swapped out under preemption_mode = swap, in bytes.",

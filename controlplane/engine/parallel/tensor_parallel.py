@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.model.config import ModelConfig
+from controlplane.engine.parallel.shm import ShmGroup
 from controlplane.engine.settings import INT4_GROUP_SIZES
 
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
@@ -180,31 +181,41 @@ def take_shard(name: str, source: Any, plan: ShardPlan, cfg: ModelConfig) -> tor
     return torch.cat([got, got.new_zeros((pad, *got.shape[1:]))])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TensorParallel:
-    """A rank's place in the tensor-parallel group and its collectives (gloo on a CPU, NCCL
-    on CUDA; `group` None: the default process group). `clock` sums the host's wall time
-    inside the collectives (the all-reduce share of a step, RankStats)."""
+    """A rank's place in the tensor-parallel group and its collectives: over shared memory
+    (`shm`, parallel/shm.py: CPU ranks of one x86 host, engine.tensor_parallel_comm), else
+    torch.distributed (gloo on a CPU, NCCL on CUDA; `group` None: the default process group).
+    `shm` is set once the group's segment exists (rank 0: by Workers, after its model is
+    built). `clock` sums the host's wall time inside the collectives (the all-reduce share of
+    a step, RankStats)."""
 
     rank: int
     size: int
     group: Any = None
     clock: CollectiveClock = field(default_factory=lambda: CollectiveClock())
+    shm: ShmGroup | None = None
 
     def plan(self, cfg: ModelConfig) -> ShardPlan:
         return plan_shards(cfg, self.rank, self.size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.shm is not None:
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.group)
         self.clock.seconds += time.perf_counter() - t0
         return x
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[rows, vocab / size] on every rank -> [rows, vocab_size] on every rank."""
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
         t0 = time.perf_counter()
-        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        if self.shm is not None:
+            parts = list(self.shm.all_gather(logits).unbind(0))
+        else:
+            parts = [torch.empty_like(logits) for _ in range(self.size)]
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
         self.clock.seconds += time.perf_counter() - t0
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 

@@ -4,9 +4,12 @@ its own KV cache (the same number of blocks as rank 0's, of its own KV heads).
 
 Each step rank 0 sends the step's inputs (StepInputs without the host's sequence objects) to
 every worker in one object broadcast, then all ranks run the forward together (the layers'
-all-reduces and the logits' gather join them); only rank 0 samples. The broadcast goes over a
-gloo group (objects travel through the host), the forward's collectives over the default group
-(gloo on a CPU, NCCL on CUDA).
+all-reduces and the logits' gather join them); only rank 0 samples. On a CPU of x86 (the
+default engine.tensor_parallel_comm, auto) the broadcast and the collectives go through one
+shared-memory segment (parallel/shm.py) that rank 0 creates before starting the workers and
+removes from /dev/shm once they have mapped it; otherwise the broadcast goes over a gloo group
+(objects travel through the host), the forward's collectives over the default group (gloo on
+a CPU, NCCL on CUDA).
 
 Supervision: a group that lost a rank cannot step again (its collectives are out of step), so
 any failure of a step is fatal to the engine: `failure` turns it into a TensorParallelError
@@ -36,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from controlplane.engine.parallel.tensor_parallel import CollectiveClock
+from controlplane.engine.parallel.shm import ShmGroup, ShmSegment, ShmSpec, comm_for
+from controlplane.engine.parallel.tensor_parallel import TensorParallel
 from controlplane.engine.types import RankStats
 
 if TYPE_CHECKING:
@@ -113,11 +117,13 @@ class RankBoard:
 class WorkerChannel:
     """What a worker shares with rank 0 besides the group (picklable to a spawned process):
     the last step each rank took (LOADING while it loads), the errors workers report before
-    they exit (rank, cause), and every rank's figures (RankBoard)."""
+    they exit (rank, cause), every rank's figures (RankBoard), and the shared-memory segment
+    the collectives and the steps' inputs travel through (None: torch.distributed's)."""
 
     taken: Any  # multiprocessing.Array("q", size)
     errors: Any  # multiprocessing.Queue
     board: RankBoard
+    shm: ShmSpec | None = None
 
     def report(self, rank: int, exc: BaseException) -> None:
         """A worker's last word: why it is about to exit."""
@@ -175,19 +181,27 @@ class Workers:
         spec: WorkerSpec,
         device: torch.device,
         target: Callable[[int, WorkerSpec, WorkerChannel], None],
-        clock: CollectiveClock,
+        tp: TensorParallel,
     ) -> None:
         """Start ranks 1..size-1 as processes running `target(rank, spec, channel)`
         (parallel/rank.py's `worker_main`), join the group as rank 0, then wait until every
         worker has built its shard (TensorParallelError naming a worker that failed to).
-        `clock`: rank 0's time in the collectives (its model's TensorParallel.clock)."""
-        self.clock = clock
+        `tp`: rank 0's place in the group (its model's): its clock times the collectives, and
+        under shared memory its collectives are given the segment here."""
+        self.tp, self.clock = tp, tp.clock
         self._started = (0.0, 0.0)  # perf_counter and clock at the step's send
         size = spec.settings.tensor_parallel_size
         self.timeout_s = spec.settings.tensor_parallel_timeout_s
         ctx = multiprocessing.get_context("spawn")
+        self.comm = comm_for(spec.settings.tensor_parallel_comm, device)
+        # Created before the workers start: they map it by name (the channel carries it).
+        self.segment = ShmSegment(size, self.timeout_s, ctx) if self.comm == "shm" else None
+        self.shm: ShmGroup | None = None
         self.channel = WorkerChannel(
-            ctx.Array("q", [LOADING] * size), ctx.Queue(), RankBoard(ctx, size)
+            ctx.Array("q", [LOADING] * size),
+            ctx.Queue(),
+            RankBoard(ctx, size),
+            None if self.segment is None else self.segment.spec,
         )
         # daemon: a worker never outlives the engine's process.
         self.procs = [
@@ -206,8 +220,16 @@ class Workers:
             self.meta_group = join_group(0, size, spec.init_method, device, self.timeout_s)
         except Exception as exc:
             self._kill()
+            self._free_shm()
             raise self.failure(exc) from exc
+        if self.segment is not None:
+            # A long wait inside a collective asks whether a worker is gone (`check`): a
+            # killed worker is named at once, not after the timeout.
+            self.shm = ShmGroup(self.segment.spec, 0, self.segment.memory, watch=self.check)
+            tp.shm = self.shm
         self._wait_loaded()
+        if self.segment is not None:  # every worker has mapped it: no name left to leak
+            self.segment.unlink()
 
     def _wait_loaded(self) -> None:
         """Until every worker has its shard and KV cache (they load after joining the group,
@@ -286,7 +308,10 @@ class Workers:
         self.sent += 1
         self._started = (time.perf_counter(), self.clock.seconds)
         box = [(self.sent, slim, None if fed is None else fed.cpu())]
-        dist.broadcast_object_list(box, src=0, group=self.meta_group)
+        if self.shm is not None:
+            self.shm.broadcast_object(box)
+        else:
+            dist.broadcast_object_list(box, src=0, group=self.meta_group)
 
     def ran(self) -> None:
         """Rank 0 ran the step `send` began: its times go on the board."""
@@ -296,6 +321,17 @@ class Workers:
     def ranks(self) -> list[RankStats]:
         """Every rank's memory and recent steps (RankBoard)."""
         return self.channel.board.read()
+
+    def _free_shm(self) -> None:
+        """Rank 0's mapping of the segment and its name, if still there (the workers' mappings
+        went with them)."""
+        if self.shm is not None:
+            self.tp.shm = None
+            self.shm.close()
+            self.shm = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -312,11 +348,15 @@ class Workers:
         self.closed = True
         try:
             if self.lost is None and all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([None], src=0, group=self.meta_group)
+                if self.shm is not None:
+                    self.shm.broadcast_object([None])
+                else:
+                    dist.broadcast_object_list([None], src=0, group=self.meta_group)
                 for p in self.procs:
                     p.join(timeout)
         finally:
             self._kill()
+            self._free_shm()
             if dist.is_initialized():
                 dist.destroy_process_group()
             torch.set_num_threads(self._threads)
