@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_loadgen_parser(sub)
 
+    from controlplane.planning.cli import add_replay_parser
+
+    add_replay_parser(sub)
+
     from controlplane.store.cli import add_db_parser
 
     add_db_parser(sub)

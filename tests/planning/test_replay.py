@@ -1,0 +1,164 @@
+"""`controlplane replay` (controlplane/planning): traffic recorded by a daemon (loadgen, a
+shared prefix, n = 2) on SQLite and PostgreSQL, replayed in-process against the config it was
+served with, does the same work: every request, every prompt and completion token, the same
+prefix-cache hits. (How close its latencies come is a measurement, not a test:
+benchmarks/replay_fidelity.py.) Hostile windows give clear errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from harness import write_config
+from harness.recording import record_traffic
+
+
+def _replay(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "controlplane", "replay", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _config(path: Path, model: Path, db_url: str, **engine: object) -> Path:
+    return write_config(
+        path,
+        path.parent / "data",
+        model,
+        engine={"compile": "off", "max_num_seqs": 8, **engine},
+        store={"url": db_url, "flush_interval_s": 0.1},
+        autopilot={"ttft_p99_ms": 500.0, "itl_p99_ms": 100.0},
+    )
+
+
+@pytest.fixture
+def served(tiny_model_dir: Path, tmp_path: Path, db_url: str):
+    config = _config(tmp_path / "cp.toml", tiny_model_dir, db_url)
+    since, until = record_traffic(config)
+    return config, db_url, since, until
+
+
+def _window(since: datetime, until: datetime) -> list[str]:
+    return ["--since", since.isoformat(), "--until", until.isoformat()]
+
+
+def test_a_replay_does_the_recorded_work(served, tmp_path: Path) -> None:
+    config, url, since, until = served
+    # Two configs side by side: the served one, and one with a quarter of its batch.
+    small = tmp_path / "small.toml"
+    small.write_text(config.read_text().replace("max_num_seqs = 8", "max_num_seqs = 2"))
+    r = _replay(
+        "--db",
+        url,
+        "--config",
+        str(config),
+        "--config",
+        str(small),
+        *_window(since, until),
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    recorded, replayed, narrow = out["figures"]
+    assert [f["label"] for f in out["figures"]] == ["recorded", "cp.toml", "small.toml"]
+    assert out["window"]["requests"] == recorded["requests"] == 33
+    for run in (replayed, narrow):
+        assert run["requests"] == 33 and run["failed"] == 0
+        # The same work: every prompt token and every completion token (n = 2 included).
+        assert run["prompt_tokens"] == recorded["prompt_tokens"]
+        assert run["completion_tokens"] == recorded["completion_tokens"]
+        assert 0 < run["peak_kv_usage"] <= 1 and run["cost_per_mtok_usd"] > 0
+    # The shared prefix hits again (loadgen's random prompts share none).
+    assert recorded["prefix_hit_rate"] > 0
+    assert replayed["prefix_hit_rate"] == pytest.approx(recorded["prefix_hit_rate"], abs=0.02)
+    # Against the autopilot's targets of the first config.
+    assert out["slo"] == {"ttft_p99_ms": 500.0, "itl_p99_ms": 100.0}
+    assert all(0 <= f["slo_attainment"] <= 1 for f in out["figures"])
+    # Two slots queue what eight served at once.
+    assert narrow["queue_p99_ms"] > replayed["queue_p99_ms"]
+    # The table a person reads: one column each, every line named.
+    r = _replay("--db", url, "--config", str(config), *_window(since, until), "--speed", "10")
+    assert r.returncode == 0, r.stderr
+    assert "replayed at 10x" in r.stdout and "TTFT p99 ms" in r.stdout and "cp.toml" in r.stdout
+
+
+def _insert(url: str, rows: list[dict]) -> None:
+    from controlplane.store import make_engine
+    from controlplane.store.models import RequestRow
+
+    db = make_engine(url)
+    with db.begin() as conn:
+        conn.execute(sa.insert(RequestRow.__table__), rows)
+    db.dispose()
+
+
+def _row(i: int, at: datetime, model: str = "tiny", **kw: object) -> dict:
+    return {
+        "id": f"r{i}",
+        "instance_id": "i",
+        "model": model,
+        "endpoint": "completions",
+        "status": "success",
+        "arrival_time": at,
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "hour_bucket": at.strftime("%Y-%m-%dT%H"),
+        "day_bucket": at.strftime("%Y-%m-%d"),
+        **kw,
+    }
+
+
+def test_hostile_windows_are_clear_errors(
+    tiny_model_dir: Path, tmp_path: Path, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controlplane.cli import main
+
+    config = _config(tmp_path / "cp.toml", tiny_model_dir, db_url)
+    now = datetime.now(UTC)
+    since, until = now - timedelta(hours=1), now
+
+    def fails(*args: str) -> str:
+        """The CLI in this process (each case refuses before any engine is built)."""
+        capsys.readouterr()
+        code = main(["replay", "--db", db_url, "--config", str(config), *args])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        return err
+
+    if db_url.startswith("sqlite"):  # no file there yet
+        assert "cannot read the records at sqlite:///" in fails(*_window(since, until))
+    else:  # an empty schema
+        assert "cannot read the records at postgresql" in fails(*_window(since, until))
+    from controlplane.store import upgrade
+
+    upgrade(db_url)
+    assert "no request rows arrived between" in fails(*_window(since, until))
+    _insert(
+        db_url,
+        [_row(i, now - timedelta(minutes=30, seconds=-i)) for i in range(6)]
+        + [
+            _row(10 + i, now - timedelta(minutes=20), model="other", status="error")
+            for i in range(2)
+        ]
+        + [
+            _row(20, now - timedelta(minutes=10), model="bare", completion_tokens=0, status="error")
+        ],
+    )
+    err = fails(*_window(since, until))
+    assert "3 models (bare (1 rows), other (2 rows), tiny (6 rows))" in err and "--model" in err
+    assert "holds 6 rows of tiny, more than --max-rows (5)" in fails(
+        *_window(since, until), "--model", "tiny", "--max-rows", "5"
+    )
+    assert "no replayable request" in fails(*_window(since, until), "--model", "bare")
+    assert "no rows of model 'gone'" in fails(*_window(since, until), "--model", "gone")
+    assert "served by other; cp.toml serves" in fails(*_window(since, until), "--model", "other")
+    assert "--until" in fails("--since", "1h", "--until", "2h")
+    assert "--since: expected a duration like 24h" in fails("--since", "yesterday-ish")
