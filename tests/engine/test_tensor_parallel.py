@@ -1,8 +1,10 @@
-"""Tensor parallelism (engine/parallel): a model split over 2 and 3 ranks (gloo, one process a
-rank on loopback) computes the logits of the whole model, within float32 rounding: a prompt's
-prefill and two decode steps through the paged KV cache, each rank holding its heads, MLP rows,
-vocabulary slice and its own KV cache. Shard plans: KV heads split or replicated, a vocabulary
-that the ranks do not divide, and clear errors for a split that cannot be made."""
+"""Tensor parallelism (engine/parallel): a model split over 2 and 3 ranks (one process a rank,
+their collectives through shared memory or gloo on loopback) computes the logits of the whole
+model, within float32 rounding: a prompt's prefill and two decode steps through the paged KV
+cache, each rank holding its heads, MLP rows, vocabulary slice and its own KV cache; through
+shared memory every rank's logits are bitwise the same. Shard plans: KV heads split or
+replicated, a vocabulary that the ranks do not divide, and clear errors for a split that cannot
+be made. The engine over two ranks gives one rank's tokens with either transport."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from controlplane.engine.loader import load_model, load_model_config
+from controlplane.engine.parallel.shm import PREFIX, ShmGroup, ShmSegment, ShmSpec
 from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards
 from controlplane.engine.parallel.workers import free_init_method
+
+COMMS = ["shm", "gloo"]
 
 PROMPT = [5, 17, 250, 3, 99, 1000, 42, 7, 512, 64, 8, 11, 900, 13, 21, 34, 55, 89, 144]
 BLOCK = 8
@@ -66,8 +71,17 @@ def _logits(model_dir: Path, tp: TensorParallel | None) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _rank(rank: int, size: int, init: str, model_dir: str, out: str) -> None:
+def _rank(rank: int, size: int, init: str | ShmSpec, model_dir: str, out: str) -> None:
+    """`init`: a gloo rendezvous, or the shared-memory segment of the group."""
     torch.set_num_threads(1)
+    if isinstance(init, ShmSpec):
+        shm = ShmGroup(init, rank)
+        try:
+            logits = _logits(Path(model_dir), TensorParallel(rank, size, shm=shm))
+            torch.save(logits, Path(out) / f"rank{rank}.pt")
+        finally:
+            shm.close()
+        return
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         logits = _logits(Path(model_dir), TensorParallel(rank, size))
@@ -76,13 +90,23 @@ def _rank(rank: int, size: int, init: str, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _split(model_dir: Path, size: int, tmp_path: Path) -> list[torch.Tensor]:
-    """Every rank's logits of the model split over `size` processes."""
+def _split(model_dir: Path, size: int, tmp_path: Path, comm: str) -> list[torch.Tensor]:
+    """Every rank's logits of the model split over `size` processes; through shared memory,
+    asserts that every rank's are bitwise the same (the ranks must never diverge)."""
     out = tmp_path / f"tp{size}"
     out.mkdir()
-    init = free_init_method()  # the engine's own rendezvous (TCP on loopback)
-    mp.spawn(_rank, args=(size, init, str(model_dir), str(out)), nprocs=size, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+    if comm == "gloo":
+        init = free_init_method()  # the engine's own rendezvous (TCP on loopback)
+        mp.spawn(_rank, args=(size, init, str(model_dir), str(out)), nprocs=size, join=True)
+        return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+    segment = ShmSegment(size, 60.0, mp.get_context("spawn"))
+    try:
+        mp.spawn(_rank, args=(size, segment.spec, str(model_dir), str(out)), nprocs=size)
+    finally:
+        segment.close()
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(size)]
+    assert all(torch.equal(logits, ranks[0]) for logits in ranks[1:])
+    return ranks
 
 
 def _llama(out: Path, tokenizer_src: Path, **cfg: object) -> Path:
@@ -104,9 +128,10 @@ def _llama(out: Path, tokenizer_src: Path, **cfg: object) -> Path:
     return out
 
 
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("weights", ["safetensors", "random"])
 def test_two_ranks_compute_the_whole_models_logits(
-    tiny_model_dir: Path, tmp_path: Path, weights: str
+    tiny_model_dir: Path, tmp_path: Path, weights: str, comm: str
 ) -> None:
     """Safetensors are read by slice; random weights are drawn whole and then sliced (as GGUF
     tensors are dequantized whole)."""
@@ -118,17 +143,18 @@ def test_two_ranks_compute_the_whole_models_logits(
             shutil.copy(tiny_model_dir / name, model / name)
         (model / "random_weights.json").write_text('{"seed": 3, "std": 0.2}')
     whole = _logits(model, None)
-    ranks = _split(model, 2, tmp_path)
+    ranks = _split(model, 2, tmp_path, comm)
     for logits in ranks:  # every rank ends with the whole rows (the sampler's input)
         assert logits.shape == whole.shape
         torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize(
     ("kv_heads", "tied"), [(3, False), (1, True)], ids=["kv-split", "kv-replicated-tied"]
 )
 def test_three_ranks_split_or_replicate_kv_heads_and_pad_the_vocabulary(
-    tiny_model_dir: Path, tmp_path: Path, kv_heads: int, tied: bool
+    tiny_model_dir: Path, tmp_path: Path, kv_heads: int, tied: bool, comm: str
 ) -> None:
     model = _llama(
         tmp_path / "model",
@@ -140,7 +166,7 @@ def test_three_ranks_split_or_replicate_kv_heads_and_pad_the_vocabulary(
     plan = plan_shards(load_model_config(model), 2, 3)
     assert len(plan.kv_heads) == 1 and plan.vocab == range(684, 1026)  # 1024 padded to 1026
     whole = _logits(model, None)
-    for logits in _split(model, 3, tmp_path):
+    for logits in _split(model, 3, tmp_path, comm):
         torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
 
 
@@ -163,13 +189,15 @@ def test_a_split_that_cannot_be_made_names_the_setting_and_the_dimension(
     assert [p.heads for p in plans] == [range(r, r + 1) for r in range(4)]
 
 
+@pytest.mark.parametrize("comm", ["auto", "gloo"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
-    tiny_model_dir: Path, preemption: str
+    tiny_model_dir: Path, preemption: str, comm: str
 ) -> None:
     """The engine with tensor_parallel_size = 2 (a worker process beside it) under chunked
-    prefill, preemption and prefix hits: the greedy tokens of tensor_parallel_size = 1. Closing
-    it stops the worker."""
+    prefill, preemption and prefix hits: the greedy tokens of tensor_parallel_size = 1, with
+    the collectives through shared memory (auto, on an x86 CPU) or gloo. Closing it stops the
+    worker; the shared-memory segment's name is gone once the worker has mapped it."""
     from controlplane.engine import Engine
     from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end
 
@@ -184,12 +212,15 @@ def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
     prompts, params = mixed_workload(one.model_config.vocab_size, 11, 10)
     expected = run_to_end(one, prompts, params)
     threads = torch.get_num_threads()
-    two = Engine(tensor_parallel_size=2, **kw)
+    two = Engine(tensor_parallel_size=2, tensor_parallel_comm=comm, **kw)
     try:
         # Each of the 2 ranks takes its share of the cores for torch's threads.
         assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
         workers = two.runner.workers
         assert workers is not None and [p.is_alive() for p in workers.procs] == [True]
+        assert workers.comm == ("shm" if comm == "auto" else "gloo")
+        assert (two.model.tp.shm is not None) == (comm == "auto")
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(PREFIX + str(os.getpid()))]
         assert two.kv_cache.spec.num_kv_heads == 1  # rank 0 holds one of the 2 KV heads
         assert run_to_end(two, prompts, params) == expected
         assert two.stats().num_preemptions > 0 and two.stats().prefix_cache_hits_total > 0
@@ -197,6 +228,7 @@ def test_an_engine_over_two_ranks_generates_the_single_rank_tokens(
         two.close()
     assert [p.exitcode for p in workers.procs] == [0]  # left its loop, not killed
     assert torch.get_num_threads() == threads  # given back
+    assert two.model.tp.shm is None and workers.segment is None  # unmapped
 
 
 def test_two_ranks_under_speculation_and_structured_outputs(tiny_model_dir: Path) -> None:

@@ -1,7 +1,9 @@
 """Supervision of a tensor-parallel engine (engine/parallel/workers.py): a worker that dies or
 hangs stops the engine with an error naming its rank and the cause; closing it leaves no
 process behind; the daemon reports `dead` with the cause, every request it held gets its one
-final row, and it exits with status 1 for a supervisor to restart it."""
+final row, and it exits with status 1 for a supervisor to restart it. The engine's ranks talk
+through shared memory by default on a CPU (tensor_parallel_comm = auto); the killed and hung
+workers are tested over gloo too."""
 
 from __future__ import annotations
 
@@ -34,8 +36,11 @@ def _two_ranks(model: Path, **kw: object) -> Engine:
     return Engine(model=str(model), dtype="float32", tensor_parallel_size=2, **kw)
 
 
-def test_a_killed_worker_stops_the_engine_naming_its_rank_and_signal(tiny_model_dir: Path) -> None:
-    engine = _two_ranks(tiny_model_dir)
+@pytest.mark.parametrize("comm", ["auto", "gloo"])
+def test_a_killed_worker_stops_the_engine_naming_its_rank_and_signal(
+    tiny_model_dir: Path, comm: str
+) -> None:
+    engine = _two_ranks(tiny_model_dir, tensor_parallel_comm=comm)
     try:
         engine.add_request([5, 6, 7], LONG)
         engine.step()
@@ -53,12 +58,13 @@ def test_a_killed_worker_stops_the_engine_naming_its_rank_and_signal(tiny_model_
     assert _workers_left() == []
 
 
+@pytest.mark.parametrize("comm", ["auto", "gloo"])
 def test_a_hung_worker_is_named_after_the_timeout_and_killed_at_close(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, comm: str
 ) -> None:
     """SIGSTOP: the worker is alive but takes no step. Rank 0's collective times out after
     tensor_parallel_timeout_s; the rank that had not taken the step is the one named."""
-    engine = _two_ranks(tiny_model_dir, tensor_parallel_timeout_s=3.0)
+    engine = _two_ranks(tiny_model_dir, tensor_parallel_timeout_s=3.0, tensor_parallel_comm=comm)
     (worker,) = engine.runner.workers.procs
     try:
         engine.add_request([5, 6, 7], LONG)
