@@ -211,6 +211,9 @@ def _run(args: argparse.Namespace) -> int:
     print(table(columns))
     for why, n in window.skipped.items():
         print(f"left out: {n:,} rows {why}")
+    for c in columns:
+        for why, n in c.errors.items():
+            print(f"{c.label}: {n:,} failed: {why}")
     for note in sorted(set(notes)):
         print(f"note: {note}")
     return 0

@@ -17,7 +17,8 @@ Definitions (the same for both columns):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 from controlplane.planning.replay import ReplayRun
 from controlplane.planning.window import Window
@@ -58,6 +59,7 @@ class Figures:
     spec_acceptance: float | None  # accepted / proposed draft tokens; None without drafts
     slo_attainment: float | None
     cost_per_mtok_usd: float | None
+    errors: dict[str, int] = field(default_factory=dict)  # why -> requests (replays only)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -151,6 +153,7 @@ def replay_figures(run: ReplayRun, slo: Slo, hourly_usd: float) -> Figures:
         cost_per_mtok_usd=None
         if math.isinf(run.speed)
         else _cost(hourly_usd, recorded_span, prompt - cached + completion),
+        errors=dict(Counter(s.error or "no output" for s in run.served if not s.ok)),
     )
 
 

@@ -52,26 +52,20 @@ def _window(since: datetime, until: datetime) -> list[str]:
 
 def test_a_replay_does_the_recorded_work(served, tmp_path: Path) -> None:
     config, url, since, until = served
-    # Two configs side by side: the served one, and one with a quarter of its batch.
+    # Two configs side by side: the served one, and one with two slots; arrivals 20x faster
+    # than recorded (33 requests in under half a second), so that two slots must queue.
     small = tmp_path / "small.toml"
     small.write_text(config.read_text().replace("max_num_seqs = 8", "max_num_seqs = 2"))
-    r = _replay(
-        "--db",
-        url,
-        "--config",
-        str(config),
-        "--config",
-        str(small),
-        *_window(since, until),
-        "--json",
-    )
+    window = _window(since, until)
+    r = _replay("--db", url, "--config", str(config), "--config", str(small), *window,
+                "--speed", "20", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     recorded, replayed, narrow = out["figures"]
     assert [f["label"] for f in out["figures"]] == ["recorded", "cp.toml", "small.toml"]
     assert out["window"]["requests"] == recorded["requests"] == 33
     for run in (replayed, narrow):
-        assert run["requests"] == 33 and run["failed"] == 0
+        assert run["requests"] == 33 and run["failed"] == 0, run["errors"]
         # The same work: every prompt token and every completion token (n = 2 included).
         assert run["prompt_tokens"] == recorded["prompt_tokens"]
         assert run["completion_tokens"] == recorded["completion_tokens"]
@@ -84,10 +78,15 @@ def test_a_replay_does_the_recorded_work(served, tmp_path: Path) -> None:
     assert all(0 <= f["slo_attainment"] <= 1 for f in out["figures"])
     # Two slots queue what eight served at once.
     assert narrow["queue_p99_ms"] > replayed["queue_p99_ms"]
-    # The table a person reads: one column each, every line named.
-    r = _replay("--db", url, "--config", str(config), *_window(since, until), "--speed", "10")
+    assert out["speed"] == 20
+    # The table a person reads: one column each, every line named, and why requests failed
+    # (one slot cannot sample the n = 2 request's two choices at once).
+    single = tmp_path / "single.toml"
+    single.write_text(config.read_text().replace("max_num_seqs = 8", "max_num_seqs = 1"))
+    r = _replay("--db", url, "--config", str(single), *window, "--speed", "max")
     assert r.returncode == 0, r.stderr
-    assert "replayed at 10x" in r.stdout and "TTFT p99 ms" in r.stdout and "cp.toml" in r.stdout
+    assert "replayed at max speed" in r.stdout and "TTFT p99 ms" in r.stdout
+    assert "single.toml: 1 failed:" in r.stdout and "max_num_seqs" in r.stdout, r.stdout
 
 
 def _insert(url: str, rows: list[dict]) -> None:
