@@ -67,6 +67,11 @@ HEADER_BYTES = 4096  # the counters' page (2 lines a rank: 32 ranks)
 SPIN = 2000
 YIELD_S = 0.002  # then yield the core this long before napping
 NAP_S = 0.0001  # a nap's length once a wait has lasted YIELD_S
+# How long a worker that finished a step polls for the next before it sleeps on its semaphore:
+# at decode the next step comes a scheduling and a sampling later, and a worker that is still
+# on its core takes it at once, where waking a sleeping one costs a wake-up, and may run it on
+# rank 0's core, preempting rank 0 until the scheduler moves one of them.
+IDLE_POLL_S = 0.005
 WATCH_S = 0.05  # how often a long wait asks whether a peer is gone
 LENGTH = 8  # bytes of a broadcast's length, ahead of its first chunk
 PREFIX = "cp-tp-"  # segment names in /dev/shm
@@ -195,6 +200,20 @@ class ShmGroup:
                 raise ShmTimeoutError(rank, what, seq, self.timeout_s)
             time.sleep(NAP_S)
 
+    def _poll(self, index: int, seq: int) -> bool:
+        """Whether counter `index` reaches `seq` within IDLE_POLL_S (spinning, then yielding
+        the core); never where the ranks outnumber the cores (the poll would take a core
+        another rank needs)."""
+        if not self._spin:
+            return False
+        counters = self._counters
+        deadline = time.monotonic() + IDLE_POLL_S
+        while counters[index] < seq:
+            if time.monotonic() > deadline:
+                return False
+            os.sched_yield()
+        return True
+
     def _wait_all(self, indices: list[int], seq: int, what: str) -> None:
         for rank, index in enumerate(indices):
             if rank != self.rank:
@@ -308,9 +327,12 @@ class ShmGroup:
         wakes it, without a timeout (an engine may be idle for hours), calling `idle` each
         second (raises when rank 0 is gone)."""
         wake = self.spec.wake[self.rank - 1]
-        while not wake.acquire(timeout=1.0):
-            if idle is not None:
-                idle()
+        if self._poll(self._arrived[0], self.seq + 1):
+            wake.acquire()  # released right after the counter: at once
+        else:
+            while not wake.acquire(timeout=1.0):
+                if idle is not None:
+                    idle()
         counters, buf, slot, me = self._counters, self._memory.buf, self.spec.slot_bytes, self.rank
         parts: list[bytes] = []
         total, got = -1, 0
