@@ -1,6 +1,7 @@
 """Tensor parallelism on a CPU (issue 56): what splitting a model over ranks costs where there
 is nothing to gain: an engine of `--ranks` ranks (each on cores / ranks threads) against one
-rank on every core, in the same run, decoding at batch 1 and batch 16.
+rank on every core, in the same run, decoding at batch 1 and batch 16, once with each
+transport between the ranks (`--comms`: gloo on loopback, shared memory).
 
 What is measured
 ----------------
@@ -9,13 +10,14 @@ tensor-parallel one starts its workers). Each batch: `--batch` greedy requests o
 prompt, EOS ignored, `--tokens` tokens each; decode tokens per second over the whole run (one
 warm-up request first, not timed). The ratio is tensor parallel / one rank: on a machine whose
 cores one rank already uses, below 1 is the price of the split (two all-reduces a layer and
-the logits' gather a step, and the step's inputs broadcast to every worker). For the split
+the logits' gather a step, and the step's inputs broadcast to every worker). For each split
 engine it also prints, per batch, each rank's share of its forward spent inside the
 collectives (the engine's own figure: /admin/stats tensor_parallel, averaged over the last
 steps) and rank 0's time a step to broadcast the step's inputs (the one pickled object).
 
     python -m benchmarks.tensor_parallel
     python -m benchmarks.tensor_parallel --size tiny --tokens 32   # smoke
+    python -m benchmarks.tensor_parallel --comms shm               # one transport
 """
 
 from __future__ import annotations
@@ -73,33 +75,42 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64, help="tokens a request")
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--comms", default="gloo,shm", help="engine.tensor_parallel_comm values")
     args = parser.parse_args()
     model = write_demo_model(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "model", args.size)
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(model=str(model), dtype="float32", compile="off", max_num_seqs=max(batches))
-    rates: dict[tuple[int, int], float] = {}
-    split: dict[int, str] = {}  # batch -> the split engine's collective shares and send time
-    for ranks in (1, args.ranks):
-        engine = Engine(tensor_parallel_size=ranks, **common)
+    comms = args.comms.split(",")
+    rates: dict[tuple[str, int], float] = {}  # (contender, batch) -> tok/s
+    split: dict[tuple[str, int], str] = {}  # the split engines' collective shares and send time
+    contenders = [("1 rank", 1, "auto")] + [(c, args.ranks, c) for c in comms]
+    for name, ranks, comm in contenders:
+        engine = Engine(tensor_parallel_size=ranks, tensor_parallel_comm=comm, **common)
         timer = SendTimer(engine)
         try:
             for batch in batches:
                 timer.take_us()  # the warm-up's sends are not this batch's
-                rates[ranks, batch] = decode_rate(engine, batch, args.tokens)
-                print(f"ranks {ranks} batch {batch}: {rates[ranks, batch]:.1f} tok/s", flush=True)
+                rates[name, batch] = decode_rate(engine, batch, args.tokens)
+                print(f"{name} batch {batch}: {rates[name, batch]:.1f} tok/s", flush=True)
                 if (stats := engine.rank_stats()) is not None:
                     shares = " / ".join(f"{r.all_reduce_share:.0%}" for r in stats)
-                    split[batch] = f"{shares:>14} {timer.take_us():>9.0f}"
+                    split[name, batch] = f"{shares:>14} {timer.take_us():>9.0f}"
         finally:
             engine.close()
     print(f"{args.size} model, float32, {args.tokens} tokens a request, eager steps")
     print(
-        f"{'batch':>5} {'1 rank tok/s':>13} {f'{args.ranks} ranks tok/s':>14} {'ratio':>7} "
+        f"{'batch':>5} {'ranks':>6} {'comm':>5} {'tok/s':>9} {'ratio':>7} "
         f"{'collectives':>14} {'send us':>9}"
     )
     for batch in batches:
-        one, many = rates[1, batch], rates[args.ranks, batch]
-        print(f"{batch:>5} {one:>13.1f} {many:>14.1f} {many / one:>6.2f}x {split[batch]}")
+        one = rates["1 rank", batch]
+        print(f"{batch:>5} {1:>6} {'-':>5} {one:>9.1f} {1:>6.2f}x")
+        for comm in comms:
+            many = rates[comm, batch]
+            print(
+                f"{batch:>5} {args.ranks:>6} {comm:>5} {many:>9.1f} {many / one:>6.2f}x "
+                f"{split[comm, batch]}"
+            )
 
 
 if __name__ == "__main__":
