@@ -23,7 +23,9 @@ def record_traffic(
     started on `config` and stopped (drained, every row final). Returns a window (since, until)
     that holds exactly them: `requests` + 3 rows."""
     since = datetime.now(UTC) - timedelta(seconds=1)
-    d = DaemonProcess.start(config)
+    # A first start on a host builds the CPU kernels (minutes) unless TORCH_EXTENSIONS_DIR
+    # points at a build.
+    d = DaemonProcess.start(config, timeout=900)
     try:
         loadgen = [
             sys.executable, "-m", "controlplane", "loadgen", "--url", d.url, "--rate", str(rate),
