@@ -190,3 +190,38 @@ def test_the_ranks_memory_and_step_times_are_visible(make_daemon) -> None:
     assert 'rank="1"' in metrics.split("tensor_parallel_rank_all_reduce_share")[-1]
     lines = tensor_parallel_lines({"tensor_parallel": tp})
     assert "TP [b]2[/] ranks" in lines and "r1 " in lines and "all-reduce" in lines
+
+
+def test_workers_exit_when_rank_0_is_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A daemon killed outright (no close, no stop message): its worker, asleep between steps
+    on its semaphore (shared memory), sees rank 0 gone and exits, and no segment is left in
+    /dev/shm (its name went once the worker had mapped it)."""
+    cfg_path = write_config(
+        tmp_path / "cp.toml",
+        tmp_path / "data",
+        tiny_model_dir,
+        engine={"tensor_parallel_size": 2, "dtype": "float32"},
+    )
+    d = DaemonProcess.start(cfg_path)
+    (worker,) = [
+        c
+        for c in psutil.Process(d.proc.pid).children()
+        if "resource_tracker" not in " ".join(c.cmdline())
+    ]
+    model = httpx.get(d.url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "hi", "max_tokens": 8, "ignore_eos": True}
+    assert httpx.post(d.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"cp-tp-{d.proc.pid}-")]
+    d.kill()
+
+    def gone() -> bool:
+        try:
+            return worker.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 20
+    while not gone():
+        assert time.monotonic() < deadline, "the worker outlived rank 0"
+        time.sleep(0.1)
+    assert segments == []
