@@ -156,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_loadgen_parser(sub)
 
-    from controlplane.planning.cli import add_replay_parser
+    from controlplane.planning.cli import add_calibrate_parser, add_plan_parser, add_replay_parser
 
     add_replay_parser(sub)
+    add_calibrate_parser(sub)
+    add_plan_parser(sub)
 
     from controlplane.store.cli import add_db_parser
 

@@ -1,5 +1,6 @@
-"""`controlplane replay`: a window of recorded requests driven again against proposed configs,
-printed side by side with what was recorded (docs/planning.md)."""
+"""`controlplane replay` (a window of recorded requests driven again against proposed configs,
+side by side with what was recorded), `controlplane calibrate` (the simulator's cost model)
+and `controlplane plan` (config and instances for a growth factor at an SLO): docs/planning.md."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controlplane.planning.window import MAX_ROWS, PlanningError
+from controlplane.planning.window import MAX_ROWS, PlanningError, Window
+
+if TYPE_CHECKING:
+    from controlplane.config import Config
+    from controlplane.engine.settings import EngineSettings
+    from controlplane.planning.costmodel import CostModel
+    from controlplane.planning.summary import Slo
+    from controlplane.planning.workload import Workload
 
 
 def _speed(value: str) -> float:
@@ -48,37 +57,20 @@ def _slo(value: str) -> tuple[float, float]:
     return targets["ttft_p99"], targets["itl_p99"]
 
 
-def add_replay_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "replay",
-        help="replay recorded requests against proposed configs, side by side with what "
-        "was recorded",
-        description=__doc__,
-    )
+def _window_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose the records (replay and plan alike)."""
     p.add_argument("--since", default="24h", help="window start: 24h, 7d, 30m or an ISO time (UTC)")
     p.add_argument("--until", help="window end (default: now)")
     p.add_argument("--key", help="only this API key's requests")
     p.add_argument("--model", help="the served model whose rows to replay (when several)")
-    p.add_argument(
-        "--config",
-        action="append",
-        required=True,
-        help="a proposed config file (TOML; its [engine] section); repeat to compare several",
-    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--db", help="database URL of the records (default: the embedded store)")
     where.add_argument("--db-config", help="a daemon's config file: its store URL")
     p.add_argument(
-        "--speed",
-        type=_speed,
-        default=1.0,
-        help="arrivals this many times faster than recorded, or max (all at once; no cost)",
-    )
-    p.add_argument(
         "--slo",
         type=_slo,
-        help="targets for SLO attainment, e.g. ttft_p99=2s,itl_p99=100ms (default: the first "
-        "config's [autopilot] targets)",
+        help="targets, e.g. ttft_p99=2s,itl_p99=100ms (default: the first config's [autopilot] "
+        "targets)",
     )
     p.add_argument(
         "--other-model",
@@ -93,6 +85,34 @@ def add_replay_parser(subparsers: Any) -> None:
         help=f"refuse a window of more rows than this (default {MAX_ROWS:,})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def add_replay_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="replay recorded requests against proposed configs, side by side with what "
+        "was recorded",
+        description=__doc__,
+    )
+    _window_flags(p)
+    p.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        help="a proposed config file (TOML; its [engine] section); repeat to compare several",
+    )
+    p.add_argument(
+        "--speed",
+        type=_speed,
+        default=1.0,
+        help="arrivals this many times faster than recorded, or max (all at once; no cost)",
+    )
+    p.add_argument(
+        "--simulate",
+        metavar="COST_MODEL",
+        help="simulate on a cost model from `controlplane calibrate` instead of running the "
+        "engine (seconds, not the window's duration)",
+    )
     p.set_defaults(func=_cmd_replay)
 
 
@@ -116,16 +136,23 @@ def _progress(what: str) -> Callable[[int, int], None]:
     return report
 
 
-def _run(args: argparse.Namespace) -> int:
+@dataclass(slots=True)
+class _Setup:
+    window: Window
+    configs: list[tuple[str, Config]]
+    slo: Slo
+    hourly_usd: float
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
+    """The window of records the flags name, the configs, the yardstick (PlanningError)."""
     import sqlalchemy as sa
 
     from controlplane.common import parse_time
-    from controlplane.config import default_model, load_config, served_model_name_of
+    from controlplane.config import load_config, served_model_name_of
     from controlplane.errors import FieldError
-    from controlplane.planning.replay import engine_for, replay, with_model
-    from controlplane.planning.summary import Slo, recorded_figures, replay_figures, table
+    from controlplane.planning.summary import Slo
     from controlplane.planning.window import read_window
-    from controlplane.planning.workload import build_workload
 
     now = datetime.now(UTC)
     try:
@@ -156,13 +183,6 @@ def _run(args: argparse.Namespace) -> int:
         ) from None
     finally:
         db.dispose()
-    first = configs[0][1]
-    slo = (
-        Slo(*args.slo) if args.slo else Slo(first.autopilot.ttft_p99_ms, first.autopilot.itl_p99_ms)
-    )
-    hourly = first.jobs.gpu_hourly_usd * max(1, first.jobs.num_gpus)
-    columns = [recorded_figures(window, slo, hourly)]
-    notes: list[str] = []
     for label, cfg in configs:
         served = served_model_name_of(cfg)
         if served != window.model and not args.other_model:
@@ -170,32 +190,80 @@ def _run(args: argparse.Namespace) -> int:
                 f"the window's requests were served by {window.model}; {label} serves {served}: "
                 "replaying them on another model says little (pass --other-model to do it anyway)"
             )
-        engine = engine_for(with_model(cfg.engine, default_model(cfg)))
-        workload = build_workload(
-            window, engine.model_config.vocab_size, engine.max_model_len, args.seed
-        )
+    first = configs[0][1]
+    slo = (
+        Slo(*args.slo) if args.slo else Slo(first.autopilot.ttft_p99_ms, first.autopilot.itl_p99_ms)
+    )
+    hourly = first.jobs.gpu_hourly_usd * max(1, first.jobs.num_gpus)
+    return _Setup(window, configs, slo, hourly)
+
+
+def _model_settings(cfg: Config) -> EngineSettings:
+    from controlplane.config import default_model
+    from controlplane.planning.replay import with_model
+
+    return with_model(cfg.engine, default_model(cfg))
+
+
+def _simulated_workload(
+    setup: _Setup, settings: EngineSettings, cost: CostModel, seed: int
+) -> Workload:
+    """The window as a workload for the simulator: the model's shape from its config alone (no
+    weights loaded), the cost model checked against this machine and model."""
+    from controlplane.engine.loader import load_model_config
+    from controlplane.engine.parts import resolve_model_path
+    from controlplane.planning.costmodel import fingerprint_of_settings
+    from controlplane.planning.workload import build_workload
+
+    cost.check(fingerprint_of_settings(settings))
+    cfg = load_model_config(resolve_model_path(settings.model))
+    limit = settings.max_model_len or cfg.max_position_embeddings
+    return build_workload(setup.window, cfg.vocab_size, limit, seed)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from controlplane.planning.costmodel import CostModel
+    from controlplane.planning.replay import engine_for, replay
+    from controlplane.planning.simulate import simulate
+    from controlplane.planning.summary import recorded_figures, replay_figures, table
+    from controlplane.planning.workload import build_workload
+
+    setup = _setup(args)
+    window, slo, hourly = setup.window, setup.slo, setup.hourly_usd
+    cost = CostModel.load(args.simulate) if args.simulate else None
+    columns = [recorded_figures(window, slo, hourly)]
+    notes: list[str] = []
+    for label, cfg in setup.configs:
+        settings = _model_settings(cfg)
+        if cost is not None:
+            workload = _simulated_workload(setup, settings, cost, args.seed)
+            run = simulate(workload, settings, cost, label, args.speed, progress=None)
+        else:
+            engine = engine_for(settings)
+            workload = build_workload(
+                window, engine.model_config.vocab_size, engine.max_model_len, args.seed
+            )
+            run = asyncio.run(
+                replay(workload, engine, label, args.speed, _progress(f"replaying {label}"))
+            )
         if workload.unmatched_prefix_tokens:
             notes.append(
                 f"{workload.unmatched_prefix_tokens:,} recorded cached prompt tokens had no "
                 "earlier prompt in the window to share (served as misses)"
             )
-        run = asyncio.run(
-            replay(workload, engine, label, args.speed, _progress(f"replaying {label}"))
-        )
         columns.append(replay_figures(run, slo, hourly))
+    if cost is not None:
+        notes.append(
+            f"simulated on the cost model {args.simulate} (no speculation, no grammar masks)"
+        )
     if args.json:
         print(
             json.dumps(
                 {
-                    "window": {
-                        "since": window.since.isoformat(),
-                        "until": window.until.isoformat(),
-                        "model": window.model,
-                        "requests": len(window.rows),
-                        "skipped": window.skipped,
-                    },
+                    "window": _window_json(window),
                     "slo": {"ttft_p99_ms": slo.ttft_ms, "itl_p99_ms": slo.itl_ms},
                     "speed": None if math.isinf(args.speed) else args.speed,
+                    "simulated": cost is not None,
                     "figures": [c.as_dict() for c in columns],
                     "notes": sorted(set(notes)),
                 },
@@ -205,7 +273,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{len(window.rows):,} requests of {window.model} from {window.since:%Y-%m-%d %H:%M} to "
-        f"{window.until:%Y-%m-%d %H:%M} UTC, replayed at "
+        f"{window.until:%Y-%m-%d %H:%M} UTC, "
+        + ("simulated" if cost is not None else "replayed")
+        + " at "
         + ("max speed" if math.isinf(args.speed) else f"{args.speed:g}x")
     )
     print(table(columns))
@@ -216,4 +286,145 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{c.label}: {n:,} failed: {why}")
     for note in sorted(set(notes)):
         print(f"note: {note}")
+    return 0
+
+
+def _window_json(window: Window) -> dict[str, Any]:
+    return {
+        "since": window.since.isoformat(),
+        "until": window.until.isoformat(),
+        "model": window.model,
+        "requests": len(window.rows),
+        "skipped": window.skipped,
+    }
+
+
+# -- controlplane calibrate ---------------------------------------------------------------------
+def add_calibrate_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fit the simulator's cost model on this machine for a config's engine",
+        description="Serve a designed mix of requests through the engine a config builds and fit "
+        "a step's cost to what it scheduled (docs/planning.md#the-simulator).",
+    )
+    p.add_argument("--config", help="the config whose [engine] to calibrate (default: embedded)")
+    p.add_argument("--out", required=True, help="where to write the cost model (JSON)")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from controlplane.config import load_config
+    from controlplane.planning.costmodel import calibrate
+    from controlplane.planning.replay import engine_for
+
+    try:
+        settings = _model_settings(load_config(args.config))
+        engine = engine_for(settings)
+        print("calibrating (about a minute) ...", file=sys.stderr, flush=True)
+        try:
+            cost = calibrate(engine)
+        finally:
+            engine.close()
+        cost.save(args.out)
+    except PlanningError as exc:
+        print(f"controlplane calibrate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.out}: base {cost.base_s * 1e3:.2f} ms a step, "
+        f"{cost.per_prefill_token_s * 1e6:.1f} us a prompt token, "
+        f"{cost.per_decode_row_s * 1e6:.1f} us a decode row, "
+        f"{cost.per_context_kilotoken_s * 1e3:.3f} ms per 1,000 context tokens "
+        f"(rms error {cost.rms_error_s * 1e3:.2f} ms over {cost.samples} steps)"
+    )
+    return 0
+
+
+# -- controlplane plan --------------------------------------------------------------------------
+def add_plan_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="the best config and the instances a window's traffic needs at a growth factor "
+        "and an SLO (simulated)",
+        description="docs/planning.md#plan",
+    )
+    _window_flags(p)
+    p.add_argument("--config", action="append", required=True, help="the base config (TOML)")
+    p.add_argument("--cost-model", required=True, help="a cost model from `controlplane calibrate`")
+    p.add_argument("--growth", type=float, default=1.0, help="traffic multiplier (default 1)")
+    p.add_argument("--top", type=int, default=5, help="candidates listed (default 5)")
+    p.set_defaults(func=_cmd_plan, speed=1.0)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        return _plan(args)
+    except PlanningError as exc:
+        print(f"controlplane plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from controlplane.planning.costmodel import CostModel
+    from controlplane.planning.plan import MAX_INSTANCES, headroom, plan
+
+    setup = _setup(args)
+    cost = CostModel.load(args.cost_model)
+    base = _model_settings(setup.configs[0][1])
+    workload = _simulated_workload(setup, base, cost, args.seed)
+    found = plan(workload, base, cost, args.growth, setup.slo, setup.hourly_usd)
+    best = found[0]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "window": _window_json(setup.window),
+                    "growth": args.growth,
+                    "slo": {"ttft_p99_ms": setup.slo.ttft_ms, "itl_p99_ms": setup.slo.itl_ms},
+                    "candidates": [
+                        {
+                            **c.knobs,
+                            "instances": c.instances,
+                            "cost_per_hour_usd": c.cost_per_hour_usd,
+                            "cost_per_mtok_usd": c.cost_per_mtok_usd,
+                            "headroom": headroom(c, setup.slo),
+                            "worst_instance": c.worst.as_dict() if c.worst else None,
+                        }
+                        for c in found[: args.top]
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    w = setup.window
+    print(
+        f"{len(w.rows):,} requests of {w.model} ({w.since:%Y-%m-%d %H:%M} to "
+        f"{w.until:%Y-%m-%d %H:%M} UTC) at {args.growth:g}x, targets TTFT p99 "
+        f"{setup.slo.ttft_ms:g} ms, ITL p99 {setup.slo.itl_ms:g} ms"
+    )
+    if best.instances is None:
+        print(f"no candidate holds the targets with up to {MAX_INSTANCES} instances")
+        return 1
+    room = headroom(best, setup.slo)
+    knobs = ", ".join(f"{k} = {v}" for k, v in best.knobs.items())
+    print(f"best: {knobs}")
+    print(
+        f"instances: {best.instances}, ${best.cost_per_hour_usd:,.2f} an hour, "
+        f"${best.cost_per_mtok_usd:,.4f} per million tokens"
+    )
+    print(
+        "headroom (worst instance): "
+        + ", ".join(f"{k} {v:.0%}" for k, v in room.items() if v is not None)
+    )
+    print(
+        f"{'max_num_seqs':>12} {'budget':>7} {'chunk':>6} {'preempt':>9} {'instances':>9} {'$/M tok':>9}"
+    )
+    for c in found[: args.top]:
+        k = c.knobs
+        n = "–" if c.instances is None else str(c.instances)
+        usd = "–" if c.cost_per_mtok_usd is None else f"{c.cost_per_mtok_usd:.4f}"
+        print(
+            f"{k['max_num_seqs']:>12} {k['max_num_batched_tokens']:>7} "
+            f"{k['prefill_chunk_size']:>6} {k['preemption_mode']:>9} {n:>9} {usd:>9}"
+        )
     return 0

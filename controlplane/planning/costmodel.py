@@ -1,0 +1,260 @@
+"""What a step costs, as a function of what the scheduler put in it, fit from the engine's own
+timings: the simulator's clock (planning/simulate.py).
+
+    step_s = base + per_prefill_token x P + per_decode_row x D + per_context_kilotoken x C
+
+P: prompt tokens computed in the step (prefill chunks); D: single-token rows (decodes); C: the
+tokens every scheduled row attends to (its context after the step), in thousands. A linear
+model: a step's matmuls cost per token (P + D), attention costs per token of context, and the
+host's work and the weights' read are the base. It is fit by least squares on a calibration run
+(`calibrate`): the real engine, built from the config, stepping a designed mix of prompt
+lengths and batch sizes, each step's scheduler output and duration recorded.
+
+A cost model belongs to one machine and one model: it records both (`Fingerprint`), and
+`check` refuses one fit elsewhere, naming what differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from controlplane.planning.window import PlanningError
+
+if TYPE_CHECKING:
+    from controlplane.engine import Engine
+    from controlplane.engine.scheduler import SchedulerOutput
+    from controlplane.engine.settings import EngineSettings
+
+# The calibration's workload: (prompt tokens, completion tokens, requests at once). Prefill-
+# heavy rows, decode at growing batch sizes, long contexts; together they vary P, D and C
+# independently enough for the fit.
+CALIBRATION = (
+    (512, 2, 4),
+    (64, 64, 1),
+    (64, 64, 4),
+    (64, 64, 16),
+    (1024, 32, 2),
+    (256, 32, 8),
+    (16, 128, 8),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What the step times depend on besides the step itself."""
+
+    machine: str  # CPU model (and GPU name on CUDA)
+    cores: int  # torch's threads
+    device: str
+    model: str  # the model's directory or file name
+    dtype: str
+    quantization: str
+    torch: str
+
+    def differences(self, other: Fingerprint) -> list[str]:
+        mine, theirs = asdict(self), asdict(other)
+        return [
+            f"{k}: fit on {mine[k]!r}, here {theirs[k]!r}" for k in mine if mine[k] != theirs[k]
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    base_s: float
+    per_prefill_token_s: float
+    per_decode_row_s: float
+    per_context_kilotoken_s: float
+    fingerprint: Fingerprint
+    num_kv_blocks: int  # of the engine it was fit on (the simulator's KV budget by default)
+    block_size: int
+    kv_bytes_per_block: int
+    samples: int  # steps the fit used
+    rms_error_s: float  # of the fit on its own samples
+
+    def step_s(self, prefill_tokens: int, decode_rows: int, context_tokens: int) -> float:
+        return (
+            self.base_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_row_s * decode_rows
+            + self.per_context_kilotoken_s * context_tokens / 1000
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            raw = json.loads(Path(path).read_text())
+            raw["fingerprint"] = Fingerprint(**raw["fingerprint"])
+            return cls(**raw)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise PlanningError(f"{path}: not a cost model ({exc})") from None
+
+    def check(self, here: Fingerprint) -> None:
+        """PlanningError naming every difference between where it was fit and `here`."""
+        diff = self.fingerprint.differences(here)
+        if diff:
+            raise PlanningError(
+                "the cost model was fit on another machine or model ("
+                + "; ".join(diff)
+                + "): calibrate here (controlplane plan calibrate)"
+            )
+
+
+def fingerprint(engine: Engine) -> Fingerprint:
+    import torch
+
+    from controlplane.engine.parts import resolve_model_path
+
+    machine = _cpu_model()
+    if engine.device.type == "cuda":
+        machine += " / " + torch.cuda.get_device_name(engine.device)
+    return Fingerprint(
+        machine=machine,
+        cores=torch.get_num_threads(),
+        device=engine.device.type,
+        model=Path(resolve_model_path(engine.settings.model)).name,
+        dtype=engine.settings.dtype,  # as configured ("auto" included): see fingerprint_of_settings
+        quantization=engine.settings.quantization,
+        torch=torch.__version__,
+    )
+
+
+def fingerprint_of_settings(settings: EngineSettings) -> Fingerprint:
+    """This machine's fingerprint for `settings`' engine, without building it: dtype and
+    quantization as the settings give them ("auto" when they leave them to the engine, which
+    matches a model fit under "auto" on the same machine and model)."""
+    import torch
+
+    from controlplane.engine.parts import resolve_device, resolve_model_path
+
+    device = resolve_device(settings.device)
+    machine = _cpu_model()
+    if device.type == "cuda":
+        machine += " / " + torch.cuda.get_device_name(device)
+    return Fingerprint(
+        machine=machine,
+        cores=torch.get_num_threads(),
+        device=device.type,
+        model=Path(resolve_model_path(settings.model)).name,
+        dtype=settings.dtype,
+        quantization=settings.quantization,
+        torch=torch.__version__,
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    prefill_tokens: int
+    decode_rows: int
+    context_tokens: int
+    seconds: float
+
+
+def calibrate(engine: Engine, rounds: int = 2) -> CostModel:
+    """Serve CALIBRATION `rounds` times through an AsyncEngine over `engine` (the serving path:
+    the step thread, the event loop taking the outputs), recording the moment of each
+    scheduler call and what it scheduled; a step's cost is the time to the next call (the whole
+    loop around the step, which is what a request waits for). The first round warms up and is
+    not used; a phase's last step (followed by idle time) falls to the fit's outlier rule."""
+    import asyncio
+
+    from controlplane.engine import AsyncEngine, SamplingParams
+
+    calls: list[tuple[float, int, int, int, int]] = []  # (time, round, P, D, C)
+    scheduler = engine.scheduler
+    real_schedule = scheduler.schedule
+    current = [0]
+
+    def recording(now: float) -> SchedulerOutput:
+        t = time.perf_counter()
+        out = real_schedule(now)
+        if not out.is_empty:
+            context = sum(i.seq.num_computed_tokens + i.num_new_tokens for i in out.scheduled)
+            calls.append((t, current[0], out.num_prefill_tokens, out.num_decode_tokens, context))
+        return out
+
+    async def serve() -> None:
+        aeng = AsyncEngine(engine)
+        aeng.start()
+        try:
+            for r in range(rounds):
+                current[0] = r
+                for prompt, completion, at_once in CALIBRATION:
+                    params = SamplingParams(max_tokens=completion, ignore_eos=True)
+
+                    async def one(
+                        i: int, r: int = r, prompt: int = prompt, params: SamplingParams = params
+                    ) -> None:
+                        ids = [3 + (r * 7919 + i * 104729 + j * 31) % 200 for j in range(prompt)]
+                        async for _ in aeng.add_request(ids, params):
+                            pass
+
+                    await asyncio.gather(*(one(i) for i in range(at_once)))
+                    await asyncio.sleep(0.05)
+        finally:
+            await aeng.shutdown()
+
+    scheduler.schedule = recording  # the real scheduler; its calls timed
+    try:
+        asyncio.run(serve())
+    finally:
+        scheduler.schedule = real_schedule
+    samples = [
+        StepSample(p, d, c, nxt[0] - t)
+        for (t, r, p, d, c), nxt in itertools.pairwise(calls)
+        if r > 0 and nxt[1] == r
+    ]
+    return fit(samples, engine)
+
+
+def fit(samples: list[StepSample], engine: Engine) -> CostModel:
+    import torch
+
+    if len(samples) < 8:
+        raise PlanningError(f"{len(samples)} calibration steps are too few to fit a cost model")
+    x = torch.tensor(
+        [[1.0, s.prefill_tokens, s.decode_rows, s.context_tokens / 1000] for s in samples],
+        dtype=torch.float64,
+    )
+    y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
+    keep = torch.ones_like(y, dtype=torch.bool)
+    # Least squares, then again without the steps far off the first fit (> 4 median absolute
+    # residuals): a step the host interrupted (a page fault storm, a neighbour's burst) would
+    # otherwise pull every coefficient.
+    for _ in range(2):
+        coef = torch.linalg.lstsq(x[keep], y[keep].unsqueeze(1)).solution.squeeze(1)
+        residual = (x @ coef - y).abs()
+        keep = residual <= 4 * residual.median().clamp(min=1e-6)
+    coef = coef.clamp(min=0.0)
+    rms = float(((x[keep] @ coef - y[keep]) ** 2).mean().sqrt())
+    spec = engine.kv_cache.spec
+    return CostModel(
+        base_s=float(coef[0]),
+        per_prefill_token_s=float(coef[1]),
+        per_decode_row_s=float(coef[2]),
+        per_context_kilotoken_s=float(coef[3]),
+        fingerprint=fingerprint(engine),
+        num_kv_blocks=engine.block_pool.num_blocks,
+        block_size=engine.settings.block_size,
+        kv_bytes_per_block=spec.bytes_per_block,
+        samples=len(samples),
+        rms_error_s=rms,
+    )
