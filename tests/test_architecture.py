@@ -36,6 +36,7 @@ ENGINE_PUBLIC = {
     "controlplane.engine.kernels.caches",  # the daemon's kernel and inductor cache directories
     "controlplane.engine.kernels.cpu_ops",  # `controlplane kernels`: build, load, state
     "controlplane.engine.kernels.manifest",  # `controlplane kernels build --ship`
+    "controlplane.engine.simulation",  # the scheduler without the model (capacity planning)
 }
 ENGINE_HANDLES = {"controlplane.runtime.runtime", "controlplane.daemon"}
 

@@ -210,15 +210,13 @@ def _simulated_workload(
 ) -> Workload:
     """The window as a workload for the simulator: the model's shape from its config alone (no
     weights loaded), the cost model checked against this machine and model."""
-    from controlplane.engine.loader import load_model_config
-    from controlplane.engine.parts import resolve_model_path
+    from controlplane.engine.simulation import model_shape
     from controlplane.planning.costmodel import fingerprint_of_settings
     from controlplane.planning.workload import build_workload
 
     cost.check(fingerprint_of_settings(settings))
-    cfg = load_model_config(resolve_model_path(settings.model))
-    limit = settings.max_model_len or cfg.max_position_embeddings
-    return build_workload(setup.window, cfg.vocab_size, limit, seed)
+    shape = model_shape(settings)
+    return build_workload(setup.window, shape.vocab_size, shape.max_model_len, seed)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +27,6 @@ from controlplane.planning.window import PlanningError
 
 if TYPE_CHECKING:
     from controlplane.engine import Engine
-    from controlplane.engine.scheduler import SchedulerOutput
     from controlplane.engine.settings import EngineSettings
 
 # The calibration's workload: (prompt tokens, completion tokens, requests at once). Prefill-
@@ -109,22 +107,8 @@ class CostModel:
 
 
 def fingerprint(engine: Engine) -> Fingerprint:
-    import torch
-
-    from controlplane.engine.parts import resolve_model_path
-
-    machine = _cpu_model()
-    if engine.device.type == "cuda":
-        machine += " / " + torch.cuda.get_device_name(engine.device)
-    return Fingerprint(
-        machine=machine,
-        cores=torch.get_num_threads(),
-        device=engine.device.type,
-        model=Path(resolve_model_path(engine.settings.model)).name,
-        dtype=engine.settings.dtype,  # as configured ("auto" included): see fingerprint_of_settings
-        quantization=engine.settings.quantization,
-        torch=torch.__version__,
-    )
+    """Where a cost model is fit: `engine`'s settings on this machine."""
+    return fingerprint_of_settings(engine.settings)
 
 
 def fingerprint_of_settings(settings: EngineSettings) -> Fingerprint:
@@ -133,17 +117,17 @@ def fingerprint_of_settings(settings: EngineSettings) -> Fingerprint:
     matches a model fit under "auto" on the same machine and model)."""
     import torch
 
-    from controlplane.engine.parts import resolve_device, resolve_model_path
+    from controlplane.engine.simulation import model_shape
 
-    device = resolve_device(settings.device)
+    shape = model_shape(settings)
     machine = _cpu_model()
-    if device.type == "cuda":
-        machine += " / " + torch.cuda.get_device_name(device)
+    if shape.device == "cuda":
+        machine += " / " + torch.cuda.get_device_name()
     return Fingerprint(
         machine=machine,
         cores=torch.get_num_threads(),
-        device=device.type,
-        model=Path(resolve_model_path(settings.model)).name,
+        device=shape.device,
+        model=shape.name,
         dtype=settings.dtype,
         quantization=settings.quantization,
         torch=torch.__version__,
@@ -170,33 +154,23 @@ class StepSample:
 
 def calibrate(engine: Engine, rounds: int = 2) -> CostModel:
     """Serve CALIBRATION `rounds` times through an AsyncEngine over `engine` (the serving path:
-    the step thread, the event loop taking the outputs), recording the moment of each
-    scheduler call and what it scheduled; a step's cost is the time to the next call (the whole
-    loop around the step, which is what a request waits for). The first round warms up and is
-    not used; a phase's last step (followed by idle time) falls to the fit's outlier rule."""
+    the step thread, the event loop taking the outputs), timing each scheduler call with what
+    it scheduled; a step's cost is the time to the next call (the whole loop around the step,
+    which is what a request waits for). The first round warms up and is not used; a phase's
+    last step (followed by idle time) falls to the fit's outlier rule."""
     import asyncio
 
     from controlplane.engine import AsyncEngine, SamplingParams
+    from controlplane.engine.simulation import timed_schedule
 
-    calls: list[tuple[float, int, int, int, int]] = []  # (time, round, P, D, C)
-    scheduler = engine.scheduler
-    real_schedule = scheduler.schedule
-    current = [0]
+    starts: list[int] = []  # where each round's calls begin
 
-    def recording(now: float) -> SchedulerOutput:
-        t = time.perf_counter()
-        out = real_schedule(now)
-        if not out.is_empty:
-            context = sum(i.seq.num_computed_tokens + i.num_new_tokens for i in out.scheduled)
-            calls.append((t, current[0], out.num_prefill_tokens, out.num_decode_tokens, context))
-        return out
-
-    async def serve() -> None:
+    async def serve(calls: list[tuple[float, int, int, int]]) -> None:
         aeng = AsyncEngine(engine)
         aeng.start()
         try:
             for r in range(rounds):
-                current[0] = r
+                starts.append(len(calls))
                 for prompt, completion, at_once in CALIBRATION:
                     params = SamplingParams(max_tokens=completion, ignore_eos=True)
 
@@ -212,15 +186,11 @@ def calibrate(engine: Engine, rounds: int = 2) -> CostModel:
         finally:
             await aeng.shutdown()
 
-    scheduler.schedule = recording  # the real scheduler; its calls timed
-    try:
-        asyncio.run(serve())
-    finally:
-        scheduler.schedule = real_schedule
+    with timed_schedule(engine) as calls:
+        asyncio.run(serve(calls))
+    warm = starts[1] if len(starts) > 1 else len(calls)
     samples = [
-        StepSample(p, d, c, nxt[0] - t)
-        for (t, r, p, d, c), nxt in itertools.pairwise(calls)
-        if r > 0 and nxt[1] == r
+        StepSample(p, d, c, nxt[0] - t) for (t, p, d, c), nxt in itertools.pairwise(calls[warm:])
     ]
     return fit(samples, engine)
 
