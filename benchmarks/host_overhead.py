@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections import defaultdict
@@ -61,6 +60,8 @@ from typing import Any
 
 import torch
 
+from controlplane.common import cpu_name
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".bench" / "tiny"
 PHASES = ("schedule", "inputs", "prepare", "sample", "output", "detok", "rest")
@@ -69,21 +70,6 @@ TARGETS_US = {1: 100.0, 256: 400.0}
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def cpu_name() -> str:
-    """The CPU's model name, family and model numbers (from /proc/cpuinfo where there is one)."""
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
-    return (
-        f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model "
-        f"{info.get('model', '?')}), {os.cpu_count()} CPUs"
-    )
 
 
 def ensure_model(path: Path) -> Path:

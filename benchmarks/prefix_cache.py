@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controlplane.common import percentile
+from controlplane.common import cpu_name, percentile
 from harness import DaemonProcess, write_config
 
 TOPICS = (
@@ -339,7 +339,7 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     only = set(args.only or ("system", "multiturn", "nosharing", "isolation"))
-    report: dict[str, Any] = {"cpu": _cpu()}
+    report: dict[str, Any] = {"cpu": cpu_name()}
     if "nosharing" in only:
         report["nosharing"] = nosharing(args.model, args)
     if "multiturn" in only:
@@ -388,16 +388,6 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.prefix_cache import _cpu, chat, log, start
-from controlplane.common import percentile
+from benchmarks.prefix_cache import chat, log, start
+from controlplane.common import cpu_name, percentile
 
 GROUNDED_TEXTS = (
     "The quarterly report shows that revenue grew by twelve percent, driven mostly by new "
@@ -291,7 +291,7 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     only = set(args.only or ("batch1", "batch16", "online"))
-    report: dict[str, Any] = {"cpu": _cpu()}
+    report: dict[str, Any] = {"cpu": cpu_name()}
     if only & {"batch1", "batch16"}:
         llm = load(args.model, args)
         llm.generate(encode(llm, ["Hello"]), use_tqdm=False)  # warm up (not measured)

@@ -8,9 +8,12 @@ Torch-free and cheap to import (stdlib only, plus the engine's error type, itsel
 from __future__ import annotations
 
 import math
+import os
+import platform
 import re
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -128,3 +131,19 @@ def check_url(url: str, what: str = "advertise_url") -> str:
     if parts.username is not None or parts.password is not None:
         raise FieldError(what, f"must carry no user or password, got {url!r}")
     return url
+
+
+def cpu_name() -> str:
+    """The CPU's model name, family and model numbers and core count (from /proc/cpuinfo where
+    there is one): "AMD EPYC" alone names both a Zen 3 and a Zen 5 part."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return (
+        f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model "
+        f"{info.get('model', '?')}), {os.cpu_count()} CPUs"
+    )

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from controlplane.config import Config
     from controlplane.engine.settings import EngineSettings
     from controlplane.planning.costmodel import CostModel
-    from controlplane.planning.summary import Slo
+    from controlplane.planning.replay import ReplayRun
+    from controlplane.planning.summary import Figures, Slo
     from controlplane.planning.workload import Workload
 
 
@@ -106,6 +107,21 @@ def add_replay_parser(subparsers: Any) -> None:
         type=_speed,
         default=1.0,
         help="arrivals this many times faster than recorded, or max (all at once; no cost)",
+    )
+    p.add_argument(
+        "--url",
+        help="replay against the daemon running there (streamed /v1/completions, timed by the "
+        "client) instead of an engine in this process; --config then names that daemon's "
+        "config (its model, targets and price)",
+    )
+    p.add_argument("--api-key", help="bearer key for --url's /v1 requests")
+    p.add_argument(
+        "--admin-token", help="admin token for --url's /admin/stats (peak KV use, preemptions)"
+    )
+    p.add_argument(
+        "--report",
+        metavar="HTML",
+        help="also write the table and latency-over-time plots to this HTML file",
     )
     p.add_argument(
         "--simulate",
@@ -230,10 +246,26 @@ def _run(args: argparse.Namespace) -> int:
     window, slo, hourly = setup.window, setup.slo, setup.hourly_usd
     cost = CostModel.load(args.simulate) if args.simulate else None
     columns = [recorded_figures(window, slo, hourly)]
+    runs = []
     notes: list[str] = []
+    if args.url and (cost is not None or len(setup.configs) != 1):
+        raise PlanningError(
+            "--url replays against one daemon: give its one --config, no --simulate"
+        )
     for label, cfg in setup.configs:
         settings = _model_settings(cfg)
-        if cost is not None:
+        if args.url:
+            from controlplane.engine.simulation import model_shape
+            from controlplane.planning.remote import replay_url
+
+            shape = model_shape(settings)
+            workload = build_workload(window, shape.vocab_size, shape.max_model_len, args.seed)
+            run = asyncio.run(
+                replay_url(workload, args.url, args.url, args.speed, args.api_key,
+                           args.admin_token, _progress(f"replaying on {args.url}"))
+            )  # fmt: skip
+            notes += run.notes
+        elif cost is not None:
             workload = _simulated_workload(setup, settings, cost, args.seed)
             run = simulate(workload, settings, cost, label, args.speed, progress=None)
         else:
@@ -250,11 +282,14 @@ def _run(args: argparse.Namespace) -> int:
                 "earlier prompt in the window to share (served as misses)"
             )
         columns.append(replay_figures(run, slo, hourly))
+        runs.append(run)
     if cost is not None:
         notes.append(
             f"simulated on the cost model {args.simulate} (no speculation, no grammar masks)"
         )
     if args.json:
+        if args.report:
+            _write_report(args.report, "replay", window, columns, runs, sorted(set(notes)))
         print(
             json.dumps(
                 {
@@ -269,13 +304,16 @@ def _run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(
+    heading = (
         f"{len(window.rows):,} requests of {window.model} from {window.since:%Y-%m-%d %H:%M} to "
         f"{window.until:%Y-%m-%d %H:%M} UTC, "
         + ("simulated" if cost is not None else "replayed")
         + " at "
         + ("max speed" if math.isinf(args.speed) else f"{args.speed:g}x")
     )
+    if args.report:
+        _write_report(args.report, heading, window, columns, runs, sorted(set(notes)))
+    print(heading)
     print(table(columns))
     for why, n in window.skipped.items():
         print(f"left out: {n:,} rows {why}")
@@ -285,6 +323,25 @@ def _run(args: argparse.Namespace) -> int:
     for note in sorted(set(notes)):
         print(f"note: {note}")
     return 0
+
+
+def _write_report(
+    path: str,
+    heading: str,
+    window: Window,
+    columns: list[Figures],
+    runs: list[ReplayRun],
+    notes: list[str],
+) -> None:
+    from controlplane.planning.report import html_report, recorded_series, run_series
+
+    series = [recorded_series(window), *(run_series(r) for r in runs)]
+    text = html_report(heading, columns, [t for t, _ in series], [i for _, i in series], notes)
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise PlanningError(f"--report {path}: {exc.strerror}") from None
+    print(f"report: {path}", file=sys.stderr)
 
 
 def _window_json(window: Window) -> dict[str, Any]:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controlplane.common import cpu_name
 from controlplane.planning.window import PlanningError
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def fingerprint_of_settings(settings: EngineSettings) -> Fingerprint:
     from controlplane.engine.simulation import model_shape
 
     shape = model_shape(settings)
-    machine = _cpu_model()
+    machine = cpu_name()
     if shape.device == "cuda":
         machine += " / " + torch.cuda.get_device_name()
     return Fingerprint(
@@ -132,16 +132,6 @@ def fingerprint_of_settings(settings: EngineSettings) -> Fingerprint:
         quantization=settings.quantization,
         torch=torch.__version__,
     )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,11 @@ def evaluate(
         if all(_within(f, slo) for f in figures):
             worst = max(figures, key=lambda f: (f.ttft_p99_ms or 0.0, f.itl_p99_ms or 0.0))
             per_hour = k * hourly_usd
-            tokens = sum(f.prompt_tokens + f.completion_tokens for f in figures)
+            # Computed tokens, as the rollup's GPU view counts them (cached prompt tokens free).
+            tokens = sum(
+                f.prompt_tokens * (1 - (f.prefix_hit_rate or 0.0)) + f.completion_tokens
+                for f in figures
+            )
             span_h = max(1e-9, workload.requests[-1].offset_s / growth / 3600)
             per_mtok = per_hour * span_h / tokens * 1e6 if tokens else None
             return Candidate(settings, k, worst, per_hour, per_mtok)

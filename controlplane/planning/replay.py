@@ -41,7 +41,7 @@ class Served:
 @dataclass(slots=True)
 class ReplayRun:
     label: str
-    settings: EngineSettings
+    settings: EngineSettings | None  # None: a running daemon's (replay --url)
     speed: float  # arrivals this many times faster than recorded (inf: all at once)
     served: list[Served]
     wall_s: float  # first arrival to last finish, on the replay's clock

@@ -86,21 +86,32 @@ def _cost(hourly_usd: float, span_s: float, computed: int) -> float | None:
     return hourly_usd * span_s / 3600 / computed * 1e6
 
 
-def recorded_figures(window: Window, slo: Slo, hourly_usd: float) -> Figures:
-    rows = window.rows
-    ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
-    itl = [r.mean_itl_s for r in rows if r.mean_itl_s is not None]
-    queue = [r.queue_time_s for r in rows if r.queue_time_s is not None]
-    end = max(r.arrival + (r.e2e_latency_s or 0.0) for r in rows)
-    span = end - rows[0].arrival
-    completion = sum(r.completion_tokens for r in rows)
-    prompt = sum(r.prompt_tokens for r in rows)
-    cached = sum(min(r.cached_prompt_tokens, r.prompt_tokens) for r in rows)
-    drafts = sum(r.draft_tokens for r in rows)
+def _figures(
+    label: str,
+    *,
+    failed: int,
+    prompt: int,
+    cached: int,
+    completion: int,
+    ttft: list[float],
+    itl: list[float],
+    queue: list[float],
+    span_s: float,
+    cost_span_s: float | None,
+    met: list[bool] | None,
+    requests: int,
+    hourly_usd: float,
+    preemptions: int,
+    peak_kv_usage: float | None,
+    spec_acceptance: float | None,
+    errors: dict[str, int] | None = None,
+) -> Figures:
+    """The figures both columns share, from their latencies (seconds) and token counts;
+    `cost_span_s` None: no cost (all arrivals at once); `met` None: no SLO target."""
     return Figures(
-        label="recorded",
-        requests=len(rows),
-        failed=sum(r.status not in ("success",) for r in rows),
+        label=label,
+        requests=requests,
+        failed=failed,
         prompt_tokens=prompt,
         completion_tokens=completion,
         ttft_p50_ms=_ms(ttft, 50),
@@ -109,50 +120,64 @@ def recorded_figures(window: Window, slo: Slo, hourly_usd: float) -> Figures:
         itl_p99_ms=_ms(itl, 99),
         queue_p50_ms=_ms(queue, 50),
         queue_p99_ms=_ms(queue, 99),
-        throughput_tok_s=completion / span if span > 0 else None,
+        throughput_tok_s=completion / span_s if span_s > 0 else None,
+        prefix_hit_rate=cached / prompt if prompt else None,
+        slo_attainment=sum(met) / requests if met is not None and requests else None,
+        cost_per_mtok_usd=None
+        if cost_span_s is None
+        else _cost(hourly_usd, cost_span_s, prompt - cached + completion),
+        preemptions=preemptions,
+        peak_kv_usage=peak_kv_usage,
+        spec_acceptance=spec_acceptance,
+        errors=errors or {},
+    )
+
+
+def recorded_figures(window: Window, slo: Slo, hourly_usd: float) -> Figures:
+    rows = window.rows
+    end = max(r.arrival + (r.e2e_latency_s or 0.0) for r in rows)
+    span = end - rows[0].arrival
+    drafts = sum(r.draft_tokens for r in rows)
+    return _figures(
+        "recorded",
+        requests=len(rows),
+        failed=sum(r.status != "success" for r in rows),
+        prompt=sum(r.prompt_tokens for r in rows),
+        cached=sum(min(r.cached_prompt_tokens, r.prompt_tokens) for r in rows),
+        completion=sum(r.completion_tokens for r in rows),
+        ttft=[r.ttft_s for r in rows if r.ttft_s is not None],
+        itl=[r.mean_itl_s for r in rows if r.mean_itl_s is not None],
+        queue=[r.queue_time_s for r in rows if r.queue_time_s is not None],
+        span_s=span,
+        cost_span_s=span,
+        met=[slo.met(r.ttft_s, r.mean_itl_s) for r in rows] if slo.any else None,
+        hourly_usd=hourly_usd,
         preemptions=sum(r.preemptions for r in rows),
         peak_kv_usage=None,
-        prefix_hit_rate=cached / prompt if prompt else None,
         spec_acceptance=sum(r.accepted_draft_tokens for r in rows) / drafts if drafts else None,
-        slo_attainment=(sum(slo.met(r.ttft_s, r.mean_itl_s) for r in rows) / len(rows))
-        if slo.any
-        else None,
-        cost_per_mtok_usd=_cost(hourly_usd, span, prompt - cached + completion),
     )
 
 
 def replay_figures(run: ReplayRun, slo: Slo, hourly_usd: float) -> Figures:
     metrics = [s.metrics for s in run.served if s.metrics is not None]
-    ttft = [m.ttft for m in metrics if m.ttft is not None]
-    itl = [m.mean_itl for m in metrics if m.mean_itl is not None]
-    queue = [m.queue_time for m in metrics if m.queue_time is not None]
-    completion = sum(s.completion_tokens for s in run.served)
-    prompt = sum(m.num_prompt_tokens for m in metrics)
-    cached = sum(m.num_cached_tokens for m in metrics)
-    recorded_span = run.wall_s * (1.0 if math.isinf(run.speed) else run.speed)
-    return Figures(
-        label=run.label,
+    return _figures(
+        run.label,
         requests=len(run.served),
         failed=sum(not s.ok for s in run.served),
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        ttft_p50_ms=_ms(ttft, 50),
-        ttft_p99_ms=_ms(ttft, 99),
-        itl_p50_ms=_ms(itl, 50),
-        itl_p99_ms=_ms(itl, 99),
-        queue_p50_ms=_ms(queue, 50),
-        queue_p99_ms=_ms(queue, 99),
-        throughput_tok_s=completion / run.wall_s if run.wall_s > 0 else None,
+        prompt=sum(m.num_prompt_tokens for m in metrics),
+        cached=sum(m.num_cached_tokens for m in metrics),
+        completion=sum(s.completion_tokens for s in run.served),
+        ttft=[m.ttft for m in metrics if m.ttft is not None],
+        itl=[m.mean_itl for m in metrics if m.mean_itl is not None],
+        queue=[m.queue_time for m in metrics if m.queue_time is not None],
+        span_s=run.wall_s,
+        # At --speed s the replay took 1/s of the recorded span: its cost is the recorded one's.
+        cost_span_s=None if math.isinf(run.speed) else run.wall_s * run.speed,
+        met=[slo.met(m.ttft, m.mean_itl) for m in metrics] if slo.any else None,
+        hourly_usd=hourly_usd,
         preemptions=run.preemptions,
         peak_kv_usage=run.peak_kv_usage,
-        prefix_hit_rate=cached / prompt if prompt else None,
         spec_acceptance=run.accepted_draft_tokens / run.draft_tokens if run.draft_tokens else None,
-        slo_attainment=(sum(slo.met(m.ttft, m.mean_itl) for m in metrics) / len(run.served))
-        if slo.any and run.served
-        else None,
-        cost_per_mtok_usd=None
-        if math.isinf(run.speed)
-        else _cost(hourly_usd, recorded_span, prompt - cached + completion),
         errors=dict(Counter(s.error or "no output" for s in run.served if not s.ok)),
     )
 

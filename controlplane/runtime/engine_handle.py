@@ -47,7 +47,7 @@ class EngineHandle:
     def death(self) -> str | None:
         """Why the step loop died (/health says it), None while it runs or before it loads."""
         error = self.aengine.error if self.aengine is not None else None
-        return None if error is None else str(error) or repr(error)
+        return None if error is None else f"{type(error).__name__}: {error}"
 
     @property
     def max_model_len(self) -> int | None:

@@ -254,7 +254,8 @@ def test_tui_tunes_speculation_shows_refusals_and_resets_the_cache(daemon):
 
 
 def test_cache_reset_on_a_dead_engine_is_503_and_not_audited(make_daemon):
-    d = make_daemon(admin=True, engine={"max_model_len": 256})
+    # dead_exit_s: it answers `dead` all along the test rather than exiting 5 s after.
+    d = make_daemon(admin=True, engine={"max_model_len": 256}, server={"dead_exit_s": 300})
     engine = d.daemon.aengine.engine
 
     def failing_step():

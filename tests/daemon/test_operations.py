@@ -77,9 +77,11 @@ def test_probes_while_loading_then_ready(tmp_path):
 
 
 def test_probes_drain_resume_and_dead_step_loop(caplog, make_daemon):
+    # dead_exit_s: it answers `dead` all along the test rather than exiting (status 1) 5 s after.
     d = make_daemon(
         with_file=False,
         admin_tokens=[{"name": "ops", "token": TOKEN}],
+        server={"dead_exit_s": 300},
     )
     admin = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -108,8 +110,10 @@ def test_probes_drain_resume_and_dead_step_loop(caplog, make_daemon):
             timeout=30,
         )
     assert r.status_code == 503
-    assert status("/health/live") == (503, {"status": "dead", "state": "ready"})
-    assert status("/health/ready") == (503, {"status": "dead"})
+    # Dead, and why (the step loop's error).
+    cause = "RuntimeError: simulated step loop crash"
+    assert status("/health/live") == (503, {"status": "dead", "state": "ready", "error": cause})
+    assert status("/health/ready") == (503, {"status": "dead", "error": cause})
     # server.access_log is off by default: the request ended, and no access line says so.
     assert not [r for r in caplog.records if r.name == "controlplane.access"]
 

@@ -22,18 +22,23 @@ from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from controlplane.engine.loader import load_model, load_model_config
+from controlplane.engine.model.quant import QuantConfig
 from controlplane.engine.parallel.shm import PREFIX, ShmGroup, ShmSegment, ShmSpec
 from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards
 from controlplane.engine.parallel.workers import free_init_method
 
 COMMS = ["shm", "gloo"]
 
-PROMPT = [5, 17, 250, 3, 99, 1000, 42, 7, 512, 64, 8, 11, 900, 13, 21, 34, 55, 89, 144]
+# Ids below the smallest vocabulary split here (the tiny GGUF's 256 tokens).
+PROMPT = [5, 17, 250, 3, 99, 100, 42, 7, 212, 64, 8, 11, 90, 13, 21, 34, 55, 89, 144]
 BLOCK = 8
 
 
-def _logits(model_dir: Path, tp: TensorParallel | None) -> torch.Tensor:
-    """Logits of every prompt position, then of two greedy decode steps."""
+def _logits(
+    model_dir: Path, tp: TensorParallel | None, quant: QuantConfig | None = None
+) -> torch.Tensor:
+    """Logits of every prompt position, then of two greedy decode steps (weights float, or
+    quantized as `quant` says)."""
     cfg = load_model_config(model_dir)
     model = load_model(
         model_dir,
@@ -42,6 +47,7 @@ def _logits(model_dir: Path, tp: TensorParallel | None) -> torch.Tensor:
         torch.device("cpu"),
         256,
         cpu_weight_packing=False,
+        quant=quant,
         huge_pages=False,
         tp=tp,
     )
@@ -71,37 +77,42 @@ def _logits(model_dir: Path, tp: TensorParallel | None) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _rank(rank: int, size: int, init: str | ShmSpec, model_dir: str, out: str) -> None:
+def _rank(
+    rank: int, size: int, init: str | ShmSpec, model_dir: str, out: str, quant: QuantConfig | None
+) -> None:
     """`init`: a gloo rendezvous, or the shared-memory segment of the group."""
     torch.set_num_threads(1)
     if isinstance(init, ShmSpec):
         shm = ShmGroup(init, rank)
         try:
-            logits = _logits(Path(model_dir), TensorParallel(rank, size, shm=shm))
+            logits = _logits(Path(model_dir), TensorParallel(rank, size, shm=shm), quant)
             torch.save(logits, Path(out) / f"rank{rank}.pt")
         finally:
             shm.close()
         return
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
-        logits = _logits(Path(model_dir), TensorParallel(rank, size))
+        logits = _logits(Path(model_dir), TensorParallel(rank, size), quant)
         torch.save(logits, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _split(model_dir: Path, size: int, tmp_path: Path, comm: str) -> list[torch.Tensor]:
+def _split(
+    model_dir: Path, size: int, tmp_path: Path, comm: str, quant: QuantConfig | None = None
+) -> list[torch.Tensor]:
     """Every rank's logits of the model split over `size` processes; through shared memory,
     asserts that every rank's are bitwise the same (the ranks must never diverge)."""
     out = tmp_path / f"tp{size}"
     out.mkdir()
     if comm == "gloo":
         init = free_init_method()  # the engine's own rendezvous (TCP on loopback)
-        mp.spawn(_rank, args=(size, init, str(model_dir), str(out)), nprocs=size, join=True)
+        args = (size, init, str(model_dir), str(out), quant)
+        mp.spawn(_rank, args=args, nprocs=size, join=True)
         return [torch.load(out / f"rank{r}.pt") for r in range(size)]
     segment = ShmSegment(size, 60.0, mp.get_context("spawn"))
     try:
-        mp.spawn(_rank, args=(size, segment.spec, str(model_dir), str(out)), nprocs=size)
+        mp.spawn(_rank, args=(size, segment.spec, str(model_dir), str(out), quant), nprocs=size)
     finally:
         segment.close()
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(size)]

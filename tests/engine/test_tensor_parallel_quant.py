@@ -3,8 +3,8 @@ file's int4 blocks over two ranks give one rank's logits, each rank dequantizing
 of every tensor; int8 linears over two ranks; int4 groups that would straddle two ranks are
 refused naming the setting; a sliced GGUF read is the whole read, sliced.
 
-Separate from test_tensor_parallel.py (whose helpers `_logits` and `_split` load float weights)
-so the quantized cases carry their QuantConfig to every rank."""
+The split itself is test_tensor_parallel.py's (`_logits`, `_split`), each rank handed the
+QuantConfig."""
 
 from __future__ import annotations
 
@@ -15,79 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 
-from controlplane.engine.attention.backend import SeqSpan
-from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.engine.kv_cache import KVCache, KVCacheSpec
 from controlplane.engine.loader import load_model, load_model_config
 from controlplane.engine.model.quant import Int4Linear, Int8Embedding, Int8Linear, QuantConfig
 from controlplane.engine.parallel.tensor_parallel import TensorParallel, plan_shards, take_shard
-from controlplane.engine.parallel.workers import free_init_method
 from controlplane.engine.settings import EngineSettings
-
-# Ids below the tiny GGUF's 256-token vocabulary.
-PROMPT = [5, 17, 250, 3, 99, 100, 42, 7, 212, 64, 8, 11, 90, 13, 21, 34, 55, 89, 144]
-BLOCK = 8
-
-
-def _logits(model: Path, tp: TensorParallel | None, quant: QuantConfig) -> torch.Tensor:
-    """Logits of every prompt position, then of two greedy decode steps."""
-    cfg = load_model_config(model)
-    net = load_model(
-        model,
-        cfg,
-        torch.float32,
-        torch.device("cpu"),
-        64,
-        cpu_weight_packing=False,
-        quant=quant,
-        huge_pages=False,
-        tp=tp,
-    )
-    local = net.config
-    kv = KVCache(
-        KVCacheSpec(local.num_layers, local.num_kv_heads, local.head_dim, BLOCK, torch.float32),
-        num_blocks=4,
-        num_swap_blocks=0,
-        device=torch.device("cpu"),
-    )
-    backend = TorchPagedAttention(kv)
-    table = list(range(4))
-    ids, out = list(PROMPT), []
-    n = len(ids)
-    with torch.inference_mode():
-        meta = backend.prepare([SeqSpan(n, n, table)], torch.device("cpu"))
-        logits = net(torch.tensor(ids), torch.arange(n), backend, meta, torch.arange(n))
-        out.append(logits)
-        for _ in range(2):
-            ids.append(int(logits[-1].argmax()))
-            meta = backend.prepare([SeqSpan(1, len(ids), table)], torch.device("cpu"))
-            pos = torch.tensor([len(ids) - 1])
-            logits = net(torch.tensor(ids[-1:]), pos, backend, meta, torch.tensor([0]))
-            out.append(logits)
-    return torch.cat(out)
-
-
-def _rank(rank: int, size: int, init: str, model: str, quant: QuantConfig, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
-    try:
-        torch.save(_logits(Path(model), TensorParallel(rank, size), quant), f"{out}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _split(model: Path, quant: QuantConfig, tmp_path: Path) -> list[torch.Tensor]:
-    """Every rank's logits of the model split over two processes."""
-    out = tmp_path / "tp2"
-    out.mkdir()
-    args = (2, free_init_method(), str(model), quant, str(out))
-    mp.spawn(_rank, args=args, nprocs=2, join=True)
-    return [torch.load(out / f"{r}.pt") for r in range(2)]
+from tests.engine.test_tensor_parallel import _logits, _split
 
 
 def _quant(quantization: str, model: Path, **settings: object) -> QuantConfig:
@@ -168,7 +103,7 @@ def test_two_ranks_of_an_int4_gguf_compute_one_ranks_logits(tmp_path: Path) -> N
             expected = take_shard(f"{name}.weight", whole[name], plan, cfg)
             assert torch.equal(w, expected), name
     one = _logits(model, None, quant)
-    for logits in _split(model, quant, tmp_path):
+    for logits in _split(model, 2, tmp_path, "gloo", quant):
         assert float((logits - one).abs().max()) <= 1e-2 * float(one.abs().max())
 
 
@@ -186,7 +121,7 @@ def test_two_ranks_of_int8_linears_compute_close_to_one_ranks_logits(
     whole = _logits(tiny_model_dir, None, int8)
     floats = _logits(tiny_model_dir, None, QuantConfig())
     rounding = float((whole - floats).abs().max())
-    for logits in _split(tiny_model_dir, int8, tmp_path):
+    for logits in _split(tiny_model_dir, 2, tmp_path, "gloo", int8):
         assert float((logits - whole).abs().max()) <= rounding
         assert torch.equal(logits.argmax(-1), whole.argmax(-1))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from harness import write_config
+from harness import DaemonProcess, write_config
 from harness.recording import record_traffic
 
 
@@ -57,8 +57,9 @@ def test_a_replay_does_the_recorded_work(served, tmp_path: Path) -> None:
     small = tmp_path / "small.toml"
     small.write_text(config.read_text().replace("max_num_seqs = 8", "max_num_seqs = 2"))
     window = _window(since, until)
+    report = tmp_path / "replay.html"
     r = _replay("--db", url, "--config", str(config), "--config", str(small), *window,
-                "--speed", "20", "--json")  # fmt: skip
+                "--speed", "20", "--json", "--report", str(report))  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     recorded, replayed, narrow = out["figures"]
@@ -79,6 +80,9 @@ def test_a_replay_does_the_recorded_work(served, tmp_path: Path) -> None:
     # Two slots queue what eight served at once.
     assert narrow["queue_p99_ms"] > replayed["queue_p99_ms"]
     assert out["speed"] == 20
+    # The report: the table and a plot of each latency, one series a column.
+    page = report.read_text()
+    assert page.count("<svg") == 2 and "small.toml" in page and "TTFT p99 ms" in page
     # The table a person reads: one column each, every line named, and why requests failed
     # (one slot cannot sample the n = 2 request's two choices at once).
     single = tmp_path / "single.toml"
@@ -87,6 +91,19 @@ def test_a_replay_does_the_recorded_work(served, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "replayed at max speed" in r.stdout and "TTFT p99 ms" in r.stdout
     assert "single.toml: 1 failed:" in r.stdout and "max_num_seqs" in r.stdout, r.stdout
+    # Against the daemon itself, over HTTP (the client times it): the same work again.
+    d = DaemonProcess.start(config)
+    try:
+        r = _replay("--db", url, "--config", str(config), *window, "--url", d.url, "--json")
+    finally:
+        assert d.stop() == 0
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    remote = out["figures"][1]
+    assert remote["label"] == d.url and remote["failed"] == 0, remote["errors"]
+    assert remote["completion_tokens"] == recorded["completion_tokens"]
+    assert remote["ttft_p50_ms"] > 0 and remote["queue_p50_ms"] is None
+    assert any("no admin token" in note for note in out["notes"])
 
 
 def _insert(url: str, rows: list[dict]) -> None:

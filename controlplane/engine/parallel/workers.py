@@ -16,7 +16,7 @@ any failure of a step is fatal to the engine: `failure` turns it into a TensorPa
 naming the rank and the cause (exited with a code or a signal, an error it reported, or hung:
 it did not take the step within tensor_parallel_timeout_s, the collectives' timeout), the
 engine's step loop stops on it, and the daemon reports `dead` and exits non-zero. Each worker
-writes the last step it took into shared memory (`_taken`), which is how a hung rank is told
+writes the last step it took into shared memory (`WorkerChannel.taken`), which is how a hung rank is told
 from the ranks that wait on it in a collective.
 """
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOADING = -1  # a worker's `_taken` entry until its shard and KV cache are built
+LOADING = -1  # a worker's `taken` entry until its shard and KV cache are built
 
 
 class TensorParallelError(RuntimeError):
