@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from controlplane.planning.window import PlanningError
 from harness import DaemonProcess, write_config
 from harness.recording import record_traffic
 
@@ -178,3 +179,54 @@ def test_hostile_windows_are_clear_errors(
     assert "served by other; cp.toml serves" in fails(*_window(since, until), "--model", "other")
     assert "--until" in fails("--since", "1h", "--until", "2h")
     assert "--since: expected a duration like 24h" in fails("--since", "yesterday-ish")
+
+
+def _many_rows(url: str, n: int, model: str = "m") -> None:
+    """`n` request rows, one a millisecond, written by SQLite itself (a recursive CTE)."""
+    from controlplane.store import make_engine, upgrade
+
+    upgrade(url)
+    db = make_engine(url)
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                "WITH RECURSIVE k(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM k WHERE i + 1 < :n) "
+                "INSERT INTO requests (id, instance_id, model, endpoint, status, arrival_time, "
+                "prompt_tokens, completion_tokens, hour_bucket, day_bucket) "
+                "SELECT 'r' || i, 'i', :model, 'completions', 'success', "
+                # SQLAlchemy's own SQLite text: microseconds, six digits
+                "strftime('%Y-%m-%d %H:%M:%S', '2026-11-01', '+' || (i / 1000) || ' seconds') "
+                "|| '.' || printf('%06d', (i % 1000) * 1000), "
+                "10, 5, '2026-11-01T00', '2026-11-01' FROM k"
+            ),
+            {"n": n, "model": model},
+        )
+    db.dispose()
+
+
+def test_a_million_rows_are_refused_before_reading_and_a_large_read_shows_progress(
+    tmp_path: Path,
+) -> None:
+    from controlplane.planning.window import MAX_ROWS, read_window
+    from controlplane.store import make_engine
+
+    url = f"sqlite:///{tmp_path / 'big.db'}"
+    _many_rows(url, MAX_ROWS + 1)
+    db = make_engine(url)
+    since, until = datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 11, 2, tzinfo=UTC)
+    try:
+        with pytest.raises(
+            PlanningError, match=r"holds 1,000,001 rows of m, more than --max-rows \(1,000,000\)"
+        ):
+            read_window(db, since, until)
+        # A narrower window (25 s: 25,000 rows) is read in batches, with a counter each.
+        seen: list[tuple[int, int]] = []
+        window = read_window(
+            db, since, since + timedelta(seconds=25), progress=lambda *p: seen.append(p)
+        )
+    finally:
+        db.dispose()
+    assert len(window.rows) == 25_000 and window.span_s == pytest.approx(24.999, abs=1e-3)
+    assert [done for done, _ in seen] == [10_000, 20_000, 25_000] and {t for _, t in seen} == {
+        25_000
+    }
