@@ -129,15 +129,22 @@ def add_replay_parser(subparsers: Any) -> None:
         help="simulate on a cost model from `controlplane calibrate` instead of running the "
         "engine (seconds, not the window's duration)",
     )
-    p.set_defaults(func=_cmd_replay)
+    p.set_defaults(func=_command("replay", _run))
 
 
-def _cmd_replay(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except PlanningError as exc:
-        print(f"controlplane replay: {exc}", file=sys.stderr)
-        return 2
+def _command(
+    name: str, run: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """`run` as a command: a PlanningError is one line on stderr and exit status 2."""
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except PlanningError as exc:
+            print(f"controlplane {name}: {exc}", file=sys.stderr)
+            return 2
+
+    return command
 
 
 def _progress(what: str) -> Callable[[int, int], None]:
@@ -364,26 +371,21 @@ def add_calibrate_parser(subparsers: Any) -> None:
     )
     p.add_argument("--config", help="the config whose [engine] to calibrate (default: embedded)")
     p.add_argument("--out", required=True, help="where to write the cost model (JSON)")
-    p.set_defaults(func=_cmd_calibrate)
+    p.set_defaults(func=_command("calibrate", _calibrate))
 
 
-def _cmd_calibrate(args: argparse.Namespace) -> int:
+def _calibrate(args: argparse.Namespace) -> int:
     from controlplane.config import load_config
     from controlplane.planning.costmodel import calibrate
     from controlplane.planning.replay import engine_for
 
+    engine = engine_for(_model_settings(load_config(args.config)))
+    print("calibrating (about a minute) ...", file=sys.stderr, flush=True)
     try:
-        settings = _model_settings(load_config(args.config))
-        engine = engine_for(settings)
-        print("calibrating (about a minute) ...", file=sys.stderr, flush=True)
-        try:
-            cost = calibrate(engine)
-        finally:
-            engine.close()
-        cost.save(args.out)
-    except PlanningError as exc:
-        print(f"controlplane calibrate: {exc}", file=sys.stderr)
-        return 2
+        cost = calibrate(engine)
+    finally:
+        engine.close()
+    cost.save(args.out)
     print(
         f"{args.out}: base {cost.base_s * 1e3:.2f} ms a step, "
         f"{cost.per_prefill_token_s * 1e6:.1f} us a prompt token, "
@@ -407,15 +409,7 @@ def add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--cost-model", required=True, help="a cost model from `controlplane calibrate`")
     p.add_argument("--growth", type=float, default=1.0, help="traffic multiplier (default 1)")
     p.add_argument("--top", type=int, default=5, help="candidates listed (default 5)")
-    p.set_defaults(func=_cmd_plan, speed=1.0)
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        return _plan(args)
-    except PlanningError as exc:
-        print(f"controlplane plan: {exc}", file=sys.stderr)
-        return 2
+    p.set_defaults(func=_command("plan", _plan), speed=1.0)
 
 
 def _plan(args: argparse.Namespace) -> int:
