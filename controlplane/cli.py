@@ -24,7 +24,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from controlplane.config import default_model, load_config
+    from controlplane.config import load_config, serving_settings
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -35,8 +35,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, model=args.model)
     if args.dtype:
         settings = dataclasses.replace(settings, dtype=args.dtype)
-    if not settings.model:
-        settings = dataclasses.replace(settings, model=default_model(cfg))
+    settings = serving_settings(cfg, settings)
     from controlplane.engine import LLM, SamplingParams
 
     llm = LLM(settings.model, settings)

@@ -733,6 +733,14 @@ def default_model(cfg: Config) -> str:
     return str(write_demo_model(path, size="small"))
 
 
+def serving_settings(cfg: Config, settings: EngineSettings | None = None) -> EngineSettings:
+    """`settings` (default: the config's engine section) with an empty `engine.model` filled
+    with what `default_model` serves; the default model is looked up (and the demo model
+    written) only then."""
+    settings = cfg.engine if settings is None else settings
+    return settings if settings.model else dataclasses.replace(settings, model=default_model(cfg))
+
+
 def served_model_name_of(cfg: Config) -> str:
     """The name the model is served under, known before it loads: `server.model_name`, else
     derived from `engine.model` (or from what an empty one serves, as `default_model` picks it,

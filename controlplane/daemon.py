@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from controlplane.config import Config, default_model, served_model_name_of
+from controlplane.config import Config, served_model_name_of, serving_settings
 from controlplane.http.auth import AdminAuth, resolve_tokens
 from controlplane.runtime.config_file import ConfigFile
 from controlplane.runtime.live_config import FieldChange, LiveConfig
@@ -293,9 +292,7 @@ class Daemon:
         cpu_ops.configure(self.cfg.server.kernel_build_wait_s, self._stop_loading)
         self.runtime.cpu_kernels = cpu_ops.state
 
-        settings = self.cfg.engine
-        if not settings.model:  # SmolLM2 if installed, else the generated demo model
-            settings = dataclasses.replace(settings, model=default_model(self.cfg))
+        settings = serving_settings(self.cfg)  # SmolLM2 if installed, else the demo model
         self.runtime.model_name = self.runtime.model_name or served_model_name(settings.model)
         return AsyncEngine(Engine(settings, long_running=True))
 

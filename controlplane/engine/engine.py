@@ -193,7 +193,7 @@ class Engine:
     def rank_stats(self) -> list[RankStats] | None:
         """Each tensor-parallel rank's memory and recent step times; None without TP."""
         workers = self.runner.workers
-        return workers.ranks() if isinstance(workers, Workers) else None
+        return None if workers is None else workers.ranks()
 
     def check_ranks(self) -> None:
         """TensorParallelError naming a tensor-parallel worker that is gone; the step loop

@@ -15,6 +15,7 @@ from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.prompt_logprobs import rows_needed
 from controlplane.engine.scheduler import ScheduledSeq, SchedulerOutput
 from controlplane.engine.sequence import Sequence
+from controlplane.engine.types import RankStats
 
 # Rows of a step's input ids and the tokens they take from the device (asynchronous scheduling).
 Fed = tuple[torch.Tensor, torch.Tensor]
@@ -49,6 +50,8 @@ class StepSink(Protocol):
     def send(self, inputs: StepInputs, fed: torch.Tensor | None) -> None: ...
 
     def ran(self) -> None: ...
+
+    def ranks(self) -> list[RankStats]: ...
 
     def check(self) -> None: ...
 

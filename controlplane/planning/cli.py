@@ -221,13 +221,6 @@ def _setup(args: argparse.Namespace) -> _Setup:
     return _Setup(window, configs, slo, hourly)
 
 
-def _model_settings(cfg: Config) -> EngineSettings:
-    from controlplane.config import default_model
-    from controlplane.planning.replay import with_model
-
-    return with_model(cfg.engine, default_model(cfg))
-
-
 def _simulated_workload(
     setup: _Setup, settings: EngineSettings, cost: CostModel, seed: int
 ) -> Workload:
@@ -243,6 +236,7 @@ def _simulated_workload(
 
 
 def _run(args: argparse.Namespace) -> int:
+    from controlplane.config import serving_settings
     from controlplane.planning.costmodel import CostModel
     from controlplane.planning.replay import engine_for, replay
     from controlplane.planning.simulate import simulate
@@ -260,7 +254,7 @@ def _run(args: argparse.Namespace) -> int:
             "--url replays against one daemon: give its one --config, no --simulate"
         )
     for label, cfg in setup.configs:
-        settings = _model_settings(cfg)
+        settings = serving_settings(cfg)
         if args.url:
             from controlplane.engine.simulation import model_shape
             from controlplane.planning.remote import replay_url
@@ -375,11 +369,11 @@ def add_calibrate_parser(subparsers: Any) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from controlplane.config import load_config
+    from controlplane.config import load_config, serving_settings
     from controlplane.planning.costmodel import calibrate
     from controlplane.planning.replay import engine_for
 
-    engine = engine_for(_model_settings(load_config(args.config)))
+    engine = engine_for(serving_settings(load_config(args.config)))
     print("calibrating (about a minute) ...", file=sys.stderr, flush=True)
     try:
         cost = calibrate(engine)
@@ -413,12 +407,13 @@ def add_plan_parser(subparsers: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from controlplane.config import serving_settings
     from controlplane.planning.costmodel import CostModel
     from controlplane.planning.plan import MAX_INSTANCES, headroom, plan
 
     setup = _setup(args)
     cost = CostModel.load(args.cost_model)
-    base = _model_settings(setup.configs[0][1])
+    base = serving_settings(setup.configs[0][1])
     workload = _simulated_workload(setup, base, cost, args.seed)
     found = plan(workload, base, cost, args.growth, setup.slo, setup.hourly_usd)
     best = found[0]

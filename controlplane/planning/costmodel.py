@@ -106,11 +106,6 @@ class CostModel:
             )
 
 
-def fingerprint(engine: Engine) -> Fingerprint:
-    """Where a cost model is fit: `engine`'s settings on this machine."""
-    return fingerprint_of_settings(engine.settings)
-
-
 def fingerprint_of_settings(settings: EngineSettings) -> Fingerprint:
     """This machine's fingerprint for `settings`' engine, without building it: dtype and
     quantization as the settings give them ("auto" when they leave them to the engine, which
@@ -211,7 +206,7 @@ def fit(samples: list[StepSample], engine: Engine) -> CostModel:
         per_prefill_token_s=float(coef[1]),
         per_decode_row_s=float(coef[2]),
         per_context_kilotoken_s=float(coef[3]),
-        fingerprint=fingerprint(engine),
+        fingerprint=fingerprint_of_settings(engine.settings),
         num_kv_blocks=engine.block_pool.num_blocks,
         block_size=engine.settings.block_size,
         kv_bytes_per_block=spec.bytes_per_block,

@@ -12,7 +12,6 @@ traffic met a warm daemon (unless it was recorded right after a start).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,8 +144,3 @@ async def replay(
         accepted_draft_tokens=after.spec_decode_num_accepted_tokens_total
         - before.spec_decode_num_accepted_tokens_total,
     )
-
-
-def with_model(settings: EngineSettings, model: str) -> EngineSettings:
-    """`settings` serving `model` where the config leaves it empty (the daemon's default)."""
-    return settings if settings.model else dataclasses.replace(settings, model=model)

@@ -34,8 +34,15 @@ class Slo:
         return self.ttft_ms > 0 or self.itl_ms > 0
 
     def met(self, ttft_s: float | None, itl_s: float | None) -> bool:
-        ok_ttft = self.ttft_ms <= 0 or (ttft_s is not None and ttft_s * 1000 <= self.ttft_ms)
-        ok_itl = self.itl_ms <= 0 or itl_s is None or itl_s * 1000 <= self.itl_ms
+        return self.met_ms(
+            None if ttft_s is None else ttft_s * 1000, None if itl_s is None else itl_s * 1000
+        )
+
+    def met_ms(self, ttft_ms: float | None, itl_ms: float | None) -> bool:
+        """Within the targets: a TTFT is required where there is a TTFT target; a missing ITL
+        (one token) meets any."""
+        ok_ttft = self.ttft_ms <= 0 or (ttft_ms is not None and ttft_ms <= self.ttft_ms)
+        ok_itl = self.itl_ms <= 0 or itl_ms is None or itl_ms <= self.itl_ms
         return ok_ttft and ok_itl
 
 
