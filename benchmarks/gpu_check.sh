@@ -22,6 +22,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# Run from the source tree (nothing is installed there): the migrations ship as
+# controlplane.migrations only through pyproject's package-dir mapping, which a plain PYTHONPATH
+# lacks (the daemon check failed on it: ModuleNotFoundError, 2026-11-29). A link in this copy.
+[ -e controlplane/migrations ] || ln -s ../migrations controlplane/migrations
 TOTAL_S=${TOTAL_S:-560}
 LOG="$OUT/gpu_check.log"
 # cap N: N, or the seconds left if fewer (at least 1: `timeout 0` would mean no limit).
