@@ -11,6 +11,7 @@ injected as dependencies; and /metrics (controlplane.admin.stats_routes).
     fleet_routes      GET /admin/fleet
     cost_routes       GET /admin/costs, /admin/utilization
     stats_routes      GET /admin/stats (and GET /metrics, outside /admin)
+    simulate_routes   POST /admin/simulate (a change's effect on recent traffic, simulated)
     event_routes      GET /admin/events (Server-Sent Events)
 """
 
@@ -31,6 +32,7 @@ from controlplane.admin.fleet_routes import FleetController
 from controlplane.admin.key_routes import KeysController
 from controlplane.admin.operation_routes import OperationsController
 from controlplane.admin.request_routes import RequestsController
+from controlplane.admin.simulate_routes import SimulateController
 from controlplane.admin.stats_routes import StatsController, metrics_handler
 from controlplane.admin.support import FinishedLookup
 from controlplane.http.auth import fleet_answers
@@ -58,6 +60,7 @@ def admin_router(runtime: Runtime, finished: Callable[[str], str | None] | None 
             AutopilotController,
             FleetController,
             CostsController,
+            SimulateController,
         ],
         dependencies={
             # The same objects for every request: no per-request construction, no thread.

@@ -189,6 +189,13 @@ class AdminClient:
             "PATCH", "/admin/config", json=body, headers=headers, params=params
         )
 
+    async def simulate(self, body: dict[str, Any], window_s: float = 900.0) -> dict[str, Any]:
+        """What the change `body` (as patch_config takes it) would do to the last `window_s`
+        of traffic, simulated (POST /admin/simulate); nothing is applied."""
+        return await self._request(
+            "POST", "/admin/simulate", json=body, params={"window_s": window_s}, timeout=60.0
+        )
+
     async def patch_fleet_config(self, body: dict[str, Any]) -> dict[str, Any]:
         """A fleet-wide change through this daemon (PATCH ?scope=fleet)."""
         return await self._request(

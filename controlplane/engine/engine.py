@@ -378,10 +378,16 @@ class Engine:
         if why is None:
             outputs, launched, sampled = self._overlap.step()
             self._step += 1
-            prefill, decode = (
-                (launched.num_prefill_tokens, launched.num_decode_tokens) if launched else (0, 0)
+            work = (
+                (
+                    launched.num_prefill_tokens,
+                    launched.num_decode_tokens,
+                    launched.num_context_tokens,
+                )
+                if launched
+                else (0, 0, 0)
             )
-            self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
+            self._stats = self._snapshot(*work, sampled, time.perf_counter() - t0)
             return outputs
         # Synchronous: the step in flight (asynchronous scheduling) ends first.
         if why != "off":
@@ -391,7 +397,11 @@ class Engine:
         now = time.time()
         sched = self.scheduler.schedule(now)
         sampled = 0
-        prefill, decode = sched.num_prefill_tokens, sched.num_decode_tokens
+        prefill, decode, context = (
+            sched.num_prefill_tokens,
+            sched.num_decode_tokens,
+            sched.num_context_tokens,
+        )
         if not sched.is_empty:
             job = self._start_masks(sched)  # computed while the forward runs
             try:
@@ -399,7 +409,7 @@ class Engine:
             except Exception as exc:
                 self.masks.finish(job)  # the worker must be done with the matchers
                 outputs += self._fail_step(sched, exc)
-                prefill, decode = 0, 0  # nothing was computed
+                prefill, decode, context = 0, 0, 0  # nothing was computed
             else:
                 try:
                     sampled = self._after_forward(sched, logits, seqs, job, outputs)
@@ -415,7 +425,7 @@ class Engine:
                     self.draft.rollback(seq)
         self._drafted = []
         self._step += 1
-        self._stats = self._snapshot(prefill, decode, sampled, time.perf_counter() - t0)
+        self._stats = self._snapshot(prefill, decode, context, sampled, time.perf_counter() - t0)
         return outputs
 
     def _after_forward(
@@ -739,7 +749,9 @@ class Engine:
             "async_steps_total": self._overlap.steps,
         }
 
-    def _snapshot(self, prefill: int, decode: int, sampled: int, duration: float) -> StepStats:
+    def _snapshot(
+        self, prefill: int, decode: int, context: int, sampled: int, duration: float
+    ) -> StepStats:
         last = self._stats
         running = len(self.scheduler.running)
         return StepStats(
@@ -752,6 +764,7 @@ class Engine:
             time=time.time(),
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
+            num_context_tokens=context,
             num_sampled_tokens=sampled,
             step_duration=duration,
             **self._gauges(),

@@ -51,6 +51,9 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Tokens the scheduled rows attend to once the step has run (each row's context after it):
+    # the attention part of a step's cost (planning's cost model fits on it).
+    num_context_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -353,15 +356,17 @@ class Scheduler:
         scheduled += [ScheduledSeq(seq, 1) for seq in singles]
         if len(singles) < len(chosen):
             scheduled += [ScheduledSeq(seq, n) for seq, n in chosen.items() if n > 1]
-        decode_tokens = prefill_tokens = 0
+        decode_tokens = prefill_tokens = context_tokens = 0
         for item in scheduled:
             # A decode feeds back the token sampled last step; everything else is (re)prefill.
             seq = item.seq
+            context_tokens += seq.num_computed_tokens + item.num_new_tokens
             if seq.output_token_ids and seq.num_uncomputed == 1:
                 decode_tokens += item.num_new_tokens  # with any draft tokens
             else:
                 prefill_tokens += item.num_new_tokens
         out.num_decode_tokens, out.num_prefill_tokens = decode_tokens, prefill_tokens
+        out.num_context_tokens = context_tokens
         return out
 
     def _admit_waiting(

@@ -116,8 +116,7 @@ def run_schedule(
         steps += 1
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        context = sum(item.seq.num_computed_tokens for item in out.scheduled)
-        now += step_s(out.num_prefill_tokens, out.num_decode_tokens, context)
+        now += step_s(out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens)
         peak = max(peak, pool.num_used / pool.num_blocks)
         for item in out.scheduled:
             seq = item.seq
@@ -209,8 +208,7 @@ def timed_schedule(engine: Engine) -> Iterator[list[tuple[float, int, int, int]]
         t = time.perf_counter()
         out = real(now)
         if not out.is_empty:
-            context = sum(i.seq.num_computed_tokens + i.num_new_tokens for i in out.scheduled)
-            calls.append((t, out.num_prefill_tokens, out.num_decode_tokens, context))
+            calls.append((t, out.num_prefill_tokens, out.num_decode_tokens, out.num_context_tokens))
         return out
 
     scheduler.schedule = recording  # type: ignore[method-assign]

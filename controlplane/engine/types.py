@@ -76,6 +76,7 @@ class StepStats:
     step_duration: float  # seconds inside step(), forward included
     num_preemptions: int  # cumulative
     num_finished: int  # cumulative
+    num_context_tokens: int = 0  # the scheduled rows' contexts after the step (SchedulerOutput)
     # Cumulative since start: a sampler differences two snapshots, exactly, whatever happened
     # in between (no need to see every step).
     busy_s_total: float = 0.0  # time inside step()

@@ -12,11 +12,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
+from textual.timer import Timer
 from textual.widgets import Button, Input, Label, Select, Static
 
 from controlplane.client.admin import APIError, ClientError
 from controlplane.tui.tune_fields import SECTION_NOTES, FormField, field_key, flag, fmt, form_fields
-from controlplane.tui.tune_preview import preview
+from controlplane.tui.tune_preview import preview, simulation_lines
 
 
 class TuneScreen(ModalScreen[dict[str, Any] | None]):
@@ -44,6 +45,8 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
         *,
         on_applied: Callable[[dict[str, Any]], None] | None = None,
         preview_interval: float = 1.0,
+        simulate_after: float = 0.6,
+        simulate_window_s: float = 900.0,
     ) -> None:
         super().__init__()
         self.client = client
@@ -53,6 +56,11 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
         self.fields = {k: dict(v) for k, v in fields.items()}
         self._stats = stats
         self.preview_interval = preview_interval
+        # The simulator runs once typing pauses this long (each run simulates the window twice
+        # in the daemon: not at every keystroke), on the last `simulate_window_s` of traffic.
+        self.simulate_after = simulate_after
+        self.simulate_window_s = simulate_window_s
+        self._sim_timer: Timer | None = None
         self.form = form_fields(self.fields)
         self.by_key = {f.key: f for f in self.form}
         self.by_dom = {f.dom: f for f in self.form}
@@ -125,6 +133,7 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
                         yield Static(field.range_text(), classes="field-range")
                     yield Static("", id=f"err-{field.dom}", classes="field-error")
             yield Static("", id="tune-preview")
+            yield Static("", id="tune-sim")  # shown once the simulator has something to say
             yield Static("", id="tune-status")
             with Horizontal(classes="buttons"):
                 yield Button("Apply (ctrl+s)", variant="primary", id="apply", compact=True)
@@ -147,6 +156,7 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
         for field in self.form:
             self._note(field)
         self.show_preview()
+        self._show_simulation("")
         self.set_interval(self.preview_interval, self.show_preview)  # follows the stats
         first = next((f for f in self.form if f.number), None)
         if first is not None:
@@ -199,6 +209,41 @@ class TuneScreen(ModalScreen[dict[str, Any] | None]):
         self.api_errors.pop(field.key, None)
         self._note(field)
         self.show_preview()
+        # The prediction on screen was for other values: gone at once, asked again once
+        # typing pauses.
+        self.workers.cancel_group(self, "simulate")
+        self._show_simulation("")
+        if self._sim_timer is not None:
+            self._sim_timer.stop()
+        self._sim_timer = self.set_timer(self.simulate_after, self._ask_simulator)
+
+    def _show_simulation(self, text: str) -> None:
+        sim = self.query_one("#tune-sim", Static)
+        sim.update(text)
+        sim.display = bool(text)  # no empty line between the preview and the status
+
+    def _ask_simulator(self) -> None:
+        body = self.changes()
+        if not body or self.errors():
+            return
+        self._show_simulation("[dim]simulating the change on the last window of traffic…[/]")
+        self.simulate(body)
+
+    @work(exclusive=True, group="simulate")
+    async def simulate(self, body: dict[str, Any]) -> None:
+        """The simulator's prediction for `body` (a later edit cancels this one)."""
+        try:
+            answer = await self.client.simulate(body, self.simulate_window_s)
+        except APIError as exc:
+            # 409: nothing to simulate yet (no traffic, too few steps); 422: a refused value
+            # (its row says so once applied); the form works without the simulator either way.
+            self._show_simulation(f"[dim]simulator: {escape(exc.message)}[/]")
+            return
+        except ClientError as exc:
+            self._show_simulation(f"[dim]simulator unreachable: {escape(str(exc))}[/]")
+            return
+        lines = simulation_lines(answer, self.simulate_window_s)
+        self._show_simulation("\n".join([f"[b]{escape(lines[0])}[/]", *map(escape, lines[1:])]))
 
     @on(Input.Changed)
     def _input_changed(self, event: Input.Changed) -> None:

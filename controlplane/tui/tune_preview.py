@@ -1,5 +1,6 @@
 """The tuning form's preview (no Textual): one line per changed setting saying what the change
-would do now, from the latest stats."""
+would do now, from the latest stats; and the simulator's prediction for the whole change on the
+last window of traffic (POST /admin/simulate)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,37 @@ def _queue_line(n: str, new: Any, up: bool, queue: int | None) -> str:
         return f"raising max_queue_len to {n}: more requests wait (longer TTFT) instead of a 429"
     now = "" if queue is None else f" (queue now {queue})"
     return f"lowering max_queue_len to {n}{now}: a request that would wait beyond {n} gets 429"
+
+
+# (title, figure, format) of the simulator's line: what an operator tunes against.
+_SIMULATED = (
+    ("TTFT p99", "ttft_p99_ms", "{:,.0f} ms"),
+    ("ITL p99", "itl_p99_ms", "{:,.1f} ms"),
+    ("throughput", "throughput_tok_s", "{:,.0f} tok/s"),
+    ("preemptions", "preemptions", "{:,}"),
+    ("SLO met", "slo_attainment", "{:.0%}"),
+)
+
+
+def simulation_lines(answer: dict[str, Any], window_s: float) -> list[str]:
+    """POST /admin/simulate's answer as the form shows it: what was simulated, then each figure
+    now -> with the change (both simulated: the recorded figures are another machine state's
+    measurement, not the baseline of a prediction)."""
+    window = answer.get("window") or {}
+    cost = answer.get("cost_model") or {}
+    now, new = answer.get("now") or {}, answer.get("proposed") or {}
+    head = (
+        f"simulated on the last {window_s / 60:g} min ({window.get('requests', 0):,} requests; "
+        f"cost model of {cost.get('samples', 0):,} steps, rms {cost.get('rms_error_ms', 0):g} ms):"
+    )
+    parts = []
+    for title, name, form in _SIMULATED:
+        a, b = now.get(name), new.get(name)
+        if a is None and b is None:
+            continue
+        shown = [("-" if v is None else form.format(v)) for v in (a, b)]
+        parts.append(f"{title} {shown[0]} -> {shown[1]}")
+    lines = [head, " · ".join(parts)]
+    if answer.get("not_simulated"):
+        lines.append("not simulated: " + ", ".join(answer["not_simulated"]))
+    return lines

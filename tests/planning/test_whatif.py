@@ -5,6 +5,8 @@ simulate."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,8 +14,11 @@ import pytest
 
 from controlplane.engine.types import StepStats
 from controlplane.planning.whatif import samples_of
+from controlplane.tui.dashboard_app import DashboardApp
+from controlplane.tui.tune import TuneScreen
 from harness import InProcessDaemon, wait_rows
 from harness.config import ADMIN_TOKEN
+from tests.tui.test_tui import wait_until
 
 REQUESTS = 8
 
@@ -56,9 +61,9 @@ def test_before_any_traffic_it_says_what_is_missing(daemon: InProcessDaemon) -> 
     assert "serve some traffic first" in r.json()["error"]["message"]
 
 
-def test_a_change_is_simulated_on_the_served_traffic_and_not_applied(
-    daemon: InProcessDaemon,
-) -> None:
+@pytest.fixture(scope="module")
+def served(daemon: InProcessDaemon) -> InProcessDaemon:
+    """The daemon once it has served REQUESTS concurrent requests, their rows final."""
     with daemon.client() as c:
 
         def one(i: int) -> None:
@@ -73,8 +78,13 @@ def test_a_change_is_simulated_on_the_served_traffic_and_not_applied(
         daemon.cfg.store_url,
         lambda rows: len(rows) >= REQUESTS and all(r["status"] != "running" for r in rows),
     )
+    return daemon
 
-    with daemon.client(ADMIN_TOKEN) as c:
+
+def test_a_change_is_simulated_on_the_served_traffic_and_not_applied(
+    served: InProcessDaemon,
+) -> None:
+    with served.client(ADMIN_TOKEN) as c:
         r = _simulate(c, {"engine": {"max_num_seqs": 1}, "server": {"max_queue_len": 50}})
         assert r.status_code == 200, r.text
         got = r.json()
@@ -117,3 +127,34 @@ def test_refusals_name_the_field(
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert names in (error.get("param") or "") + error["message"]
+
+
+def test_the_tuning_form_shows_the_simulators_prediction(served: InProcessDaemon) -> None:
+    """Typing a value in the TUI's tuning form asks the simulator once typing pauses: the
+    prediction for the whole change sits below the preview, before anything is applied."""
+
+    async def main() -> None:
+        app = DashboardApp(served.url, ADMIN_TOKEN)
+        async with app.run_test(size=(120, 50)) as pilot:
+            await wait_until(pilot, lambda: app.dashboard.fields, 5, "config loaded")
+            await pilot.press("t")
+            form = await wait_until(
+                pilot, lambda: isinstance(app.screen, TuneScreen) and app.screen
+            )
+            sim = form.query_one("#tune-sim")
+            form.query_one("#in-max_num_seqs").value = "1"
+            await wait_until(pilot, lambda: "->" in str(sim.render()), 30, "prediction shown")
+            text = str(sim.render())
+            assert f"simulated on the last 15 min ({REQUESTS} requests" in text, text
+            ttft = re.search(r"TTFT p99 ([\d,]+) ms -> ([\d,]+) ms", text)
+            assert ttft is not None, text
+            before, after = (float(g.replace(",", "")) for g in ttft.groups())
+            assert after > 3 * before, text
+            assert "not simulated" not in text
+            # Back to the value in force: nothing to simulate, the line clears.
+            form.query_one("#in-max_num_seqs").value = "8"
+            await wait_until(pilot, lambda: str(sim.render()) == "", 10, "prediction cleared")
+        with served.client(ADMIN_TOKEN) as c:
+            assert c.get("/admin/config").json()["fields"]["engine.max_num_seqs"]["value"] == 8
+
+    asyncio.run(main())

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from controlplane.client.admin import APIError
 from controlplane.tui.dashboard_app import DashboardApp
 
 
@@ -150,6 +151,10 @@ class FakeClient:
                 "autopilot.itl_p99_ms": f(80.0, "api"),
             }
         }
+
+    async def simulate(self, body: dict[str, Any], window_s: float = 900.0) -> dict[str, Any]:
+        # What a daemon with no recent traffic answers (the tuning form says it and goes on).
+        raise APIError(409, "no request rows arrived in the window: nothing to replay")
 
     async def history(self, limit: int = 50) -> dict[str, Any]:
         def e(i: int, t: str, src: str, actor: Any, field: str, old: Any, new: Any) -> dict:
