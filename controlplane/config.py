@@ -236,6 +236,11 @@ class AutopilotSettings:
     operator_hold_s: float = bounded(600.0, 0, MAX_INTERVAL_S)
     # It turns itself off after this many changes in a row that improved nothing.
     give_up_after: int = bounded(6, 1, 1000)
+    # Before moving a knob the simulator models (max_num_seqs, max_num_batched_tokens,
+    # prefill_chunk_size), simulate the step on the last max(window_s, 60) s of traffic
+    # (POST /admin/simulate's what-if) and take it only where the simulator predicts it helps;
+    # otherwise try the next knob (docs/planning.md#what-if, figures: docs/benchmarks.md#slo-autopilot).
+    simulate_first: bool = False
     # Bounds of what it may set.
     max_num_seqs_min: int = bounded(1, 1, MAX_AUTOPILOT_BOUND)
     max_num_seqs_max: int = bounded(256, 1, MAX_AUTOPILOT_BOUND)

@@ -15,12 +15,15 @@ State it keeps between decisions (the decision function itself is pure):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from controlplane.autopilot.foresight import aimed_at, verdict
 from controlplane.autopilot.policy import (
     KNOBS,
     LATENCY,
@@ -246,16 +249,23 @@ class Autopilot:
                 f"its last {self.fruitless} changes improved nothing (autopilot.give_up_after)"
             )
             return None
-        decision = revert or decide(
-            window,
-            knobs,
-            a.bounds(),
-            targets,
-            pinned=frozenset(k for k, until in self.pins.items() if until > now),
-            ceilings={k: v for k, (v, until) in self.ceilings.items() if until > now},
-            floors={k: v for k, (v, until) in self.floors.items() if until > now},
-            policy=Policy(min_requests=a.min_requests, headroom=a.headroom),
-        )
+
+        def choose(vetoed: dict[str, str] | None = None) -> Decision:
+            return decide(
+                window,
+                knobs,
+                a.bounds(),
+                targets,
+                pinned=frozenset(k for k, until in self.pins.items() if until > now),
+                ceilings={k: v for k, (v, until) in self.ceilings.items() if until > now},
+                floors={k: v for k, (v, until) in self.floors.items() if until > now},
+                policy=Policy(min_requests=a.min_requests, headroom=a.headroom),
+                vetoed=vetoed,
+            )
+
+        decision = revert or choose()
+        if revert is None and decision.changes and a.simulate_first:
+            decision = await self._simulate_first(decision, choose, targets)
         record = Record(
             now,
             decision.reason,
@@ -280,6 +290,45 @@ class Autopilot:
             {"type": "autopilot", "state": self.state, "decision": record.to_dict()}
         )
         return record
+
+    async def _simulate_first(
+        self,
+        decision: Decision,
+        choose: Callable[[dict[str, str]], Decision],
+        targets: Targets,
+    ) -> Decision:
+        """`decision`, or the policy's next choice, once the simulator predicts that it helps
+        (controlplane/autopilot/foresight.py); a knob it does not model moves unsimulated, and
+        where nothing can be simulated (too little traffic, the store not open) the decision
+        stands as the policy made it, saying so."""
+        from controlplane.errors import FieldError
+        from controlplane.planning.whatif import SIMULATED
+        from controlplane.planning.window import PlanningError
+        from controlplane.runtime.store_handle import StoreNotOpenError
+
+        window_s = max(self.runtime.cfg.autopilot.window_s, 60.0)
+        vetoed: dict[str, str] = {}
+        while decision.changes and f"engine.{decision.knob}" in SIMULATED:
+            try:
+                sim = await self.runtime.what_if(
+                    {f"engine.{decision.knob}": decision.new}, window_s
+                )
+            except (PlanningError, FieldError, StoreNotOpenError) as exc:
+                return dataclasses.replace(
+                    decision, reason=f"{decision.reason} (not simulated: {exc})"
+                )
+            why_not = verdict(decision, sim.now, sim.proposed, targets)
+            if why_not is None:
+                metric = aimed_at(decision) or "ttft_p99_ms"
+                before, after = getattr(sim.now, metric), getattr(sim.proposed, metric)
+                if before is not None and after is not None:
+                    name = metric.removesuffix("_ms").replace("_", " ")
+                    note = f"simulated {name} {before:,.0f} -> {after:,.0f} ms"
+                    decision = dataclasses.replace(decision, reason=f"{decision.reason} ({note})")
+                return decision
+            vetoed[decision.knob] = why_not
+            decision = choose(vetoed)
+        return decision
 
     async def _apply(self, decision: Decision, window: Window, now: float) -> bool:
         from controlplane.runtime.live_config import ConfigChangeError

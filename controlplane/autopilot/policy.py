@@ -116,10 +116,12 @@ def _move(
     policy: Policy,
     in_effect: Mapping[str, float] | None = None,
     floors: Mapping[str, int] | None = None,
+    vetoed: Mapping[str, str] | None = None,
 ) -> Decision:
     """The first candidate that can move in `direction`; a hold that says why none can.
     `in_effect`: a knob's value as the engine feels it, where less than its setting (a chunk
-    larger than any prompt acts as the prompt's size); a step down starts from there."""
+    larger than any prompt acts as the prompt's size); a step down starts from there.
+    `vetoed`: knobs not to move this time, with why (the simulator predicted no gain)."""
     blocked = []
     for knob in candidates:
         if knob not in knobs or knob not in bounds:
@@ -128,6 +130,9 @@ def _move(
         lo, hi = bounds[knob]
         if knob in pinned:
             blocked.append(f"{knob} pinned by an operator")
+            continue
+        if vetoed and knob in vetoed:
+            blocked.append(f"{knob}: {vetoed[knob]}")
             continue
         start = old
         if direction == LATENCY and in_effect and knob in in_effect:
@@ -169,10 +174,12 @@ def decide(
     ceilings: Mapping[str, int] | None = None,
     floors: Mapping[str, int] | None = None,
     policy: Policy = Policy(),
+    vetoed: Mapping[str, str] | None = None,
 ) -> Decision:
     """One decision for the last window: which knob to move, or why nothing moves.
     `ceilings` / `floors`: values not to climb back to / go below again (the runner learns
-    them from changes that missed a target or made things worse)."""
+    them from changes that missed a target or made things worse); `vetoed`: knobs not to move
+    this time, with why (the runner's simulator found the move would not help)."""
     ceilings = ceilings or {}
     if targets.ttft_p99_ms is None and targets.itl_p99_ms is None:
         return Decision("no target set (autopilot.ttft_p99_ms, autopilot.itl_p99_ms): holding")
@@ -199,7 +206,7 @@ def decide(
         if value
     }
     move = lambda cands, direction, why: _move(  # noqa: E731
-        cands, direction, why, knobs, bounds, pinned, ceilings, policy, in_effect, floors
+        cands, direction, why, knobs, bounds, pinned, ceilings, policy, in_effect, floors, vetoed
     )
     if itl_missed:
         why = f"itl_p99 {_fmt(window.itl_p99_ms)} > {_fmt(targets.itl_p99_ms)} target"

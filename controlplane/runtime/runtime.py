@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from controlplane.common import percentile
@@ -57,6 +57,7 @@ from controlplane.tenants.usage import KeyUsage
 
 if TYPE_CHECKING:
     from controlplane.engine.types import StepStats
+    from controlplane.planning.whatif import WhatIf
     from controlplane.runtime.config_file import ConfigFile
 
 log = logging.getLogger("controlplane.daemon")  # same logger as before the split: same log lines
@@ -64,6 +65,9 @@ log = logging.getLogger("controlplane.daemon")  # same logger as before the spli
 COUNTER_WINDOW_S = 60.0  # /admin/stats: hit and acceptance rates over the last minute
 # StepStats kept (about one a second): the counter window twice over, and the autopilot's
 # widest window (autopilot.max_window_s is at most this).
+# Rows a what-if's window may hold: the simulation runs twice in the daemon (a worker thread), at
+# about 2 ms a request on a 2-core CPU (docs/benchmarks.md#simulator-accuracy).
+WHAT_IF_MAX_ROWS = 20_000
 HISTORY_S = 600
 
 
@@ -404,6 +408,46 @@ class Runtime:
             self.metrics.observe_steps(steps)
             if not self._history or steps[-1].time - self._history[-1].time >= 1.0:
                 self._history.append(steps[-1])
+
+    # -- what-if: a change simulated on the last window of traffic -----------------------------
+    async def what_if(self, changes: Mapping[str, Any], window_s: float) -> WhatIf:
+        """What `changes` (dotted live fields, validated here: ConfigChangeError, FieldError
+        naming the field) would do to the requests of the last `window_s` seconds, simulated
+        under the settings in force and with the change (controlplane/planning/whatif.py).
+        PlanningError while there is nothing to simulate; RuntimeError before the model loads;
+        StoreNotOpenError before the store opens."""
+        from controlplane.planning.summary import Slo
+        from controlplane.planning.whatif import live_cost_model, proposed_settings, what_if
+        from controlplane.planning.window import read_window
+
+        self.check_config(changes, "api")
+        aeng = self.engine.aengine
+        if aeng is None:
+            raise RuntimeError("the model is still loading")
+        engine = aeng.engine
+        now_settings = engine.settings
+        proposed_settings(now_settings, changes)
+        cost = live_cost_model(engine, self.engine.recent_steps())
+        until = datetime.now(UTC)
+        window = await self.store.read(
+            read_window,
+            until - timedelta(seconds=window_s),
+            until,
+            model=self.model_name,
+            max_rows=WHAT_IF_MAX_ROWS,
+        )
+        cfg = self.cfg
+        return await asyncio.to_thread(
+            what_if,
+            window,
+            now_settings,
+            changes,
+            cost,
+            engine.model_config.vocab_size,
+            engine.max_model_len,
+            Slo(cfg.autopilot.ttft_p99_ms, cfg.autopilot.itl_p99_ms),
+            cfg.jobs.gpu_hourly_usd * max(1, cfg.jobs.num_gpus),
+        )
 
     # -- config: the one audited change path -----------------------------------------------------
     def check_config(self, changes: Mapping[str, Any], source: str) -> list[FieldChange]:

@@ -257,6 +257,27 @@ CASES = [
         "max_num_seqs 32 -> 35",
     ),
     (
+        "a knob the simulator vetoed: the next candidate moves",
+        w(itl_p99_ms=142),
+        BOTH,
+        {"vetoed": {"max_num_seqs": "simulated itl p99 140 -> 141 ms, no gain"}},
+        ("prefill_chunk_size", 384, LATENCY),
+        "prefill_chunk_size 512 -> 384",
+    ),
+    (
+        "every candidate vetoed: a hold that gives the simulator's reasons",
+        w(itl_p99_ms=142),
+        BOTH,
+        {
+            "vetoed": {
+                "max_num_seqs": "simulated itl p99 140 -> 141 ms, no gain",
+                "prefill_chunk_size": "simulated itl p99 140 -> 139 ms, no gain",
+            }
+        },
+        None,
+        "max_num_seqs: simulated itl p99 140 -> 141 ms, no gain; prefill_chunk_size: simulated",
+    ),
+    (
         "just below the ceiling: hold",
         w(queue_length=3, batch_fill=0.95),
         BOTH,
