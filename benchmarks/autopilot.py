@@ -156,7 +156,8 @@ def score(results: list[dict], wall: float, ttft_ms: float, itl_ms: float) -> di
 
 
 def oscillation(decisions: list[dict], bounds: list[float]) -> dict[str, Any]:
-    """Changes per phase, and direction reversals of a knob inside one phase."""
+    """Changes per phase, direction reversals of a knob inside one phase, and each phase's
+    settling time: seconds from the phase's start to its last change (0: none)."""
     changes = [d for d in reversed(decisions) if d.get("applied")]
     t0 = changes[0]["time"] - 1 if changes else 0
     per_phase: dict[int, list[dict]] = {}
@@ -173,6 +174,9 @@ def oscillation(decisions: list[dict], bounds: list[float]) -> dict[str, Any]:
             last[d["knob"]] = d["direction"]
     return {
         "changes_per_phase": {k: len(v) for k, v in sorted(per_phase.items())},
+        "settle_s_per_phase": {
+            k: round(max(d["time"] for d in v) - bounds[k], 1) for k, v in sorted(per_phase.items())
+        },
         "reversals_within_phases": reversals,
         "changes": [f"{d['reason']}" for d in changes],
         "first_change_at": t0,
@@ -196,6 +200,12 @@ def main() -> int:
     p.add_argument("--output-len", default="32-96")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--simulate-first",
+        action="store_true",
+        help="add a run of the autopilot with autopilot.simulate_first (each step simulated "
+        "on the last window of traffic before it is taken)",
+    )
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="autopilot-") as tmp:
@@ -218,16 +228,19 @@ def main() -> int:
             # Operator changes between runs must not pin the knobs for the autopilot run.
             admin.patch("/admin/autopilot", json={"operator_hold_s": 0}).raise_for_status()
             runs = [("default", {})]
-            for setting in args.grid.split(";"):
+            for setting in filter(None, args.grid.split(";")):  # --grid "": no fixed grid
                 pairs = dict(kv.split("=") for kv in setting.split(","))
                 runs.append((setting, {f"engine.{k}": int(v) for k, v in pairs.items()}))
             runs.append(("autopilot", {}))
+            if args.simulate_first:
+                runs.append(("autopilot+simulate_first", {}))
             report: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "runs": {}}
             for name, settings in runs:
                 admin.patch("/admin/autopilot", json={"enabled": False}).raise_for_status()
                 admin.patch("/admin/config", json={**defaults, **settings}).raise_for_status()
                 admin.post("/admin/cache/reset").raise_for_status()
-                if name == "autopilot":
+                piloted = name.startswith("autopilot")
+                if piloted:
                     admin.patch(
                         "/admin/autopilot",
                         json={
@@ -237,6 +250,7 @@ def main() -> int:
                             "interval_s": args.interval,
                             "window_s": 2 * args.interval,
                             "min_requests": 8,
+                            "simulate_first": name == "autopilot+simulate_first",
                         },
                     ).raise_for_status()
                 began = time.time()
@@ -245,7 +259,7 @@ def main() -> int:
                 row = score(results, wall, args.ttft_ms, args.itl_ms)
                 # Per request, so other targets can be scored from the same run (--json).
                 row["per_request"] = [[r["phase"], r["ttft_s"], r["itl_p99_s"]] for r in results]
-                if name == "autopilot":
+                if piloted:
                     state = admin.get("/admin/autopilot").json()
                     edges = [began]
                     for _, seconds in parse_phases(args.phases):
@@ -263,7 +277,7 @@ def main() -> int:
             admin.close()
             d.stop(timeout=120, check=False)
 
-    fixed = {k: v for k, v in report["runs"].items() if k != "autopilot"}
+    fixed = {k: v for k, v in report["runs"].items() if not k.startswith("autopilot")}
     best_name = max(fixed, key=lambda k: fixed[k]["goodput_rps"])
     best, base = fixed[best_name]["goodput_rps"], fixed["default"]["goodput_rps"]
     auto = report["runs"]["autopilot"]
@@ -288,11 +302,18 @@ def main() -> int:
         if base
         else "default goodput 0: ratio undefined"
     )
-    osc = auto["oscillation"]
-    print(
-        f"autopilot changes per phase {osc['changes_per_phase']}, direction reversals "
-        f"inside a phase {osc['reversals_within_phases']}, final {auto['final_knobs']}"
-    )
+    for name, row in report["runs"].items():
+        if not name.startswith("autopilot"):
+            continue
+        osc = row["oscillation"]
+        print(
+            f"{name}: changes per phase {osc['changes_per_phase']}, settling s per phase "
+            f"{osc['settle_s_per_phase']}, direction reversals inside a phase "
+            f"{osc['reversals_within_phases']}, final {row['final_knobs']}"
+        )
+    sim = report["runs"].get("autopilot+simulate_first")
+    if sim is not None and auto["goodput_rps"]:
+        print(f"simulate_first / autopilot goodput: {sim['goodput_rps'] / auto['goodput_rps']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
