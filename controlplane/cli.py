@@ -155,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_loadgen_parser(sub)
 
-    from controlplane.planning.cli import add_calibrate_parser, add_plan_parser, add_replay_parser
+    from controlplane.planning.commands import (
+        add_calibrate_parser,
+        add_plan_parser,
+        add_replay_parser,
+    )
 
     add_replay_parser(sub)
     add_calibrate_parser(sub)
