@@ -426,8 +426,7 @@ def test_sigterm_drains_and_records_every_request(tiny_model_dir, tmp_path):
         tiny_model_dir,
         engine={"max_num_seqs": 4},
         # 1 s: the 2,000-token requests took 3.2 s in this daemon with our CPU attention
-        # kernel (a 3 s window let them finish: they had ~0.3 s before SIGTERM), the short
-        # one 0.2 s. The window also covers the late request below.
+        # kernel (a 3 s window let them finish). The window also covers the late request below.
         server={"drain_timeout_s": 1.0},
         store={"flush_interval_s": 0.1},
     )
@@ -440,12 +439,38 @@ def test_sigterm_drains_and_records_every_request(tiny_model_dir, tmp_path):
         r = httpx.post(d.url + "/v1/completions", json=body, timeout=60)
         responses[max_tokens] = r.json()
 
-    # All four run at once (max_num_seqs=4): the short one finishes within the drain window,
-    # the long ones (2000 decode steps) cannot and are aborted when it ends.
-    threads = [threading.Thread(target=call, args=(n,)) for n in (100, 2000, 2001, 2002)]
+    # The short one streams, and SIGTERM follows its first token: it is in flight when the
+    # drain starts and needs SHORT - 1 more decode steps inside the 1 s window (about 12 ms on
+    # a quiet machine, under 0.7 s with a busy-looping process on each core: torch's threads
+    # then wait on each other at every op). It used to be 100 tokens sent with the long ones
+    # and signalled once all four rows were written: with such neighbours those 100 steps took
+    # longer than the window and it was aborted. The long ones (2,000 decode steps) cannot
+    # finish and are aborted.
+    streaming = threading.Event()
+
+    def stream_short() -> None:
+        body = {"model": MODEL, "prompt": "drain", "max_tokens": SHORT, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        chunks = []
+        with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    streaming.set()
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        responses[SHORT] = {
+            "id": chunks[0]["id"],
+            "choices": [{"finish_reason": next(f for f in reversed(finish) if f)}],
+            "usage": chunks[-1]["usage"],
+        }
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in (2000, 2001, 2002)]
     for t in threads:
         t.start()
-    wait_rows(url, lambda r: len(r) == 4)
+    wait_rows(url, lambda r: len(r) == 3)
+    threads.append(threading.Thread(target=stream_short))
+    threads[-1].start()
+    assert streaming.wait(30), "the short request never streamed a token"
     d.proc.send_signal(signal.SIGTERM)
     d.wait_for("draining", 10)
     r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "late"}, timeout=10)
@@ -455,20 +480,25 @@ def test_sigterm_drains_and_records_every_request(tiny_model_dir, tmp_path):
     assert d.proc.wait(60) == 0
     final = {row["id"]: row for row in rows(url)}
     assert len(final) == 4 and all(row["status"] != "running" for row in final.values())
+    assert set(responses) == {SHORT, 2000, 2001, 2002}
     for n, body in responses.items():
         row = final[body["id"]]
         assert row["completion_tokens"] == body["usage"]["completion_tokens"]
-        if n == 100:
+        if n == SHORT:
             assert (body["choices"][0]["finish_reason"], row["finish_reason"]) == (
                 "length",
                 "length",
             )
+            assert row["completion_tokens"] == SHORT
         else:
             assert (body["choices"][0]["finish_reason"], row["finish_reason"]) == (
                 "abort",
                 "shutdown",
             )
             assert row["status"] == "aborted"
+
+
+SHORT = 8  # tokens of the request that finishes inside the drain window
 
 
 def test_sigkill_leaves_rows_that_restart_marks_interrupted(tiny_model_dir, tmp_path):

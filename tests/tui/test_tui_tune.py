@@ -315,7 +315,10 @@ def test_preview_of_lowering_max_num_seqs_names_the_running_requests(daemon, c):
             json={"model": MODEL, "prompt": "long", "max_tokens": 900, "ignore_eos": True},
         ).status_code
 
-    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(8)]
+    # Three times the slots (max_num_seqs 8): on a fast core one round of 900 tokens is over in
+    # about 1.5 s, and the preview must still see them running after the keystroke (a full run
+    # once saw them all finished: "0 running, none preempted"); the rest are aborted below.
+    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(24)]
 
     async def main() -> None:
         app = make_app(daemon.url)
