@@ -351,6 +351,10 @@ def test_compiled_decode_on_smollm2(dtype):
     """The real model, one user and four at once: every decode step's logits are eager's,
     bit for bit. (Before RMSNorm summed its squares in float64, 7 of 296 decode rows differed
     in bf16 and 47 in float32: inductor's reduction order is not eager's.)"""
+    if dtype == "auto" and not cpu_has_native_bf16():
+        # auto runs the Q4_1 GGUF in float32 here (model/linear.auto_dtype): the same engines
+        # as the float32 case, compiled again (about 70 s of CI on an AVX2-only CPU).
+        pytest.skip("dtype auto is float32 on a CPU without native bf16: the float32 case")
     path = require_smollm2()
     kw = dict(model=str(path), kv_cache_memory_bytes=64 << 20, max_num_seqs=4, dtype=dtype)
     eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)
