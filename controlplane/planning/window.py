@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
@@ -75,12 +75,14 @@ def read_window(
     key: str | None = None,
     model: str | None = None,
     max_rows: int = MAX_ROWS,
+    newest: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Window:
     """The requests that arrived in [since, until) (of `key`, of `model`), oldest first.
     PlanningError when the window is empty, holds several models and none was chosen, or holds
-    more than `max_rows` rows (counted first: nothing is read then). `progress(read, total)`
-    after each batch."""
+    more than `max_rows` rows (counted first: nothing is read then), unless `newest`: then the
+    window starts at the newest `max_rows` rows' first arrival. `progress(read, total)` after
+    each batch."""
     if until <= since:
         raise PlanningError(
             f"--until ({until.isoformat()}) must be after --since ({since.isoformat()})"
@@ -115,12 +117,26 @@ def read_window(
                 f"no rows of model {model!r}{who} {span}; the window holds: {listed}"
             )
         total = models[model]
-        if total > max_rows:
+        where.append(t.c.model == model)
+        if total > max_rows and newest:
+            # The newest max_rows: the window starts at the oldest of them (rows arriving in
+            # the same microsecond at the cut come along: a few more than max_rows at most).
+            since = conn.execute(
+                sa.select(t.c.arrival_time)
+                .where(*where)
+                .order_by(t.c.arrival_time.desc())
+                .offset(max_rows - 1)
+                .limit(1)
+            ).scalar_one()
+            where[0] = t.c.arrival_time >= since
+            total = conn.execute(sa.select(sa.func.count()).where(*where)).scalar_one()
+            if since.tzinfo is None:  # SQLite hands back naive UTC
+                since = since.replace(tzinfo=UTC)
+        elif total > max_rows:
             raise PlanningError(
                 f"the window holds {total:,} rows of {model}{who}, more than --max-rows "
                 f"({max_rows:,}): narrow --since/--until or --key, or raise --max-rows"
             )
-        where.append(t.c.model == model)
         query = sa.select(t).where(*where).order_by(t.c.arrival_time, t.c.id)
         rows: list[Recorded] = []
         skipped: dict[str, int] = {}

@@ -65,9 +65,10 @@ log = logging.getLogger("controlplane.daemon")  # same logger as before the spli
 COUNTER_WINDOW_S = 60.0  # /admin/stats: hit and acceptance rates over the last minute
 # StepStats kept (about one a second): the counter window twice over, and the autopilot's
 # widest window (autopilot.max_window_s is at most this).
-# Rows a what-if's window may hold: the simulation runs twice in the daemon (a worker thread), at
-# about 2 ms a request on a 2-core CPU (docs/benchmarks.md#simulator-accuracy).
-WHAT_IF_MAX_ROWS = 20_000
+# A what-if simulates at most the window's newest this many requests: it runs twice in the
+# daemon's process (a worker thread, sharing the interpreter with the step thread), at 0.2-2 ms
+# a request on a 2-core CPU (docs/benchmarks.md#simulator-accuracy): a second or two at most.
+WHAT_IF_MAX_ROWS = 2_000
 HISTORY_S = 600
 
 
@@ -435,6 +436,7 @@ class Runtime:
             until,
             model=self.model_name,
             max_rows=WHAT_IF_MAX_ROWS,
+            newest=True,
         )
         cfg = self.cfg
         return await asyncio.to_thread(

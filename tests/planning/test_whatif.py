@@ -8,16 +8,19 @@ from __future__ import annotations
 import asyncio
 import re
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 
 from controlplane.engine.types import StepStats
 from controlplane.planning.whatif import samples_of
+from controlplane.planning.window import PlanningError
 from controlplane.tui.dashboard_app import DashboardApp
 from controlplane.tui.tune import TuneScreen
 from harness import InProcessDaemon, wait_rows
 from harness.config import ADMIN_TOKEN
+from tests.planning.test_replay import _insert, _row
 from tests.tui.test_tui import wait_until
 
 REQUESTS = 8
@@ -158,3 +161,24 @@ def test_the_tuning_form_shows_the_simulators_prediction(served: InProcessDaemon
             assert c.get("/admin/config").json()["fields"]["engine.max_num_seqs"]["value"] == 8
 
     asyncio.run(main())
+
+
+def test_a_busy_window_keeps_its_newest_rows(db_url: str) -> None:
+    """`read_window(newest=True)`: over `max_rows`, the window starts at the newest rows'
+    first arrival rather than refusing (what a live what-if reads)."""
+    from controlplane.planning.window import read_window
+    from controlplane.store import make_engine, upgrade
+
+    upgrade(db_url)
+    t0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    _insert(db_url, [_row(i, t0 + timedelta(seconds=i)) for i in range(10)])
+    db = make_engine(db_url)
+    try:
+        until = t0 + timedelta(minutes=1)
+        with pytest.raises(PlanningError, match="more than --max-rows"):
+            read_window(db, t0, until, max_rows=4)
+        w = read_window(db, t0, until, max_rows=4, newest=True)
+    finally:
+        db.dispose()
+    assert [r.id for r in w.rows] == ["r6", "r7", "r8", "r9"]
+    assert w.since == t0 + timedelta(seconds=6)
