@@ -158,12 +158,13 @@ def score(results: list[dict], wall: float, ttft_ms: float, itl_ms: float) -> di
 def oscillation(decisions: list[dict], bounds: list[float]) -> dict[str, Any]:
     """Changes per phase, direction reversals of a knob inside one phase, and each phase's
     settling time: seconds from the phase's start to its last change (0: none)."""
-    changes = [d for d in reversed(decisions) if d.get("applied")]
+    # This run's changes only (the daemon keeps earlier runs' decisions), by the phase whose
+    # time span holds them (bounds: the phases' start times, then the end).
+    changes = [d for d in reversed(decisions) if d.get("applied") and d["time"] >= bounds[0]]
     t0 = changes[0]["time"] - 1 if changes else 0
     per_phase: dict[int, list[dict]] = {}
     for d in changes:
-        elapsed = d["time"] - bounds[0]
-        phase = sum(elapsed >= b for b in bounds[1:-1])
+        phase = sum(d["time"] >= b for b in bounds[1:-1])
         per_phase.setdefault(phase, []).append(d)
     reversals = 0
     for ds in per_phase.values():

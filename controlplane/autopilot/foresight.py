@@ -32,11 +32,21 @@ def aimed_at(decision: Decision) -> str | None:
     return None
 
 
+def measured(figures: Figures, metric: str) -> float | None:
+    """`metric` of `figures` as the autopilot measures it: ITL p99 over every inter-token gap
+    where the simulation kept them (a prefill chunk stalls one gap of many requests: the p99
+    of their mean gaps barely moves, and a benchmark run that judged by it vetoed the chunk
+    steps that fixed an ITL miss), else the figure itself."""
+    if metric == "itl_p99_ms" and figures.itl_gap_p99_ms is not None:
+        return figures.itl_gap_p99_ms
+    return getattr(figures, metric)
+
+
 def verdict(decision: Decision, now: Figures, step: Figures, targets: Targets) -> str | None:
     """None where the simulated step helps (or the simulation cannot tell); else why not."""
     metric = aimed_at(decision)
     if metric is not None:
-        before, after = getattr(now, metric), getattr(step, metric)
+        before, after = measured(now, metric), measured(step, metric)
         if before is None or after is None or after <= before * (1 - MIN_GAIN):
             return None
         name = metric.removesuffix("_ms").replace("_", " ")
@@ -45,7 +55,7 @@ def verdict(decision: Decision, now: Figures, step: Figures, targets: Targets) -
         ("ttft_p99_ms", targets.ttft_p99_ms),
         ("itl_p99_ms", targets.itl_p99_ms),
     ):
-        after = getattr(step, metric)
+        after = measured(step, metric)
         if target and after is not None and after > target:
             name = metric.removesuffix("_ms").replace("_", " ")
             return f"simulated {name} {after:,.0f} ms would miss the {target:,.0f} ms target"

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from controlplane.autopilot.foresight import aimed_at, verdict
+from controlplane.autopilot.foresight import aimed_at, measured, verdict
 from controlplane.autopilot.policy import (
     KNOBS,
     LATENCY,
@@ -320,7 +320,7 @@ class Autopilot:
             why_not = verdict(decision, sim.now, sim.proposed, targets)
             if why_not is None:
                 metric = aimed_at(decision) or "ttft_p99_ms"
-                before, after = getattr(sim.now, metric), getattr(sim.proposed, metric)
+                before, after = measured(sim.now, metric), measured(sim.proposed, metric)
                 if before is not None and after is not None:
                     name = metric.removesuffix("_ms").replace("_", " ")
                     note = f"simulated {name} {before:,.0f} -> {after:,.0f} ms"

@@ -52,6 +52,9 @@ class SimResult:
     num_kv_blocks: int
     steps: int = 0
     errors: dict[int, str] = field(default_factory=dict)  # request index -> why unfinished
+    # Every gap between two tokens of one sequence (seconds): what an ITL p99 over gaps reads
+    # (a prefill chunk riding in a decode step stretches one gap, not a request's mean).
+    gaps: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,8 @@ def run_schedule(
     finished = [False] * len(requests)
     done = steps = 0
     peak = 0.0
+    gaps: list[float] = []
+    last_token: dict[Sequence, float] = {}  # each sequence's latest token time
     now, nxt = 0.0, 0
     while nxt < len(requests) or scheduler.waiting or scheduler.running or scheduler.swapped:
         while nxt < len(requests) and requests[nxt].arrival_s <= now:
@@ -125,6 +130,9 @@ def run_schedule(
                 continue  # a prefill chunk short of the end samples nothing
             members = [seq, *scheduler.fork(seq)] if seq.awaits_fork else [seq]
             for member in members:
+                if member in last_token:  # a choice's first token is its TTFT, not a gap
+                    gaps.append(now - last_token[member])
+                last_token[member] = now
                 _sample(scheduler, member, now)
             i = int(seq.request_id)
             group = groups.get(i)
@@ -147,6 +155,7 @@ def run_schedule(
         num_kv_blocks=num_kv_blocks,
         steps=steps,
         errors=errors,
+        gaps=gaps,
     )
 
 

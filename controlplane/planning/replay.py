@@ -49,6 +49,7 @@ class ReplayRun:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    gaps: list[float] | None = None  # every inter-token gap (the simulator's; None: not known)
 
 
 def engine_for(settings: EngineSettings) -> Engine:

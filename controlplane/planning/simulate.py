@@ -59,4 +59,5 @@ def simulate(
         wall_s=result.wall_s,
         peak_kv_usage=result.peak_kv_usage,
         preemptions=result.preemptions,
+        gaps=result.gaps,
     )

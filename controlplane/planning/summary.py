@@ -16,6 +16,7 @@ Definitions (the same for both columns):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -67,6 +68,9 @@ class Figures:
     slo_attainment: float | None
     cost_per_mtok_usd: float | None
     errors: dict[str, int] = field(default_factory=dict)  # why -> requests (replays only)
+    # p99 of every inter-token gap (the autopilot's and the dashboard's ITL p99), where the
+    # run knows its gaps (the simulator); itl_p99_ms is the p99 of the requests' mean gaps.
+    itl_gap_p99_ms: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -167,7 +171,7 @@ def recorded_figures(window: Window, slo: Slo, hourly_usd: float) -> Figures:
 
 def replay_figures(run: ReplayRun, slo: Slo, hourly_usd: float) -> Figures:
     metrics = [s.metrics for s in run.served if s.metrics is not None]
-    return _figures(
+    figures = _figures(
         run.label,
         requests=len(run.served),
         failed=sum(not s.ok for s in run.served),
@@ -187,6 +191,9 @@ def replay_figures(run: ReplayRun, slo: Slo, hourly_usd: float) -> Figures:
         spec_acceptance=run.accepted_draft_tokens / run.draft_tokens if run.draft_tokens else None,
         errors=dict(Counter(s.error or "no output" for s in run.served if not s.ok)),
     )
+    if not run.gaps:
+        return figures
+    return dataclasses.replace(figures, itl_gap_p99_ms=_ms(run.gaps, 99))
 
 
 # (title, field, format) of each line of the side-by-side table.

@@ -156,6 +156,8 @@ def simulation_lines(answer: dict[str, Any], window_s: float) -> list[str]:
     )
     parts = []
     for title, name, form in _SIMULATED:
+        if name == "itl_p99_ms" and now.get("itl_gap_p99_ms") is not None:
+            name = "itl_gap_p99_ms"  # over every gap, as the dashboard's ITL p99
         a, b = now.get(name), new.get(name)
         if a is None and b is None:
             continue

@@ -52,6 +52,15 @@ def test_verdict(decision: Decision, step: Figures, words: str | None) -> None:
     assert got == words if words is None else words in got
 
 
+def test_itl_is_judged_over_every_gap_where_the_simulation_kept_them() -> None:
+    """A smaller prefill chunk shortens the one stalled gap of each request: the p99 of the
+    requests' mean gaps stays put (90 ms both), the p99 over gaps falls."""
+    now = fig(itl_gap_p99_ms=120.0)
+    assert verdict(ITL, now, fig(itl_gap_p99_ms=60.0), TARGETS) is None
+    got = verdict(ITL, now, fig(itl_gap_p99_ms=119.0), TARGETS)
+    assert got == "simulated itl p99 120 -> 119 ms, no gain"
+
+
 def test_the_daemon_simulates_each_step_before_taking_it(make_daemon) -> None:
     """An impossible ITL target under load: every decision that moves a knob the simulator
     models says what the simulator predicted, and only predicted gains are taken."""

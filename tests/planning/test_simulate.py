@@ -57,6 +57,7 @@ def test_the_clock_is_the_cost_models_arithmetic(tiny_model_dir: Path) -> None:
     assert served.ok and served.completion_tokens == 5
     assert m.ttft == pytest.approx(0.01) and m.mean_itl == pytest.approx(0.01)
     assert run.wall_s == pytest.approx(0.05)
+    assert run.gaps == pytest.approx([0.01] * 4)  # between the 5 tokens: 4 gaps of a step
     # 1 us a prompt token: the prefill step takes 10 us more.
     run = simulate(work, s, _cost(0.01, prefill=1e-6), "sim")
     assert run.served[0].metrics.ttft == pytest.approx(0.01001)
