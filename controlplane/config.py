@@ -239,7 +239,9 @@ class AutopilotSettings:
     # Before moving a knob the simulator models (max_num_seqs, max_num_batched_tokens,
     # prefill_chunk_size), simulate the step on the last max(window_s, 60) s of traffic
     # (POST /admin/simulate's what-if) and take it only where the simulator predicts it helps;
-    # otherwise try the next knob (docs/planning.md#what-if, figures: docs/benchmarks.md#slo-autopilot).
+    # otherwise try the next knob. Experimental: it runs in the daemon's process at each
+    # decision and did not settle sooner where measured (docs/planning.md#what-if, figures:
+    # docs/benchmarks.md#autopilot-simulate-first).
     simulate_first: bool = False
     # Bounds of what it may set.
     max_num_seqs_min: int = bounded(1, 1, MAX_AUTOPILOT_BOUND)
