@@ -55,8 +55,7 @@ class SimulateController(Controller):
         try:
             changes = flatten_body(body)
             check_json_types(changes)
-            changed = runtime.check_config(changes, "api")
-            result = await runtime.what_if(changes, window_s)
+            changed, result = await runtime.what_if(changes, window_s)
         except ConfigChangeError as exc:
             raise unprocessable(exc.field, exc.message, exc.status) from None
         except FieldError as exc:  # the engine's own check of the new settings

@@ -42,6 +42,20 @@ def measured(figures: Figures, metric: str) -> float | None:
     return getattr(figures, metric)
 
 
+def _name(metric: str) -> str:
+    return metric.removesuffix("_ms").replace("_", " ")  # itl_p99_ms -> "itl p99"
+
+
+def prediction(decision: Decision, now: Figures, step: Figures) -> str | None:
+    """What the simulator predicted for the figure the step aims at (TTFT p99 for a throughput
+    step), `simulated itl p99 140 -> 96 ms`; None where a figure is missing."""
+    metric = aimed_at(decision) or "ttft_p99_ms"
+    before, after = measured(now, metric), measured(step, metric)
+    if before is None or after is None:
+        return None
+    return f"simulated {_name(metric)} {before:,.0f} -> {after:,.0f} ms"
+
+
 def verdict(decision: Decision, now: Figures, step: Figures, targets: Targets) -> str | None:
     """None where the simulated step helps (or the simulation cannot tell); else why not."""
     metric = aimed_at(decision)
@@ -49,14 +63,14 @@ def verdict(decision: Decision, now: Figures, step: Figures, targets: Targets) -
         before, after = measured(now, metric), measured(step, metric)
         if before is None or after is None or after <= before * (1 - MIN_GAIN):
             return None
-        name = metric.removesuffix("_ms").replace("_", " ")
-        return f"simulated {name} {before:,.0f} -> {after:,.0f} ms, no gain"
+        return f"{prediction(decision, now, step)}, no gain"
     for metric, target in (
         ("ttft_p99_ms", targets.ttft_p99_ms),
         ("itl_p99_ms", targets.itl_p99_ms),
     ):
         after = measured(step, metric)
         if target and after is not None and after > target:
-            name = metric.removesuffix("_ms").replace("_", " ")
-            return f"simulated {name} {after:,.0f} ms would miss the {target:,.0f} ms target"
+            return (
+                f"simulated {_name(metric)} {after:,.0f} ms would miss the {target:,.0f} ms target"
+            )
     return None

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from controlplane.autopilot.foresight import aimed_at, measured, verdict
+from controlplane.autopilot.foresight import prediction, verdict
 from controlplane.autopilot.policy import (
     KNOBS,
     LATENCY,
@@ -310,7 +310,7 @@ class Autopilot:
         vetoed: dict[str, str] = {}
         while decision.changes and f"engine.{decision.knob}" in SIMULATED:
             try:
-                sim = await self.runtime.what_if(
+                _, sim = await self.runtime.what_if(
                     {f"engine.{decision.knob}": decision.new}, window_s
                 )
             except (PlanningError, FieldError, StoreNotOpenError) as exc:
@@ -319,11 +319,8 @@ class Autopilot:
                 )
             why_not = verdict(decision, sim.now, sim.proposed, targets)
             if why_not is None:
-                metric = aimed_at(decision) or "ttft_p99_ms"
-                before, after = measured(sim.now, metric), measured(sim.proposed, metric)
-                if before is not None and after is not None:
-                    name = metric.removesuffix("_ms").replace("_", " ")
-                    note = f"simulated {name} {before:,.0f} -> {after:,.0f} ms"
+                note = prediction(decision, sim.now, sim.proposed)
+                if note is not None:
                     decision = dataclasses.replace(decision, reason=f"{decision.reason} ({note})")
                 return decision
             vetoed[decision.knob] = why_not

@@ -5,10 +5,11 @@ TUI's tuning form shows it beside the preview, and the autopilot may ask it befo
 
 The cost model here is fit live (no calibration run): each recent step that did work is a
 sample (what the scheduler put in the step, and its time: inside the step, plus the loop's
-typical time around a step, so that it prices the whole loop as `calibrate` measures it). A live daemon's steps vary less than the calibration's
-designed mix (a quiet one decodes a few rows over and over), so the fit can say little about
-batch sizes it has not run: the answer carries its sample count and error, and the proposed
-column is a prediction, not a measurement (docs/planning.md#what-if).
+typical time around a step, so that it prices the whole loop as `calibrate` measures it). A
+live daemon's steps vary less than the calibration's designed mix (a quiet one decodes a few
+rows over and over), so the fit can say little about batch sizes it has not run: the answer
+carries its sample count and error, and the proposed column is a prediction, not a measurement
+(docs/planning.md#what-if).
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from controlplane.planning.costmodel import CostModel, StepSample, fit
+from controlplane.planning.costmodel import CostModel, StepSample
 from controlplane.planning.simulate import simulate
 from controlplane.planning.summary import Figures, Slo, recorded_figures, replay_figures
 from controlplane.planning.window import PlanningError, Window
 from controlplane.planning.workload import build_workload
 
 if TYPE_CHECKING:
-    from controlplane.engine import Engine
     from controlplane.engine.settings import EngineSettings
     from controlplane.engine.types import StepStats
 
@@ -77,15 +77,16 @@ def _worked(step: StepStats) -> bool:
     return bool(step.num_prefill_tokens or step.num_decode_tokens)
 
 
-def live_cost_model(engine: Engine, steps: list[StepStats]) -> CostModel:
-    """A cost model fit on the engine's recent steps; PlanningError while there are too few."""
+def live_samples(steps: list[StepStats]) -> list[StepSample]:
+    """The samples a live cost model fits on (costmodel.fit), from the engine's recent steps;
+    PlanningError while there are too few."""
     samples = samples_of(steps)
     if len(samples) < MIN_SAMPLES:
         raise PlanningError(
-            f"{len(samples)} of the engine's recent steps ran back to back, fewer than the "
+            f"{len(samples)} of the engine's recent steps did work, fewer than the "
             f"{MIN_SAMPLES} a cost model needs: serve some traffic first"
         )
-    return fit(samples, engine)
+    return samples
 
 
 def proposed_settings(base: EngineSettings, changes: Mapping[str, Any]) -> EngineSettings:
@@ -131,21 +132,22 @@ class WhatIf:
 def what_if(
     window: Window,
     now: EngineSettings,
-    changes: Mapping[str, Any],
+    proposed: EngineSettings,
+    not_simulated: list[str],
     cost: CostModel,
     vocab_size: int,
     max_model_len: int,
     slo: Slo,
     hourly_usd: float,
 ) -> WhatIf:
-    """The window simulated under `now` and under `now` with `changes` (validated already:
-    dotted field names to new values)."""
+    """The window simulated under `now` and under `proposed` (proposed_settings of the change);
+    `not_simulated`: the change's fields the simulator does not model."""
     if not window.rows:
         raise PlanningError("no request in the window to simulate")
     workload = build_workload(window, vocab_size, max_model_len)
     runs = [
         simulate(workload, settings, cost, label)
-        for label, settings in (("now", now), ("proposed", proposed_settings(now, changes)))
+        for label, settings in (("now", now), ("proposed", proposed))
     ]
     return WhatIf(
         window=window,
@@ -153,6 +155,6 @@ def what_if(
         recorded=recorded_figures(window, slo, hourly_usd),
         now=replay_figures(runs[0], slo, hourly_usd),
         proposed=replay_figures(runs[1], slo, hourly_usd),
-        not_simulated=sorted(k for k in changes if k not in SIMULATED),
+        not_simulated=not_simulated,
         unmatched_prefix_tokens=workload.unmatched_prefix_tokens,
     )

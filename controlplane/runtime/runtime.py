@@ -65,11 +65,11 @@ log = logging.getLogger("controlplane.daemon")  # same logger as before the spli
 COUNTER_WINDOW_S = 60.0  # /admin/stats: hit and acceptance rates over the last minute
 # StepStats kept (about one a second): the counter window twice over, and the autopilot's
 # widest window (autopilot.max_window_s is at most this).
+HISTORY_S = 600
 # A what-if simulates at most the window's newest this many requests: it runs twice in the
 # daemon's process (a worker thread, sharing the interpreter with the step thread), at 0.2-2 ms
 # a request on a 2-core CPU (docs/benchmarks.md#simulator-accuracy): a second or two at most.
 WHAT_IF_MAX_ROWS = 2_000
-HISTORY_S = 600
 
 
 def _first_line(exc: BaseException) -> str:
@@ -411,24 +411,32 @@ class Runtime:
                 self._history.append(steps[-1])
 
     # -- what-if: a change simulated on the last window of traffic -----------------------------
-    async def what_if(self, changes: Mapping[str, Any], window_s: float) -> WhatIf:
+    async def what_if(
+        self, changes: Mapping[str, Any], window_s: float
+    ) -> tuple[list[FieldChange], WhatIf]:
         """What `changes` (dotted live fields, validated here: ConfigChangeError, FieldError
-        naming the field) would do to the requests of the last `window_s` seconds, simulated
-        under the settings in force and with the change (controlplane/planning/whatif.py).
-        PlanningError while there is nothing to simulate; RuntimeError before the model loads;
-        StoreNotOpenError before the store opens."""
+        naming the field; the validated changes come back first) would do to the requests of
+        the last `window_s` seconds, simulated under the settings in force and with the change
+        (controlplane/planning/whatif.py). PlanningError while there is nothing to simulate;
+        RuntimeError before the model loads; StoreNotOpenError before the store opens."""
+        from controlplane.planning.costmodel import fit
         from controlplane.planning.summary import Slo
-        from controlplane.planning.whatif import live_cost_model, proposed_settings, what_if
+        from controlplane.planning.whatif import (
+            SIMULATED,
+            live_samples,
+            proposed_settings,
+            what_if,
+        )
         from controlplane.planning.window import read_window
 
-        self.check_config(changes, "api")
+        changed = self.check_config(changes, "api")
         aeng = self.engine.aengine
         if aeng is None:
             raise RuntimeError("the model is still loading")
         engine = aeng.engine
         now_settings = engine.settings
-        proposed_settings(now_settings, changes)
-        cost = live_cost_model(engine, self.engine.recent_steps())
+        proposed = proposed_settings(now_settings, changes)
+        samples = live_samples(self.engine.recent_steps())
         until = datetime.now(UTC)
         window = await self.store.read(
             read_window,
@@ -439,17 +447,23 @@ class Runtime:
             newest=True,
         )
         cfg = self.cfg
-        return await asyncio.to_thread(
-            what_if,
-            window,
-            now_settings,
-            changes,
-            cost,
-            engine.model_config.vocab_size,
-            engine.max_model_len,
-            Slo(cfg.autopilot.ttft_p99_ms, cfg.autopilot.itl_p99_ms),
-            cfg.jobs.gpu_hourly_usd * max(1, cfg.jobs.num_gpus),
-        )
+        slo = Slo(cfg.autopilot.ttft_p99_ms, cfg.autopilot.itl_p99_ms)
+        hourly_usd = cfg.jobs.gpu_hourly_usd * max(1, cfg.jobs.num_gpus)
+
+        def simulate() -> WhatIf:  # the fit too: off the event loop (thousands of steps)
+            return what_if(
+                window,
+                now_settings,
+                proposed,
+                sorted(k for k in changes if k not in SIMULATED),
+                fit(samples, engine),
+                engine.model_config.vocab_size,
+                engine.max_model_len,
+                slo,
+                hourly_usd,
+            )
+
+        return changed, await asyncio.to_thread(simulate)
 
     # -- config: the one audited change path -----------------------------------------------------
     def check_config(self, changes: Mapping[str, Any], source: str) -> list[FieldChange]:
