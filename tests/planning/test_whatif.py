@@ -119,6 +119,9 @@ def test_a_change_is_simulated_on_the_served_traffic_and_not_applied(
         ({"engine": {"no_such_knob": 1}}, {}, 422, "engine.no_such_knob"),
         ({"engine": {"dtype": "float16"}}, {}, 409, "engine.dtype"),
         ({}, {"window_s": 5}, 422, "window_s"),
+        ({}, {"window_s": "nan"}, 422, "window_s"),
+        ({}, {"window_s": "-inf"}, 422, "window_s"),
+        ({"engine": {"max_num_seqs": 10**40}}, {}, 422, "engine.max_num_seqs"),
         ([1, 2], {}, 400, "body"),
     ],
 )
