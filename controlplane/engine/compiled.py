@@ -24,8 +24,9 @@ step thread serves eagerly: the compiled step takes over once every graph is war
 That thread runs its forwards with its own attention backend (the step state is per thread:
 attention.attention_step) and writes its dummy K/V into a block the engine holds for it.
 Live knobs (`max_num_seqs`, the token budget) change the row count only, never the graph;
-rows beyond `max_rows` run eagerly. `max_rows` stays below Int8Linear.dequant_min_rows, the
-model's other shape branch.
+rows beyond `max_rows` (engine.compile_max_rows: max_num_seqs at start, at least 32) run
+eagerly. Int8Linear's dequantized branch (from dequant_min_rows, 64 rows) is one more split of
+the dynamic graph where `max_rows` reaches it, as int4's are.
 
 On a GPU, `cuda_graphs.CudaGraphDecode` captures this step as CUDA graphs for padded batch
 sizes; torch.compile's graph is device-neutral, so what compiles on CPU compiles on CUDA.
@@ -39,6 +40,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from types import FunctionType, MethodType
 
@@ -51,14 +53,9 @@ from controlplane.engine.attention.backend import (
     attention_step,
 )
 from controlplane.engine.model.llama import CausalLM, set_graph_attention
-from controlplane.engine.settings import MAX_DECODE_ROWS
+from controlplane.engine.settings import MIN_COMPILED_ROWS
 
 log = logging.getLogger(__name__)
-
-# 32: below Int8Linear.dequant_min_rows (64), so no graph for that branch. Defined in the
-# torch-free settings module, which validates cuda_graph_max_rows against it.
-MAX_ROWS = MAX_DECODE_ROWS
-
 
 # The GIL's switch interval while the decode step compiles in the background (below).
 WARM_UP_SWITCH_INTERVAL_S = 1e-4
@@ -84,7 +81,7 @@ class CompiledDecode:
         self,
         model: CausalLM,
         attention_op: object = None,
-        max_rows: int = MAX_ROWS,
+        max_rows: int = MIN_COMPILED_ROWS,
         cpp_wrapper: bool = False,
     ) -> None:
         """`attention_op`: the engine's backend's graph_op (default: the Python custom op).
@@ -95,6 +92,7 @@ class CompiledDecode:
         self.max_rows = max_rows
         self.warmup_s = 0.0
         self.steps = 0  # steps that ran compiled
+        self.warm_rows: tuple[int, ...] = ()  # the row counts the warm-up ran
         self.state = "cold"  # cold | warming | ready | failed (warm-up raised: eager for good)
         self._eager_rows: set[int] = set()  # row counts the warmed-up graphs did not cover
         self._warm_up_thread: threading.Thread | None = None
@@ -211,9 +209,19 @@ class CompiledDecode:
         thread.join()
 
     @torch.inference_mode()
-    def warm_up(self, backend: AttentionBackend, device: torch.device, block: int = 0) -> None:
+    def warm_up(
+        self,
+        backend: AttentionBackend,
+        device: torch.device,
+        block: int = 0,
+        only: Collection[int] = (),
+    ) -> None:
         """Compile the graphs for 1 row and for 2..max_rows rows; once `ready`, each thread
         that runs the step forbids compiling more on itself (_forbid_recompiles...).
+
+        `only`: the row counts steps will come in, when not every one up to max_rows (the
+        CUDA graphs' padded sizes, when they cover every decode step the step runs): those
+        are run, not every count (512 forwards of an 8B model at start, else).
 
         The dummy rows write their K/V into slot 0 of `block`: at start, before any request,
         block 0, which holds nothing yet (and, as the decode buckets' padding block, is never
@@ -232,7 +240,9 @@ class CompiledDecode:
             # 1, 2 and max_rows compile the graphs; every other row count then runs once, so
             # that whatever bounds the graphs got (a shape branch in the model, guards a
             # cached graph brought from an earlier version of the code) are all covered here.
-            for rows in (1, 2, self.max_rows, *range(3, self.max_rows)):
+            rest = sorted(set(only) - {1, 2, self.max_rows}) if only else range(3, self.max_rows)
+            self.warm_rows = (1, 2, self.max_rows, *rest)
+            for rows in self.warm_rows:
                 if self._stop_warm_up.is_set():
                     self.state = "cold"
                     log.info("compiling the decode step stopped; every step stays eager")
@@ -315,7 +325,7 @@ WARM_MARKERS = "controlplane-decode"
 
 
 def warm_key(
-    model: CausalLM, attention_op: object, cpp_wrapper: bool, max_rows: int = MAX_ROWS
+    model: CausalLM, attention_op: object, cpp_wrapper: bool, max_rows: int = MIN_COMPILED_ROWS
 ) -> str:
     """What a decode step's graphs depend on, hashed: torch's version, the wrapper, the row
     bound, the attention op, and the model's modules with every parameter's and buffer's name,

@@ -22,6 +22,7 @@ from controlplane.engine.compiled import CompiledDecode, compile_mode
 from controlplane.engine.cuda_graphs import (
     CudaGraphDecode,
     Replayer,
+    capture_sizes,
     cuda_replayers,
     eager_step,
     graphs_enabled,
@@ -44,6 +45,7 @@ from controlplane.engine.settings import (
     MAX_SPECULATIVE_TOKENS,
     EngineSettings,
     check,
+    decode_row_ceilings,
     validate_changes,
 )
 from controlplane.engine.spec_decode import propose, verify
@@ -117,6 +119,7 @@ class Engine:
         # Tensor parallel steps run eagerly for now: a compiled step or a graph would have to
         # capture the layers' collectives (issue 56).
         mode = "off" if parts.workers else compile_mode(s.compile, self.device, long_running)
+        compiled_rows, graph_rows = decode_row_ceilings(s)
         # The block the background warm-up writes its dummy K/V into, released by the step
         # thread (the pool's only user) once the warm-up is over.
         self._warm_up_block: list[int] = []
@@ -126,25 +129,28 @@ class Engine:
                 or (s.compile_cpp_wrapper == "auto" and mode == "background")
             )
             self.runner.compiled = CompiledDecode(
-                self.model, backend.graph_op(), cpp_wrapper=cpp_wrapper
+                self.model, backend.graph_op(), compiled_rows, cpp_wrapper
             )
+        graphs = parts.workers is None and (
+            graph_replayers is not None
+            or graphs_enabled(s.cuda_graphs, self.device, backend, mode == "start")
+        )
         if mode == "start":
-            self.runner.compiled.warm_up(self.runner.backend, self.device)
+            # With graphs up to the compiled step's ceiling, steps come in their sizes only.
+            only = capture_sizes(graph_rows) if graphs and graph_rows == compiled_rows else ()
+            self.runner.compiled.warm_up(self.runner.backend, self.device, only=only)
         elif mode == "background":
             self._warm_up_block = self.block_pool.allocate(1)
             own_backend = make_backend(s.attention_backend, self.kv_cache, self.device, s.bf16_dot)
             self.runner.compiled.warm_up_in_background(
                 own_backend, self.device, self._warm_up_block[0]
             )
-        compiled = self.runner.compiled if mode == "start" else None
-        if parts.workers is None and (
-            graph_replayers is not None
-            or graphs_enabled(s.cuda_graphs, self.device, backend, compiled is not None)
-        ):
+        if graphs:
+            compiled = self.runner.compiled if mode == "start" else None
             self.runner.graphs = CudaGraphDecode(
                 compiled or eager_step(self.model),
                 backend,  # Triton's: graphs_enabled checks it, tests forcing replayers use it
-                s.cuda_graph_max_rows,
+                graph_rows,
                 -(-self.max_model_len // s.block_size),
                 self.device,
                 graph_replayers or cuda_replayers(),
@@ -221,6 +227,14 @@ class Engine:
             new = validate_changes(base, changes)
             self._pending = new
         log.info("settings change staged: %s", changes)
+        compiled = self.runner.compiled
+        if compiled is not None and new.max_num_seqs > compiled.max_rows:
+            log.warning(
+                "max_num_seqs %d is above the compiled decode step's %d rows "
+                "(engine.compile_max_rows, restart-only): decode steps of more rows run eagerly",
+                new.max_num_seqs,
+                compiled.max_rows,
+            )
         return new
 
     def _apply_pending(self) -> None:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from controlplane.engine.compiled import CompiledDecode, cache_warm, warm_key
 from controlplane.engine.engine import Engine, RequestOutput
 from controlplane.engine.sampling_params import SamplingParams
-from controlplane.engine.settings import EngineSettings
+from controlplane.engine.settings import EngineSettings, decode_row_ceilings
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,10 @@ class LLM:
         op = eng.runner.backend.graph_op()
         wrappers = {"on": (True,), "off": (False,)}.get(s.compile_cpp_wrapper, (True, False))
         for cpp_wrapper in wrappers:
-            if not cache_warm(warm_key(eng.model, op, cpp_wrapper)):
+            rows = decode_row_ceilings(s)[0]  # as the daemon's engine with these settings
+            if not cache_warm(warm_key(eng.model, op, cpp_wrapper, rows)):
                 continue
-            compiled = CompiledDecode(eng.model, op, cpp_wrapper=cpp_wrapper)
+            compiled = CompiledDecode(eng.model, op, rows, cpp_wrapper)
             try:
                 compiled.warm_up(eng.runner.backend, eng.device)
             except Exception as exc:  # no C++ compiler for inductor, say: eager as before

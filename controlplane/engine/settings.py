@@ -33,9 +33,13 @@ SPECULATIVE_METHODS = ("off", "ngram", "draft")
 PREFIX_CACHE_ISOLATIONS = ("key", "none")
 COMPILE_MODES = ("auto", "on", "off")
 CUDA_GRAPH_MODES = ("auto", "off")
-# The compiled decode step's largest batch (compiled.MAX_ROWS; here because settings stay
-# torch-free and cuda_graph_max_rows is checked against it).
-MAX_DECODE_ROWS = 32
+# The most rows compile_max_rows and cuda_graph_max_rows accept (here because settings stay
+# torch-free): 512, the largest batch vLLM captures by default.
+MAX_DECODE_ROWS = 512
+# What compile_max_rows = 0 covers at least, whatever max_num_seqs was at start: the batches a
+# live max_num_seqs is usually raised to (the compiled step's ceiling before it followed
+# max_num_seqs).
+MIN_COMPILED_ROWS = 32
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 TENSOR_PARALLEL_COMMS = ("auto", "shm", "gloo")
@@ -280,13 +284,25 @@ class EngineSettings:
         "auto",
         choices=CUDA_GRAPH_MODES,
     )
+    # 0: follow max_num_seqs. A fixed 32 ran an 8B model's 64-row decode steps eagerly, at
+    # half the 32-row step's tokens per second (docs/benchmarks.md#gpu-seeds).
+    compile_max_rows: int = _restart(
+        "Largest decode step that runs compiled (and, on CUDA, the graphs' ceiling unless "
+        "cuda_graph_max_rows is lower): 0 (default) for max_num_seqs at start, at least 32. "
+        "Larger decode steps, after max_num_seqs is raised live past it, run eagerly (slower); "
+        "raise it to where the autopilot or an operator may take max_num_seqs. Higher: a "
+        "longer warm-up.",
+        0,
+        Range(0, MAX_DECODE_ROWS),
+    )
     cuda_graph_max_rows: int = _restart(
-        "Largest decode batch captured as a CUDA graph: batch sizes 1, 2, 4, 8, 16, 24, 32 "
-        "below it, and it, are captured at start (a step pads to the next one); larger decode "
-        "steps, e.g. after max_num_seqs is raised, run compiled without a graph. Higher: more "
+        "Largest decode batch captured as a CUDA graph: 0 (default) for the compiled step's "
+        "ceiling (compile_max_rows). Batch sizes 1, 2, 4, 8, 16, 24, 32, then every 16 to 128, "
+        "every 32 to 256 and every 64 to 512, below it, and it, are captured at start (a step "
+        "pads to the next one); larger decode steps run compiled without a graph. Higher: more "
         "capture time and graph memory at start.",
-        MAX_DECODE_ROWS,
-        Range(1, MAX_DECODE_ROWS),
+        0,
+        Range(0, MAX_DECODE_ROWS),
     )
     speculative_draft_model: str = _restart(
         "Draft model for speculative_method = draft: a path like `model` (safetensors "
@@ -447,7 +463,23 @@ def check(settings: EngineSettings) -> EngineSettings:
             "max_num_batched_tokens",
             f"must be >= max_num_seqs ({s.max_num_seqs}), got {s.max_num_batched_tokens}",
         )
+    if s.compile_max_rows and s.cuda_graph_max_rows > s.compile_max_rows:
+        # A graph replays the compiled step: it cannot cover rows the step does not.
+        raise InvalidSettingError(
+            "cuda_graph_max_rows",
+            f"must be <= compile_max_rows ({s.compile_max_rows}), got {s.cuda_graph_max_rows}",
+        )
     return s
+
+
+def decode_row_ceilings(s: EngineSettings) -> tuple[int, int]:
+    """(the compiled decode step's rows, the CUDA graphs' rows) as compile_max_rows and
+    cuda_graph_max_rows resolve at start: 0 follows max_num_seqs (at least MIN_COMPILED_ROWS,
+    at most MAX_DECODE_ROWS) and, for the graphs, the compiled step's ceiling."""
+    compiled = s.compile_max_rows or min(
+        MAX_DECODE_ROWS, max(MIN_COMPILED_ROWS, s.max_num_seqs, s.cuda_graph_max_rows)
+    )
+    return compiled, s.cuda_graph_max_rows or compiled
 
 
 def validate_changes(

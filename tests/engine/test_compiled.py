@@ -167,6 +167,36 @@ def test_live_knob_changes_never_compile_in_the_hot_path(hf_model_dirs):
     assert not compiled._eager_rows
 
 
+def test_decode_steps_past_64_rows_run_compiled(hf_model_dirs, caplog):
+    """max_num_seqs 72 at start: the compiled step covers 72 rows (engine.compile_max_rows
+    0), through the int8 linears' dequantized branch at 64 rows (one more graph), warmed up at
+    every row count, and 70 concurrent requests decode in compiled steps to the eager tokens."""
+    kw = dict(
+        model=str(hf_model_dirs["llama"]),
+        dtype="float32",
+        quantization="int8",
+        max_num_seqs=72,
+        num_kv_blocks=160,
+        block_size=16,
+    )
+    eager, compiled = Engine(compile="off", **kw), Engine(compile="on", **kw)
+    step = compiled.runner.compiled
+    assert step.max_rows == 72 and sorted(step.warm_rows) == list(range(1, 73))
+    # One row; 2..63 rows; 64..72 rows (the int8 linears' dequantized branch).
+    assert step.num_graphs == 3
+    gen = torch.Generator().manual_seed(11)
+    vocab = eager.model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (3 + i % 6,), generator=gen).tolist() for i in range(70)]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * len(prompts)
+    assert run_to_end(compiled, prompts, params) == run_to_end(eager, prompts, params)
+    assert step.steps >= 4 and not step._eager_rows and step.num_graphs == 3
+    # Raised live past the ceiling: said at once, since those steps will run eagerly.
+    compiled.update_settings(max_num_seqs=72)
+    assert "above the compiled" not in caplog.text
+    compiled.update_settings(max_num_seqs=80)
+    assert "max_num_seqs 80 is above the compiled decode step's 72 rows" in caplog.text
+
+
 def test_every_engine_keeps_its_own_graphs(hf_model_dirs):
     """Five compiled engines in one process (dynamo keeps at most 8 graphs per code object:
     had they shared one, the fifth would have run eagerly) each hold their 2 graphs and give

@@ -12,6 +12,8 @@ against compile-without-graphs, and live knob changes that never capture again.
 
 from __future__ import annotations
 
+import bisect
+
 import pytest
 import torch
 
@@ -19,9 +21,15 @@ from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.attention.backend import SeqSpan
 from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.attention.triton import PARTITION, TritonPagedAttention
-from controlplane.engine.cuda_graphs import CallAgain, CudaGraphDecode, graphs_enabled
+from controlplane.engine.cuda_graphs import (
+    CallAgain,
+    CudaGraphDecode,
+    capture_sizes,
+    graphs_enabled,
+)
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.kv_cache import KVCache, KVCacheSpec
+from controlplane.engine.settings import EngineSettings, check, decode_row_ceilings
 from tests.conftest import MIXED_ENGINE, mixed_workload, run_to_end
 
 pytest.importorskip("triton")
@@ -122,10 +130,16 @@ def test_static_buffers_at_capture_and_replay():
 
 
 def test_settings_and_when_auto_captures(tiny_model_dir):
-    for bad in (dict(cuda_graphs="on"), dict(cuda_graph_max_rows=0),
-                dict(cuda_graph_max_rows=33), dict(cuda_graph_max_rows=True)):  # fmt: skip
+    for bad in (dict(cuda_graphs="on"), dict(cuda_graph_max_rows=-1),
+                dict(cuda_graph_max_rows=513), dict(cuda_graph_max_rows=True),
+                dict(compile_max_rows=513), dict(compile_max_rows=1.5)):  # fmt: skip
         with pytest.raises(InvalidSettingError, match=next(iter(bad))):
             Engine(model="unused", **bad)
+    # A graph replays the compiled step: no higher ceiling than the step's.
+    with pytest.raises(
+        InvalidSettingError, match=r"cuda_graph_max_rows.*<= compile_max_rows \(16\)"
+    ):
+        Engine(model="unused", compile_max_rows=16, cuda_graph_max_rows=24)
     kv = KVCache(KVCacheSpec(1, 1, 16, 16, torch.float32), 2, 0, CPU)
     triton, cuda = TritonPagedAttention(kv), torch.device("cuda")
     assert graphs_enabled("auto", cuda, triton, True)
@@ -134,6 +148,32 @@ def test_settings_and_when_auto_captures(tiny_model_dir):
     assert not graphs_enabled("auto", cuda, TorchPagedAttention(kv), True)
     assert not graphs_enabled("auto", cuda, triton, False)  # compile off
     assert Engine(model=str(tiny_model_dir), kv_cache_memory_bytes=1 << 20).runner.graphs is None
+
+
+def test_decode_row_ceilings_follow_max_num_seqs():
+    """0 follows max_num_seqs at start (at least 32, at most 512), the graphs the compiled
+    step; the padded sizes stop at the ceiling, which is captured itself."""
+
+    def ceilings(**kw) -> tuple[int, int]:
+        return decode_row_ceilings(check(EngineSettings(**kw)))
+
+    assert ceilings() == (32, 32)
+    assert ceilings(max_num_seqs=8) == (32, 32)
+    assert ceilings(max_num_seqs=64, max_num_batched_tokens=2048) == (64, 64)
+    assert ceilings(max_num_seqs=4096, max_num_batched_tokens=8192) == (512, 512)
+    assert ceilings(max_num_seqs=64, cuda_graph_max_rows=16) == (64, 16)
+    assert ceilings(cuda_graph_max_rows=100) == (100, 100)  # graphs imply a compiled step
+    assert ceilings(max_num_seqs=200, compile_max_rows=48) == (48, 48)
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert capture_sizes(200)[-4:] == [128, 160, 192, 200]
+    sizes = capture_sizes(512)
+    assert len(sizes) == 21 and sizes[-1] == 512
+    # From 16 rows up a step pads by at most half its rows, from 64 by a quarter.
+    for n in range(16, 513):
+        padded = sizes[bisect.bisect_left(sizes, n)]
+        assert padded <= n * (1.25 if n >= 64 else 1.5), n
 
 
 MIXED = dict(
@@ -168,6 +208,9 @@ def test_captures_run_the_compiled_step(hf_model_dirs):
     assert run_to_end(graphed, prompts, params) == run_to_end(plain, prompts, params)
     assert graphed.runner.graphs.replays > 0 and compiled.steps > 0
     assert not compiled._eager_rows
+    # The graphs cover every decode step up to the compiled step's ceiling: the warm-up ran
+    # their sizes only.
+    assert compiled.max_rows == 32 and compiled.warm_rows == (1, 2, 32, 4, 8, 16, 24)
 
 
 # -- on a GPU -----------------------------------------------------------------------------------
