@@ -110,6 +110,20 @@ class ModelRunner:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             drafts = seq.draft_token_ids
+            if n == 1 and not drafts and start < len(seq.token_ids) and not seq.prompt_logprobs:
+                # One known token (the steady state of decode), in the fewest operations; what
+                # follows does the same for any chunk. The row samples unless it is a prompt's
+                # chunk of one token short of its end.
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                table = seq.block_table if fed is None else list(seq.block_table)
+                spans.append(SeqSpan(1, start + 1, table))
+                if start + 1 >= seq.num_tokens:
+                    logits_rows.append(len(input_ids) - 1)
+                    samplers.append(seq)
+                if self.trace is not None:
+                    inputs.traced.append((seq.request_id, 1))
+                continue
             if seq.num_pending:  # a decode of the token sampled last step, not known here yet
                 assert fed is not None and n == 1 and start == len(seq.token_ids), seq
                 inputs.fed_rows.append(len(input_ids))

@@ -191,6 +191,42 @@ def test_stream_equals_decode_for_random_ids(tok):
             assert "".join(parts) + tail == d.text == tok.decode(ids, skip_special_tokens=skip)
 
 
+class _PlainBackend:
+    """The tokenizer's backend without its `decoder` attribute: the detokenizer cannot tell it
+    is byte-level, so every token goes through the decoded window (the general path)."""
+
+    def __init__(self, inner):
+        self.decode = inner.decode
+
+
+def test_byte_level_fast_path_gives_the_windows_texts(tok):
+    """The byte-level path (a token's own text, after a complete character) emits, token by
+    token, exactly what the general path's decoded windows do: random ids (bytes that split
+    characters, invalid bytes, special tokens) and multilingual text, both skip modes, with
+    the compaction of a long stream in between."""
+    from controlplane.engine.detokenizer import _byte_level
+
+    assert _byte_level(tok.backend) and not _byte_level(_PlainBackend(tok.backend))
+    rng = random.Random(99)
+    streams = [
+        [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))] for _ in range(300)
+    ]
+    streams += [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    streams.append(tok.encode(" ".join(TEXTS) * 30, add_special_tokens=False))  # > 1,024 ids
+    fast_tokens = 0
+    for ids in streams:
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(tok.backend, skip_special_tokens=skip)
+            plain = IncrementalDetokenizer(_PlainBackend(tok.backend), skip_special_tokens=skip)
+            assert fast._by_token is not None and plain._by_token is None
+            for i in ids:
+                fast_tokens += fast._read_offset == len(fast._ids)
+                assert fast.add(i) == plain.add(i), (ids, i)
+            assert fast.flush() == plain.flush()
+            assert fast.text == plain.text == tok.decode(ids, skip_special_tokens=skip)
+    assert fast_tokens > 10_000  # the fast path was taken, not just the general one
+
+
 def test_flush_releases_invalid_trailing_bytes(tok):
     ids = tok.encode("abc", add_special_tokens=False)
     lead_byte = tok.encode("🦙", add_special_tokens=False)[0]  # 0xF0: starts a 4-byte char
