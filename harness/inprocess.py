@@ -36,6 +36,7 @@ class InProcessDaemon:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._started = threading.Event()
         self.exit_code: int | None = None
+        self.error: BaseException | None = None  # what ended the daemon's thread, if it raised
 
     @classmethod
     def from_file(
@@ -69,6 +70,15 @@ class InProcessDaemon:
         return cls.from_file(path, env, with_file=with_file)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            self.error = exc  # `start` raises from it at once, not at its timeout
+            raise
+        finally:
+            self._started.set()
+
+    def _serve(self) -> None:
         from controlplane.daemon import Daemon
 
         asyncio.set_event_loop(self.loop)
@@ -102,6 +112,8 @@ class InProcessDaemon:
             return not self.daemon.ready.is_set() if wait_ready else not self.daemon.url
 
         while waiting():
+            if self.error is not None:
+                raise RuntimeError(f"in-process daemon failed: {self.error!r}") from self.error
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("in-process daemon did not become ready")
             time.sleep(0.02)

