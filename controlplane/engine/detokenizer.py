@@ -111,7 +111,7 @@ class IncrementalDetokenizer:
         if by_token is not None and self._read_offset == len(self._ids):
             # Byte-level decoder, nothing held back: a token whose own text is whole characters
             # adds just that text, known from the one-token texts without decoding a window
-            # (2.9 -> 0.6 us a token here; docs/benchmarks.md#host-overhead). The window becomes
+            # (docs/benchmarks.md#host-overhead). The window becomes
             # that one token, as `_emit` would leave it.
             text = by_token.get(token_id)
             if text is None:
