@@ -111,8 +111,8 @@ class IncrementalDetokenizer:
         if by_token is not None and self._read_offset == len(self._ids):
             # Byte-level decoder, nothing held back: a token whose own text is whole characters
             # adds just that text, known from the one-token texts without decoding a window
-            # (docs/benchmarks.md#host-overhead). The window becomes
-            # that one token, as `_emit` would leave it.
+            # (docs/benchmarks.md#host-overhead). The window becomes that one token, as `_emit`
+            # would leave it.
             text = by_token.get(token_id)
             if text is None:
                 text = by_token[token_id] = self._decode([int(token_id)])
