@@ -35,8 +35,8 @@ class LLM:
             return
         op = eng.runner.backend.graph_op()
         wrappers = {"on": (True,), "off": (False,)}.get(s.compile_cpp_wrapper, (True, False))
+        rows = decode_row_ceilings(s)[0]  # as the daemon's engine with these settings
         for cpp_wrapper in wrappers:
-            rows = decode_row_ceilings(s)[0]  # as the daemon's engine with these settings
             if not cache_warm(warm_key(eng.model, op, cpp_wrapper, rows)):
                 continue
             compiled = CompiledDecode(eng.model, op, rows, cpp_wrapper)
