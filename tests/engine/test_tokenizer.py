@@ -227,6 +227,28 @@ def test_byte_level_fast_path_gives_the_windows_texts(tok):
     assert fast_tokens > 10_000  # the fast path was taken, not just the general one
 
 
+def test_byte_level_fast_path_on_smollm2s_tokenizer():
+    """The same on the real model's vocabulary (49,152 byte-level BPE tokens from its GGUF,
+    with multi-byte merges): random ids and the multilingual texts, both skip modes."""
+    from controlplane.engine.gguf.tokenizer import tokenizer_from_gguf
+    from tests.conftest import require_smollm2
+
+    real = tokenizer_from_gguf(require_smollm2())
+    rng = random.Random(7)
+    streams = [
+        [rng.randrange(real.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(200)
+    ]
+    streams += [real.encode(t, add_special_tokens=False) for t in TEXTS]
+    for ids in streams:
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(real.backend, skip_special_tokens=skip)
+            plain = IncrementalDetokenizer(_PlainBackend(real.backend), skip_special_tokens=skip)
+            assert fast._by_token is not None
+            assert [fast.add(i) for i in ids] == [plain.add(i) for i in ids], ids
+            assert fast.flush() == plain.flush()
+            assert fast.text == plain.text == real.decode(ids, skip_special_tokens=skip)
+
+
 def test_flush_releases_invalid_trailing_bytes(tok):
     ids = tok.encode("abc", add_special_tokens=False)
     lead_byte = tok.encode("🦙", add_special_tokens=False)[0]  # 0xF0: starts a 4-byte char
