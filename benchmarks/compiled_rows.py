@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = decode_steps(llm, rows, a.steps, context=a.context)
                 compiled = llm.engine.runner.compiled.steps - before
                 best[name] = min(best[name], ms)
-                log(f"  {name}: {ms:.1f} ms a step ({compiled} of the steps compiled)")
+                log(f"  {name}: {ms:.1f} ms a step ({compiled} steps of the round ran compiled)")
         base, ours = best["eager past 32 (baseline)"], best["compiled"]
         log(
             f"{rows} rows: eager {base:.1f} ms a step ({rows * 1000 / base:.0f} tok/s), "
