@@ -221,6 +221,12 @@ class EngineHandle:
         """The compiled decode step: off | warming | ready | failed (Engine.compile_state)."""
         return self.aengine.engine.compile_state if self.aengine else "off"
 
+    def compiled_max_rows(self) -> int | None:
+        """The largest decode step that runs compiled (engine.compile_max_rows resolved at
+        start); None without a compiled step."""
+        compiled = self.aengine.engine.runner.compiled if self.aengine else None
+        return None if compiled is None else compiled.max_rows
+
     def tensor_parallel(self) -> dict[str, Any] | None:
         """/admin/stats' `tensor_parallel`: the ranks' memory and recent steps; None at one
         rank (or before the model loads)."""

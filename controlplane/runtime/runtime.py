@@ -315,6 +315,7 @@ class Runtime:
             memory=self.engine.memory(),
             tensor_parallel=self.engine.tensor_parallel(),
             compiled_step=self.engine.compile_state(),
+            compiled_max_rows=self.engine.compiled_max_rows(),
             cpu_kernels=self.cpu_kernels() if self.cpu_kernels is not None else None,
             kernels=self.kernels(),
             autopilot=self.autopilot.brief() if self.autopilot is not None else None,

@@ -42,8 +42,16 @@ def kernels_line(stats: dict[str, Any] | None) -> str:
         word, reason = status
         style = {"ok": "green", "fallback": "bold yellow"}.get(word, "cyan")
         parts.append(f"kernels: [{style}]{word}[/]" + (f": {escape(reason)}" if reason else ""))
-    step = (stats or {}).get("compiled_step")
+    stats = stats or {}
+    step = stats.get("compiled_step")
     if step:
         style = {"ready": "green", "failed": "bold yellow", "warming": "cyan"}.get(step, "dim")
-        parts.append(f"compiled_step: [{style}]{escape(str(step))}[/]")
+        line = f"compiled_step: [{style}]{escape(str(step))}[/]"
+        rows, seqs = stats.get("compiled_max_rows"), stats.get("max_num_seqs")
+        if isinstance(rows, int) and step in ("ready", "warming"):
+            line += f", up to {rows} rows"
+            if isinstance(seqs, int) and seqs > rows:
+                # Raised live past the ceiling (restart-only): the larger steps run eagerly.
+                line += f" [bold yellow](max_num_seqs {seqs}: larger steps eager)[/]"
+        parts.append(line)
     return "\n".join(parts)

@@ -408,7 +408,9 @@ def test_a_daemon_serves_while_its_step_compiles(monkeypatch, make_daemon):
     d = make_daemon(admin=True, engine={"max_num_seqs": 4})
     admin = d.client(TOKEN)
     body = {"model": MODEL, "prompt": "hello there", "max_tokens": 12, "temperature": 0}
-    assert admin.get("/admin/stats").json()["compiled_step"] == "warming"
+    stats = admin.get("/admin/stats").json()
+    assert stats["compiled_step"] == "warming"
+    assert stats["compiled_max_rows"] == 32  # max_num_seqs 4 at start: at least 32
     first = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
     assert first.status_code == 200, first.text
     deadline = time.monotonic() + 600

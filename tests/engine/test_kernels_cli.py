@@ -209,6 +209,7 @@ def test_stats_and_metrics_say_what_the_engine_runs_on(make_daemon):
         else {"status": "fallback", "reason": cpu_ops.build_error()}
     )
     assert stats["compiled_step"] == "off"  # the suite keeps compile off (tests/conftest.py)
+    assert stats["compiled_max_rows"] is None
     assert stats["cpu_kernels"]["state"] in ("ready", "failed", "unused")
     text = d.client().get("/metrics").text
     assert f'controlplane:kernels_loaded{{model_name="{stats["model"]}",reason=""}} 1.0' in text

@@ -56,6 +56,14 @@ def test_kernels_line_says_ok_or_the_fallbacks_reason_and_the_compiled_step():
     assert plain(kernels_line(fell)) == "kernels: fallback: build failed [g++]\ncompiled_step: off"
     assert plain(kernels_line({"compiled_step": "warming"})) == "compiled_step: warming"
     assert kernels_line({}) == "" and kernels_line(None) == ""
+    # The compiled step's ceiling, and a live max_num_seqs above it (those steps run eagerly).
+    ready = {"compiled_step": "ready", "compiled_max_rows": 64, "max_num_seqs": 64}
+    assert plain(kernels_line(ready)) == "compiled_step: ready, up to 64 rows"
+    raised = {**ready, "max_num_seqs": 96}
+    assert plain(kernels_line(raised)) == (
+        "compiled_step: ready, up to 64 rows (max_num_seqs 96: larger steps eager)"
+    )
+    assert plain(kernels_line({**raised, "compiled_step": "failed"})) == "compiled_step: failed"
 
 
 class FallbackClient(FakeClient):
