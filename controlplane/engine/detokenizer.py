@@ -83,10 +83,13 @@ class IncrementalDetokenizer:
         cache = self._one_token
         if hi - lo != 1 or cache is None:
             return self._decode(self._ids[lo:hi])
-        token = self._ids[lo]
+        return self._one_text(cache, self._ids[lo])
+
+    def _one_text(self, cache: dict[int, str], token: int) -> str:
+        """`token`'s text decoded alone, from the one-token texts (or into them)."""
         text = cache.get(token)
         if text is None:
-            text = cache[token] = self._decode([token])
+            text = cache[token] = self._decode([int(token)])
         return text
 
     def _emit(self, new_text: str) -> str:
@@ -113,9 +116,7 @@ class IncrementalDetokenizer:
             # adds just that text, known from the one-token texts without decoding a window
             # (docs/benchmarks.md#host-overhead). The window becomes that one token, as `_emit`
             # would leave it.
-            text = by_token.get(token_id)
-            if text is None:
-                text = by_token[token_id] = self._decode([int(token_id)])
+            text = self._one_text(by_token, token_id)
             if text and REPLACEMENT_CHAR not in text:
                 ids = self._ids
                 ids.append(int(token_id))

@@ -228,7 +228,11 @@ class Engine:
             self._pending = new
         log.info("settings change staged: %s", changes)
         compiled = self.runner.compiled
-        if compiled is not None and new.max_num_seqs > compiled.max_rows:
+        if (
+            "max_num_seqs" in changes
+            and compiled is not None
+            and new.max_num_seqs > compiled.max_rows
+        ):
             log.warning(
                 "max_num_seqs %d is above the compiled decode step's %d rows "
                 "(engine.compile_max_rows, restart-only): decode steps of more rows run eagerly",

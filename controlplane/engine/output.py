@@ -25,27 +25,23 @@ def take_token(
     m = seq.metrics
     if m.first_token_time is None:
         m.first_token_time = now
-    seq.token_ids.append(token)  # Sequence.append_token, inlined: this runs for every row
-    out = seq.output_token_ids
-    out.append(token)
+    seq.append_token(token)
     m.num_output_tokens += 1
     if lp is not None:
         seq.cumulative_logprob += lp.logprob
     # Complete (nothing but EOS could follow): stop now rather than spend a step on sampling
     # that EOS.
     grammar_done = seq.matcher is not None and seq.matcher.is_stopped()
-    if (p.stop_token_ids and token in p.stop_token_ids) or (
-        not p.ignore_eos and token in eos_token_ids
-    ):
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         return "stop", True  # the stop token's text is not part of the output
     piece = seq.detokenizer.add(token)
-    if piece:
+    if piece:  # no new text: no new stop-string match either
         seq.output_text += piece
         if p.stop and truncate_at_stop(seq, len(piece)):
             return "stop", False  # the text is cut before the stop string: nothing to flush
     if grammar_done:
         return "stop", True
-    if len(out) >= p.max_tokens or len(seq.token_ids) >= max_model_len:
+    if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length", True
     return None, True
 

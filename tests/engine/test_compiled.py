@@ -195,6 +195,9 @@ def test_decode_steps_past_64_rows_run_compiled(hf_model_dirs, caplog):
     assert "above the compiled" not in caplog.text
     compiled.update_settings(max_num_seqs=80)
     assert "max_num_seqs 80 is above the compiled decode step's 72 rows" in caplog.text
+    caplog.clear()  # said once, at the change: not again with every other change
+    compiled.update_settings(prefill_chunk_size=64)
+    assert "above the compiled" not in caplog.text
 
 
 def test_every_engine_keeps_its_own_graphs(hf_model_dirs):
