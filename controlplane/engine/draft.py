@@ -17,7 +17,7 @@ from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
-from controlplane.engine.sampler import draw, filter_probs
+from controlplane.engine.sampler import argmax_rows, draw, filter_probs
 from controlplane.engine.sequence import Sequence
 
 
@@ -102,9 +102,10 @@ class DraftModel:
             self.backend.prepare(spans, dev),
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
+        best = argmax_rows(logits).tolist()
         for i, (seq, _) in enumerate(feeds):
             if seq.params.greedy:
-                seq.draft_token_ids.append(int(logits[i].argmax()))
+                seq.draft_token_ids.append(best[i])
                 continue
             q = filter_probs(logits[i : i + 1], [seq.params])[0]
             gen = seq.generator or generator

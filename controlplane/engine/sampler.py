@@ -86,6 +86,16 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return picked
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token [N] (int64): the first of equal maxima, and a NaN counts as
+    the largest entry, as torch's max(dim=-1) has it. Float32 logits on a CPU go through
+    NumPy's argmax, 7-16x torch's max(dim=-1) on an AVX2 EPYC (docs/benchmarks.md#greedy-argmax),
+    a vectorized loop where torch's reduction with indices runs element by element."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.max(dim=-1).indices
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from one row's probabilities [vocab] (speculative decoding's draft and
     correction draws): torch.multinomial took 0.95 ms at SmolLM2's vocabulary on a Xeon."""
@@ -133,9 +143,7 @@ class Sampler:
                 if seq.params.needs_penalties:
                     apply_penalties(logits[i], seq.params, seq.token_ids, seq.output_token_ids)
 
-        # max(...).indices: argmax's tokens (the first of equal maxima too) at 2.3-3.1x its
-        # speed on a CPU (SmolLM2's vocab, float32: 1 row 68 -> 30 us, 16 rows 515 -> 166 us).
-        tokens = logits.max(dim=-1).indices
+        tokens = argmax_rows(logits)
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]
         if rand_rows:
             rows = torch.tensor(rand_rows, device=logits.device)

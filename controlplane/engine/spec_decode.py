@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from controlplane.engine.sampler import apply_penalties, draw, filter_probs
+from controlplane.engine.sampler import apply_penalties, argmax_rows, draw, filter_probs
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import TokenLogprobs
 
@@ -104,7 +104,7 @@ def _row_distribution(
         row = row.clone()
         apply_penalties(row, p, seq.token_ids + prefix, seq.output_token_ids + prefix)
     if p.greedy:
-        return None, int(row.argmax())
+        return None, int(argmax_rows(row.unsqueeze(0))[0])
     probs = filter_probs(row.unsqueeze(0), [p])[0]
     return probs, -1
 

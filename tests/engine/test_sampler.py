@@ -1,12 +1,14 @@
 """The sampler on logits built by hand: greedy tokens are the first of equal maxima, as
-torch.argmax gives them (the sampler reads max(...).indices, which is faster on a CPU)."""
+torch.argmax gives them (the sampler reads them through `argmax_rows`, NumPy's argmax for
+float32 on a CPU, which is faster there)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from controlplane.engine import SamplingParams
-from controlplane.engine.sampler import Sampler, draw, invert_cdf
+from controlplane.engine.sampler import Sampler, argmax_rows, draw, invert_cdf
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import RequestMetrics
 
@@ -24,6 +26,23 @@ def test_greedy_tokens_are_the_first_of_equal_maxima():
     tokens, _ = Sampler(0, torch.device("cpu"))(logits, [_seq(i, greedy) for i in range(16)])
     assert tokens == logits.argmax(dim=-1).tolist()
     assert tokens[3] == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_rows_is_torchs_max_indices_with_nan_inf_and_strides(dtype):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 3, (9, 1031), generator=gen).to(dtype)
+    logits[1, 40] = logits[1, 900] = float("nan")  # a NaN counts as the largest: the first
+    logits[2, 5] = logits[2, 6] = float("inf")
+    logits[3] = float("-inf")  # nothing finite: the first entry
+    logits[4, 1030] = 7.0  # the last column
+    logits[5] = float("nan")
+    with torch.inference_mode():  # the engine's logits are inference tensors
+        for view in (logits, logits[:, 3:700], logits.t().contiguous().t(), logits[::2]):
+            got = argmax_rows(view)
+            assert got.dtype == torch.int64 and got.shape == (view.shape[0],)
+            assert got.tolist() == view.max(dim=-1).indices.tolist()
+    assert argmax_rows(logits)[1:6].tolist() == [40, 5, 0, 1030, 0]
 
 
 def test_sampled_tokens_follow_the_filtered_distribution_and_seeds():
