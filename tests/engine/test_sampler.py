@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from controlplane.engine import SamplingParams
-from controlplane.engine.sampler import Sampler, argmax_rows, draw, invert_cdf
+from controlplane.engine.sampler import (
+    FILTER_WIDTHS,
+    Sampler,
+    argmax_rows,
+    draw,
+    filter_probs,
+    invert_cdf,
+)
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import RequestMetrics
 
@@ -43,6 +50,43 @@ def test_argmax_rows_is_torchs_max_indices_with_nan_inf_and_strides(dtype):
             assert got.dtype == torch.int64 and got.shape == (view.shape[0],)
             assert got.tolist() == view.max(dim=-1).indices.tolist()
     assert argmax_rows(logits)[1:6].tolist() == [40, 5, 0, 1030, 0]
+
+
+def _full_sort_filter(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Top-k and top-p over the whole vocabulary sorted (the filter as it was written first)."""
+    vocab = probs.shape[-1]
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks]).unsqueeze(1)
+    drop = torch.arange(vocab).unsqueeze(0) >= k_t
+    drop |= sorted_p.cumsum(-1) - sorted_p >= torch.tensor(ps).unsqueeze(1)
+    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return out / out.sum(-1, keepdim=True)
+
+
+def test_top_k_top_p_by_widening_candidates_equals_the_full_sort():
+    """Rows settled in the first width (peaked, or a small k), in the second, and only by the
+    whole vocabulary (flat, a large k, p = 1 with k past the widths), mixed in one batch."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 20_000
+    assert FILTER_WIDTHS[-1] < vocab
+    scales = [8.0, 8.0, 3.0, 3.0, 0.3, 0.3, 0.05, 8.0, 0.3, 3.0, 0.3, 8.0]
+    logits = torch.randn(len(scales), vocab, generator=gen) * torch.tensor(scales).unsqueeze(1)
+    ks = [0, 40, 0, 0, 0, 5000, 0, 1, 0, 300, 19_999, 25_000]
+    ps = [0.9, 1.0, 0.95, 0.5, 0.9, 1.0, 0.99, 0.3, 0.999, 0.9, 1.0, 0.8]
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(ks, ps)]
+    probs = torch.softmax(logits, dim=-1)
+    with torch.inference_mode():
+        got = filter_probs(logits, params)
+        # Each row alone too: the batch's other rows change nothing.
+        alone = torch.cat([filter_probs(logits[i : i + 1], params[i : i + 1]) for i in range(12)])
+    want = _full_sort_filter(probs, ks, ps)
+    assert torch.equal(got, want)
+    assert torch.equal(alone, want)
+    kept = (got > 0).sum(-1).tolist()
+    assert kept[1] == 40 and kept[7] == 1 and kept[10] == 19_999
+    # The batch reached every width: rows kept past the first width and past the second.
+    assert any(FILTER_WIDTHS[0] < n <= FILTER_WIDTHS[1] for n in kept)
+    assert any(n > FILTER_WIDTHS[1] for n in kept)
 
 
 def test_sampled_tokens_follow_the_filtered_distribution_and_seeds():
