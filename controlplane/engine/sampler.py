@@ -30,9 +30,8 @@ def apply_penalties(
 
 # The candidates the top-k / top-p filter looks at first, widening while a row's kept tokens
 # may lie past them: the largest entries in order (topk) rather than the whole vocabulary
-# sorted, which is 27x the time of a 256-wide topk at SmolLM2's 49,152 entries on an AVX2
-# EPYC (docs/benchmarks.md#sampling-filters). A peaked distribution is settled in the first
-# width; a flat one ends in the full sort, as before.
+# sorted, which takes many times longer on a CPU (docs/benchmarks.md#sampling). A language
+# model's peaked rows settle in the first width; a flat row ends in the full sort, as before.
 FILTER_WIDTHS = (256, 4096)
 
 
@@ -144,8 +143,8 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token [N] (int64): the first of equal maxima, and a NaN counts as
     the largest entry, as torch's max(dim=-1) has it. Float32 logits on a CPU go through
-    NumPy's argmax, 7-16x torch's max(dim=-1) on an AVX2 EPYC (docs/benchmarks.md#greedy-argmax),
-    a vectorized loop where torch's reduction with indices runs element by element."""
+    NumPy's argmax, a vectorized loop, many times faster there than torch's reduction with
+    indices (docs/benchmarks.md#sampling)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.max(dim=-1).indices
