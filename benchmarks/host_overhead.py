@@ -31,7 +31,9 @@ Two passes a configuration, one after the other on the same engine:
 Each configuration runs in a child process that imports ``controlplane`` from the checkout, or
 from ``--rev``'s tree (``git archive``); ``--baseline REV`` measures that commit's tree too, in
 children interleaved with ours (the order alternates every repeat), and prints ours / baseline
-per configuration.
+per configuration: best against best, and the median of the per-repeat ratios (each repeat
+runs the two trees back to back, so on a machine whose speed drifts over minutes, as a shared
+VM's does, the paired ratio is the steadier figure).
 
 Every figure is the median over the timed steps, in microseconds per step; with ``--repeats``
 the best (lowest) median of the repeats, since on a shared machine noise only adds. The
@@ -455,15 +457,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['backend']} {r['rows']} rows: host {r['host_us']:.0f} us, "
                 f"{r['host_us'] / target:.2f} of the {target:.0f} us target"
             )
+    paired: dict[str, float] = {}
     if "baseline" in results:
-        log(f"\nhost time, ours ({names['ours']}) / baseline ({args.baseline}):")
+        log(
+            f"\nhost time, ours ({names['ours']}) / baseline ({args.baseline}): best against "
+            "best, and the median of each repeat's pair (the two children run back to back, so "
+            "a machine whose speed drifts over minutes moves both alike)"
+        )
         base = {(r["backend"], r["rows"]): r for r in results["baseline"]}
         for r in results["ours"]:
-            b = base.get((r["backend"], r["rows"]))
+            key = (r["backend"], r["rows"])
+            b = base.get(key)
             if b:
+                pairs = [
+                    o["host_us"] / q["host_us"]
+                    for o, q in zip(runs["ours", *key], runs["baseline", *key], strict=True)
+                ]
+                paired[f"{key[0]} {key[1]}"] = statistics.median(pairs)
                 log(
                     f"  {r['backend']} {r['rows']:>3} rows: {r['host_us']:.0f} / "
-                    f"{b['host_us']:.0f} us = {r['host_us'] / b['host_us']:.2f}"
+                    f"{b['host_us']:.0f} us = {r['host_us'] / b['host_us']:.2f}; paired "
+                    f"median {statistics.median(pairs):.2f} (of {', '.join(f'{x:.2f}' for x in pairs)})"
                 )
     log(f"({time.perf_counter() - t_start:.0f} s)")
     if args.json:
@@ -477,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "targets_us": TARGETS_US,
             "results": results,
+            "paired_host_ratio": paired,
         }
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
         log(f"wrote {args.json}")

@@ -460,8 +460,14 @@ class Engine:
         The row layout is fixed once, here: (sequence, first row, drafts), from the drafts the
         forward pass was given. Nothing after this point recomputes it from the sequences,
         whose drafts and fork state change while the step is processed."""
-        rows = self._row_layout(seqs)
-        if (n := sum(1 + k for _, _, k in rows)) != len(logits):
+        # The uncommon rows, looked for in one pass: a speculating sequence (1 + k rows), a
+        # choice 0 about to fork its choices, a request that only scores (max_tokens 0).
+        uncommon = any(
+            s.draft_token_ids or s.params.max_tokens == 0 or (len(s.group) > 1 and s.awaits_fork)
+            for s in seqs
+        )
+        rows = self._row_layout(seqs) if uncommon else []
+        if (n := sum(1 + k for _, _, k in rows) if uncommon else len(seqs)) != len(logits):
             raise RuntimeError(f"{len(logits)} logits rows for {n} scheduled rows")
         for seq, lo, rows_logits in self.runner.prompt_logits:
             score_prompt(seq, lo, rows_logits)
@@ -472,31 +478,35 @@ class Engine:
                 self.scheduler.cache_blocks(item.seq)
         if job.rows:
             outputs += self._apply_masks(logits, job)
-        # After masking: forked choices copy choice 0's masked row (equal states).
-        logits, rows = self._fork(logits, rows)
-        plain = [(seq, at) for seq, at, k in rows if not k]
-        if any(seq.params.max_tokens == 0 for seq, _ in plain):
-            # Scoring only (max_tokens 0): the prompt is computed and scored, nothing sampled.
-            now = time.time()
-            for seq, _ in plain:
-                if seq.params.max_tokens == 0 and seq.status is not SequenceStatus.FINISHED:
-                    outputs.append(self._finish(seq, "length", now, [], []))
-            plain = [(seq, at) for seq, at in plain if seq.params.max_tokens != 0]
-        plain_logits = logits if len(plain) == len(logits) else logits[[at for _, at in plain]]
-        tokens, logprobs, errors = (
-            self._sample(plain_logits, [seq for seq, _ in plain]) if plain else ([], [], {})
-        )
+        plain, plain_logits = seqs, logits  # the rows that sample one token each
+        if uncommon:
+            # After masking: forked choices copy choice 0's masked row (equal states).
+            logits, rows = self._fork(logits, rows)
+            at_rows = [(seq, at) for seq, at, k in rows if not k]
+            if any(seq.params.max_tokens == 0 for seq, _ in at_rows):
+                # Scoring only (max_tokens 0): the prompt is computed and scored, nothing sampled.
+                now = time.time()
+                for seq, _ in at_rows:
+                    if seq.params.max_tokens == 0 and seq.status is not SequenceStatus.FINISHED:
+                        outputs.append(self._finish(seq, "length", now, [], []))
+                at_rows = [(seq, at) for seq, at in at_rows if seq.params.max_tokens != 0]
+            plain = [seq for seq, _ in at_rows]
+            plain_logits = (
+                logits if len(at_rows) == len(logits) else logits[[at for _, at in at_rows]]
+            )
+        tokens, logprobs, errors = self._sample(plain_logits, plain) if plain else ([], [], {})
         sampled = len(plain) - len(errors)
         now = time.time()
-        for j, (seq, _) in enumerate(plain):
-            if seq.status is SequenceStatus.FINISHED:
+        finished = SequenceStatus.FINISHED
+        for j, seq in enumerate(plain):
+            if seq.status is finished:
                 continue  # a sibling's failure ended the whole request
-            if j in errors:
+            if errors and j in errors:
                 outputs += self._fail(seq, errors[j], now)
             else:
-                outputs += self._append_or_fail(seq, tokens[j], logprobs[j], now)
+                self._append_or_fail(seq, tokens[j], logprobs[j], now, outputs)
         for seq, at, k in rows:
-            if k and seq.status is not SequenceStatus.FINISHED:
+            if k and seq.status is not finished:
                 new = self._verify(seq, logits[at : at + k + 1], now)
                 sampled += len(new[-1].new_token_ids) if new else 0
                 outputs += new
@@ -594,7 +604,7 @@ class Engine:
         seq.metrics.num_accepted_tokens += accepted
         outs: list[RequestOutput] = []
         for token, lp in zip(tokens, lps, strict=True):
-            outs += self._append_or_fail(seq, token, lp, now)
+            self._append_or_fail(seq, token, lp, now, outs)
             if seq.status is SequenceStatus.FINISHED:
                 break  # a stop inside the accepted run ends the sequence there
         if seq.status is not SequenceStatus.FINISHED:
@@ -663,18 +673,24 @@ class Engine:
         return tokens, lps, errors
 
     def _append_or_fail(
-        self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
-    ) -> list[RequestOutput]:
+        self,
+        seq: Sequence,
+        token: int,
+        lp: TokenLogprobs | None,
+        now: float,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Take one sampled token; its output (or its request's failure) goes onto `outputs`."""
         try:
-            return [self._append(seq, token, lp, now)]
+            outputs.append(self._append(seq, token, lp, now))
         except GrammarFailedError as exc:  # the request's grammar, not the engine, failed
             log.warning("request %s: %s", seq.request_id, exc)
-            return self._fail(seq, exc.message, now, param=exc.field)
+            outputs += self._fail(seq, exc.message, now, param=exc.field)
         except Exception as exc:
             log.exception(
                 "request %s failed after sampling (stop checks, detokenizer)", seq.request_id
             )
-            return self._fail(seq, f"post-processing failed: {exc!r}", now)
+            outputs += self._fail(seq, f"post-processing failed: {exc!r}", now)
 
     def _fail(
         self, seq: Sequence, message: str, now: float, param: str | None = None

@@ -252,7 +252,7 @@ class Overlap:
             if j in sampled.errors:
                 outputs += e._fail(seq, sampled.errors[j], now)
                 continue
-            outputs += e._append_or_fail(seq, token, lp, now)
+            e._append_or_fail(seq, token, lp, now, outputs)
             if seq.status is SequenceStatus.RUNNING:
                 e.scheduler.cache_blocks(seq)
         e._failed_steps = 0
