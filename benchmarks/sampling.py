@@ -13,7 +13,10 @@ not installed, random rows with a peaked spread. ``--rows`` (16) of them make a 
   candidates through FILTER_WIDTHS) against the same softmax followed by the full-vocabulary
   sort it replaced; the probabilities must be equal.
 * ``flat``: random logits with a tiny spread, top_p 0.95: nearly every row needs most of the
-  vocabulary, the filter's worst case (two topk calls before the full sort).
+  vocabulary, the filter's worst case (a topk before the full sort).
+* penalties: `penalize` (all rows at once) against the same arithmetic a row at a time (as
+  the sampler applied it before), each row with ``--context`` (2,048) random prompt tokens and
+  512 output tokens; the logits must be equal.
 
 Microseconds a batch, the best of ``--repeats`` runs of ``--calls`` calls, one torch thread
 (``--threads``); above 1 the ratio favours the new code.
@@ -41,7 +44,7 @@ from collections.abc import Callable
 import torch
 
 from controlplane.common import cpu_name
-from controlplane.engine.sampler import argmax_rows, filter_probs
+from controlplane.engine.sampler import argmax_rows, filter_probs, penalize
 from controlplane.engine.sampling_params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -117,6 +120,26 @@ def engine_rounds(rows: int, repeats: int) -> None:
         print(f"{name} | {b:.1f} | {a:.1f} | {a / b:.2f}")
 
 
+def penalize_row_by_row(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    token_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> torch.Tensor:
+    """The penalties before `penalize`: a row at a time, a tensor built from each list."""
+    out = logits.clone()
+    for row, p, tokens, outputs in zip(out, params, token_ids, output_ids, strict=True):
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(tokens)))
+            sel = row[ids]
+            rp = p.repetition_penalty
+            row[ids] = torch.where(sel > 0, sel / rp, sel * rp)
+        if (p.presence_penalty or p.frequency_penalty) and outputs:
+            counts = torch.bincount(torch.tensor(outputs), minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return out
+
+
 def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     runs = []
     for _ in range(repeats):
@@ -135,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs (the best kept)")
     p.add_argument("--tokens", type=int, default=96, help="SmolLM2 tokens sampled for logits")
     p.add_argument("--engine", action="store_true", help="also time whole engines (SmolLM2)")
+    p.add_argument("--context", type=int, default=2048, help="prompt tokens a row (penalties)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -180,6 +204,24 @@ def main(argv: list[str] | None = None) -> int:
             best_us(lambda: full_sort_filter(logits, plist), c, r),  # noqa: B023
             best_us(lambda: filter_probs(logits, plist), c, r),  # noqa: B023
             kept,
+        )
+    vocab = batch.shape[1]
+    tokens = [torch.randint(0, vocab, (args.context + 512,), generator=gen).tolist() for _ in batch]
+    outputs = [t[args.context :] for t in tokens]
+    for case, params in (
+        ("repetition_penalty 1.1", SamplingParams(repetition_penalty=1.1)),
+        ("frequency and presence 0.5", SamplingParams(frequency_penalty=0.5, presence_penalty=0.5)),
+    ):
+        plist = [params] * len(batch)
+        if not torch.equal(
+            penalize(batch, plist, tokens, outputs),
+            penalize_row_by_row(batch, plist, tokens, outputs),
+        ):
+            raise SystemExit(f"{case}: the logits differ")
+        show(
+            case,
+            best_us(lambda: penalize_row_by_row(batch, plist, tokens, outputs), c, r),  # noqa: B023
+            best_us(lambda: penalize(batch, plist, tokens, outputs), c, r),  # noqa: B023
         )
     if args.engine:
         engine_rounds(args.rows, args.repeats)

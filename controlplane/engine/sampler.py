@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import torch
@@ -11,21 +12,62 @@ from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import TokenLogprobs
 
 
-def apply_penalties(
-    row: torch.Tensor, p: SamplingParams, token_ids: list[int], output_ids: list[int]
-) -> None:
-    """Penalise one row of logits in place, given the tokens so far (prompt + output) and the
-    output tokens."""
-    if p.repetition_penalty != 1.0:
-        # HF semantics: over prompt and output; shrink positive logits, push negative ones down.
-        ids = torch.tensor(sorted(set(token_ids)), device=row.device)
-        sel = row[ids]
-        row[ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output_ids:
+def _flat_keys(
+    rows: list[int], lists: list[list[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """row * vocab + id for every id of `lists` (list i belongs to row rows[i]), int64: each
+    list copied once through an array's buffer (torch.tensor reads a list element by element,
+    several times slower)."""
+    parts = [
+        torch.frombuffer(array("q", ids), dtype=torch.long) + row * vocab
+        for row, ids in zip(rows, lists, strict=True)
+        if ids
+    ]
+    keys = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+    return keys.to(device)
+
+
+def penalize(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    token_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> torch.Tensor:
+    """Rows of logits [R, vocab] with their penalties applied (a new tensor), given each row's
+    tokens so far (prompt + output) and its output tokens. All rows at once, and only the
+    entries of tokens that occurred (torch.unique over row * vocab + id): a row at a time
+    cost milliseconds a row at a long context, and arithmetic or a scan over every entry as
+    much again (docs/benchmarks.md#sampling)."""
+    out = logits.clone(memory_format=torch.contiguous_format)
+    flat = out.view(-1)
+    vocab, dtype, device = logits.shape[-1], logits.dtype, logits.device
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        # HF semantics: over prompt and output, each distinct token once; shrink positive
+        # logits, push negative ones down.
+        # (On a GPU, torch.unique waits for the device: steps with penalties are synchronous
+        # anyway, engine/overlap.py.)
+        keys = torch.unique(_flat_keys(rep, [token_ids[i] for i in rep], vocab, device))
+        factor = torch.ones(len(params), dtype=dtype)
+        factor[rep] = torch.tensor([params[i].repetition_penalty for i in rep], dtype=dtype)
+        f = factor.to(device)[keys // vocab]
+        sel = flat[keys]
+        flat[keys] = torch.where(sel > 0, sel / f, sel * f)
+    counted = [
+        i
+        for i, p in enumerate(params)
+        if (p.presence_penalty or p.frequency_penalty) and output_ids[i]
+    ]
+    if counted:
         # OpenAI semantics: over output tokens only.
-        out = torch.tensor(output_ids, device=row.device)
-        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        occurrences = _flat_keys(counted, [output_ids[i] for i in counted], vocab, device)
+        keys, counts = torch.unique(occurrences, return_counts=True)
+        c = counts.to(dtype)
+        row = keys // vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=dtype).to(device)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=dtype).to(device)[row]
+        flat[keys] = flat[keys] - (freq * c + pres * (c > 0).to(dtype))
+    return out
 
 
 # The candidates the top-k / top-p filter looks at first, widening while a row's kept tokens
@@ -192,10 +234,14 @@ class Sampler:
         want = [(p.logprobs or 0) if p.logprobs is not None or p.n > 1 else -1 for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if max(want, default=-1) >= 0 else None
         if any(p.needs_penalties for p in params):
+            pen = [i for i, p in enumerate(params) if p.needs_penalties]
             logits = logits.clone()
-            for i, seq in enumerate(seqs):
-                if seq.params.needs_penalties:
-                    apply_penalties(logits[i], seq.params, seq.token_ids, seq.output_token_ids)
+            logits[pen] = penalize(
+                logits[pen],
+                [params[i] for i in pen],
+                [seqs[i].token_ids for i in pen],
+                [seqs[i].output_token_ids for i in pen],
+            )
 
         tokens = argmax_rows(logits)
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]

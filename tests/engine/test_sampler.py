@@ -15,6 +15,7 @@ from controlplane.engine.sampler import (
     draw,
     filter_probs,
     invert_cdf,
+    penalize,
 )
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import RequestMetrics
@@ -52,6 +53,57 @@ def test_argmax_rows_is_torchs_max_indices_with_nan_inf_and_strides(dtype):
     assert argmax_rows(logits)[1:6].tolist() == [40, 5, 0, 1030, 0]
 
 
+def _penalize_row_by_row(
+    row: torch.Tensor, p: SamplingParams, token_ids: list[int], output_ids: list[int]
+) -> None:
+    """The penalties one row at a time, in place (as the sampler first applied them)."""
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(token_ids)))
+        sel = row[ids]
+        row[ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids), minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def test_penalties_for_all_rows_at_once_equal_them_row_by_row():
+    """Repetition (prompt and output), frequency and presence penalties, alone and together,
+    with repeated tokens, an empty output and rows without penalties, in one batch."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    logits = torch.randn(7, vocab, generator=gen) * 4
+    greedy = {"temperature": 0.0}
+    params = [
+        SamplingParams(repetition_penalty=1.3, **greedy),
+        SamplingParams(frequency_penalty=0.7, **greedy),
+        SamplingParams(presence_penalty=-1.5, **greedy),
+        SamplingParams(
+            repetition_penalty=0.8, frequency_penalty=1.1, presence_penalty=0.4, **greedy
+        ),
+        SamplingParams(frequency_penalty=2.0, **greedy),  # no output yet: nothing counted
+        SamplingParams(**greedy),
+        SamplingParams(repetition_penalty=1.05, presence_penalty=2.0, **greedy),
+    ]
+    tokens = [
+        torch.randint(0, 40, (n,), generator=gen).tolist() for n in (50, 9, 30, 80, 5, 3, 400)
+    ]
+    outputs = [t[len(t) // 2 :] for t in tokens]
+    outputs[4] = []
+    want = logits.clone()
+    for row, p, t, o in zip(want, params, tokens, outputs, strict=True):
+        _penalize_row_by_row(row, p, t, o)
+    got = penalize(logits, params, tokens, outputs)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[3], logits[3]) and torch.equal(got[5], logits[5])
+    assert torch.equal(got[4], logits[4])
+    # The sampler applies them to the rows that ask, and samples greedily from the result.
+    seqs = [_seq(i, p) for i, p in enumerate(params)]
+    for seq, t, o in zip(seqs, tokens, outputs, strict=True):
+        seq.token_ids, seq.output_token_ids = list(t), list(o)
+    sampled, _ = Sampler(0, torch.device("cpu"))(logits, seqs)
+    assert sampled == want.argmax(dim=-1).tolist()
+
+
 def _full_sort_filter(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
     """Top-k and top-p over the whole vocabulary sorted (the filter as it was written first)."""
     vocab = probs.shape[-1]
@@ -73,7 +125,9 @@ def test_top_k_top_p_by_widening_candidates_equals_the_full_sort():
     logits = torch.randn(len(scales), vocab, generator=gen) * torch.tensor(scales).unsqueeze(1)
     ks = [0, 40, 0, 0, 0, 5000, 0, 1, 0, 300, 19_999, 25_000]
     ps = [0.9, 1.0, 0.95, 0.5, 0.9, 1.0, 0.99, 0.3, 0.999, 0.9, 1.0, 0.8]
-    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(ks, ps)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(ks, ps, strict=True)
+    ]
     probs = torch.softmax(logits, dim=-1)
     with torch.inference_mode():
         got = filter_probs(logits, params)
