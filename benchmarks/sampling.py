@@ -14,7 +14,7 @@ not installed, random rows with a peaked spread. ``--rows`` (16) of them make a 
   sort it replaced; the probabilities must be equal.
 * ``flat``: random logits with a tiny spread, top_p 0.95: nearly every row needs most of the
   vocabulary, the filter's worst case (a topk before the full sort).
-* penalties: `penalize` (all rows at once) against the same arithmetic a row at a time (as
+* penalties: `apply_penalties` (all rows at once) against the same arithmetic a row at a time (as
   the sampler applied it before), each row with ``--context`` (2,048) random prompt tokens and
   512 output tokens; the logits must be equal.
 
@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 
 from controlplane.common import cpu_name
-from controlplane.engine.sampler import argmax_rows, filter_probs, penalize
+from controlplane.engine.sampler import apply_penalties, argmax_rows, filter_probs
 from controlplane.engine.sampling_params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -79,6 +79,18 @@ def full_sort_filter(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     drop |= cum >= torch.tensor([p.top_p for p in params]).unsqueeze(1)
     probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     return probs / probs.sum(-1, keepdim=True)
+
+
+def penalize_all_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    token_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> torch.Tensor:
+    """`apply_penalties` on a copy (as the baseline returns one)."""
+    out = logits.clone()
+    apply_penalties(out, params, token_ids, output_ids)
+    return out
 
 
 def engine_rounds(rows: int, repeats: int) -> None:
@@ -126,7 +138,8 @@ def penalize_row_by_row(
     token_ids: list[list[int]],
     output_ids: list[list[int]],
 ) -> torch.Tensor:
-    """The penalties before `penalize`: a row at a time, a tensor built from each list."""
+    """The penalties before `apply_penalties` took every row at once: a row at a time, a tensor
+    built from each list; returns a penalised copy."""
     out = logits.clone()
     for row, p, tokens, outputs in zip(out, params, token_ids, output_ids, strict=True):
         if p.repetition_penalty != 1.0:
@@ -214,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     ):
         plist = [params] * len(batch)
         if not torch.equal(
-            penalize(batch, plist, tokens, outputs),
+            penalize_all_rows(batch, plist, tokens, outputs),
             penalize_row_by_row(batch, plist, tokens, outputs),
         ):
             raise SystemExit(f"{case}: the logits differ")
         show(
             case,
             best_us(lambda: penalize_row_by_row(batch, plist, tokens, outputs), c, r),  # noqa: B023
-            best_us(lambda: penalize(batch, plist, tokens, outputs), c, r),  # noqa: B023
+            best_us(lambda: penalize_all_rows(batch, plist, tokens, outputs), c, r),  # noqa: B023
         )
     if args.engine:
         engine_rounds(args.rows, args.repeats)

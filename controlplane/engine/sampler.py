@@ -27,19 +27,18 @@ def _flat_keys(
     return keys.to(device)
 
 
-def penalize(
+def apply_penalties(
     logits: torch.Tensor,
     params: list[SamplingParams],
     token_ids: list[list[int]],
     output_ids: list[list[int]],
-) -> torch.Tensor:
-    """Rows of logits [R, vocab] with their penalties applied (a new tensor), given each row's
-    tokens so far (prompt + output) and its output tokens. All rows at once, and only the
-    entries of tokens that occurred (torch.unique over row * vocab + id): a row at a time
-    cost milliseconds a row at a long context, and arithmetic or a scan over every entry as
-    much again (docs/benchmarks.md#sampling)."""
-    out = logits.clone(memory_format=torch.contiguous_format)
-    flat = out.view(-1)
+) -> None:
+    """Penalise rows of logits [R, vocab] in place (contiguous: their flat view is written),
+    given each row's tokens so far (prompt + output) and its output tokens. All rows at once,
+    and only the entries of tokens that occurred (torch.unique over row * vocab + id): a row at
+    a time cost milliseconds a row at a long context, and arithmetic or a scan over every
+    entry as much again (docs/benchmarks.md#sampling)."""
+    flat = logits.view(-1)
     vocab, dtype, device = logits.shape[-1], logits.dtype, logits.device
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
@@ -48,8 +47,7 @@ def penalize(
         # (On a GPU, torch.unique waits for the device: steps with penalties are synchronous
         # anyway, engine/overlap.py.)
         keys = torch.unique(_flat_keys(rep, [token_ids[i] for i in rep], vocab, device))
-        factor = torch.ones(len(params), dtype=dtype)
-        factor[rep] = torch.tensor([params[i].repetition_penalty for i in rep], dtype=dtype)
+        factor = torch.tensor([p.repetition_penalty for p in params], dtype=dtype)
         f = factor.to(device)[keys // vocab]
         sel = flat[keys]
         flat[keys] = torch.where(sel > 0, sel / f, sel * f)
@@ -67,7 +65,6 @@ def penalize(
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=dtype).to(device)[row]
         pres = torch.tensor([p.presence_penalty for p in params], dtype=dtype).to(device)[row]
         flat[keys] = flat[keys] - (freq * c + pres * (c > 0).to(dtype))
-    return out
 
 
 # The candidates the top-k / top-p filter looks at first, widening while a row's kept tokens
@@ -235,13 +232,14 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1) if max(want, default=-1) >= 0 else None
         if any(p.needs_penalties for p in params):
             pen = [i for i, p in enumerate(params) if p.needs_penalties]
-            logits = logits.clone()
-            logits[pen] = penalize(
-                logits[pen],
+            part = logits[pen]  # a copy: the caller's logits stay as they are
+            apply_penalties(
+                part,
                 [params[i] for i in pen],
                 [seqs[i].token_ids for i in pen],
                 [seqs[i].output_token_ids for i in pen],
             )
+            logits = logits.index_put((torch.tensor(pen, device=logits.device),), part)
 
         tokens = argmax_rows(logits)
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from controlplane.engine.sampler import argmax_rows, draw, filter_probs, penalize
+from controlplane.engine.sampler import apply_penalties, argmax_rows, draw, filter_probs
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import TokenLogprobs
 
@@ -101,9 +101,9 @@ def _row_distribution(
     argmax). Returns (probs, argmax); probs is None for greedy requests."""
     p = seq.params
     if p.needs_penalties:
-        row = penalize(
-            row.unsqueeze(0), [p], [seq.token_ids + prefix], [seq.output_token_ids + prefix]
-        )[0]
+        rows = row.unsqueeze(0).clone(memory_format=torch.contiguous_format)
+        apply_penalties(rows, [p], [seq.token_ids + prefix], [seq.output_token_ids + prefix])
+        row = rows[0]
     if p.greedy:
         return None, int(argmax_rows(row.unsqueeze(0))[0])
     probs = filter_probs(row.unsqueeze(0), [p])[0]

@@ -7,15 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The code the sampler's batched filter and penalties replaced, kept once, as the benchmark's
+# baseline: here the reference they must equal.
+from benchmarks.sampling import full_sort_filter, penalize_row_by_row
 from controlplane.engine import SamplingParams
 from controlplane.engine.sampler import (
     FILTER_WIDTHS,
     Sampler,
+    apply_penalties,
     argmax_rows,
     draw,
     filter_probs,
     invert_cdf,
-    penalize,
 )
 from controlplane.engine.sequence import Sequence
 from controlplane.engine.types import RequestMetrics
@@ -53,19 +56,6 @@ def test_argmax_rows_is_torchs_max_indices_with_nan_inf_and_strides(dtype):
     assert argmax_rows(logits)[1:6].tolist() == [40, 5, 0, 1030, 0]
 
 
-def _penalize_row_by_row(
-    row: torch.Tensor, p: SamplingParams, token_ids: list[int], output_ids: list[int]
-) -> None:
-    """The penalties one row at a time, in place (as the sampler first applied them)."""
-    if p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(token_ids)))
-        sel = row[ids]
-        row[ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(output_ids), minlength=row.shape[0]).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-
-
 def test_penalties_for_all_rows_at_once_equal_them_row_by_row():
     """Repetition (prompt and output), frequency and presence penalties, alone and together,
     with repeated tokens, an empty output and rows without penalties, in one batch."""
@@ -89,10 +79,9 @@ def test_penalties_for_all_rows_at_once_equal_them_row_by_row():
     ]
     outputs = [t[len(t) // 2 :] for t in tokens]
     outputs[4] = []
-    want = logits.clone()
-    for row, p, t, o in zip(want, params, tokens, outputs, strict=True):
-        _penalize_row_by_row(row, p, t, o)
-    got = penalize(logits, params, tokens, outputs)
+    want = penalize_row_by_row(logits, params, tokens, outputs)
+    got = logits.clone()
+    apply_penalties(got, params, tokens, outputs)
     assert torch.equal(got, want)
     assert not torch.equal(got[3], logits[3]) and torch.equal(got[5], logits[5])
     assert torch.equal(got[4], logits[4])
@@ -102,17 +91,6 @@ def test_penalties_for_all_rows_at_once_equal_them_row_by_row():
         seq.token_ids, seq.output_token_ids = list(t), list(o)
     sampled, _ = Sampler(0, torch.device("cpu"))(logits, seqs)
     assert sampled == want.argmax(dim=-1).tolist()
-
-
-def _full_sort_filter(probs: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-    """Top-k and top-p over the whole vocabulary sorted (the filter as it was written first)."""
-    vocab = probs.shape[-1]
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks]).unsqueeze(1)
-    drop = torch.arange(vocab).unsqueeze(0) >= k_t
-    drop |= sorted_p.cumsum(-1) - sorted_p >= torch.tensor(ps).unsqueeze(1)
-    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return out / out.sum(-1, keepdim=True)
 
 
 def test_top_k_top_p_by_widening_candidates_equals_the_full_sort():
@@ -128,12 +106,11 @@ def test_top_k_top_p_by_widening_candidates_equals_the_full_sort():
     params = [
         SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(ks, ps, strict=True)
     ]
-    probs = torch.softmax(logits, dim=-1)
     with torch.inference_mode():
         got = filter_probs(logits, params)
         # Each row alone too: the batch's other rows change nothing.
         alone = torch.cat([filter_probs(logits[i : i + 1], params[i : i + 1]) for i in range(12)])
-    want = _full_sort_filter(probs, ks, ps)
+    want = full_sort_filter(logits, params)
     assert torch.equal(got, want)
     assert torch.equal(alone, want)
     kept = (got > 0).sum(-1).tolist()
