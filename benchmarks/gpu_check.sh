@@ -9,7 +9,8 @@
 #      replays graphs since 32d26c1, where it ran eagerly at half speed before);
 #   3. gpu_seeds on the 8B with fp8, then int4 weights (a second call: SKIP="daemon
 #      seeds_8b_bf16" once those two are in);
-#   4. the gpu-marked tests (CUDA graphs over the compiled step, the quantized kernels, ...);
+#   4. the gpu-marked tests (a step that never waits for the device, CUDA graphs over the
+#      compiled step, the quantized kernels, ...);
 #   5. gpu_seeds on the ~1.1B (1b shape); the quantized kernels per call;
 #   6. the Triton attention tests compiled for the GPU (the cases the CPU suite interprets);
 #   7. benchmarks/gpu_decode.py (arguments to this script go to it).
@@ -68,7 +69,7 @@ step seeds_8b_fp8 280 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
 step seeds_8b_int4 280 python3 -m benchmarks.gpu_seeds --shape 8b --weights int4 \
     --budget-s 260 --json "$OUT/seeds_8b_int4.json"
 step pytest_gpu "${TEST_TIMEOUT:-150}" bash -c 'python3 -m pytest -p no:cacheprovider -q -m gpu \
-    tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py \
+    tests/engine/test_transfer.py tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py \
     tests/engine/test_fp8_weights.py tests/engine/test_triton_linear.py 2>&1 | tee "$1"' _ \
     "$OUT/pytest_gpu.log"
 step seeds_1b_bf16 150 python3 -m benchmarks.gpu_seeds --shape 1b --weights bf16 \

@@ -232,3 +232,30 @@ def test_type_and_stats_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, f"importing {module} imports torch\n{result.stderr}"
+
+
+def _device_tensors(tree: ast.AST) -> list[int]:
+    """Lines of `torch.tensor(..., device=...)` calls: host values copied to a device."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "tensor"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "torch"
+        and any(k.arg == "device" for k in node.keywords)
+    ]
+
+
+def test_host_values_reach_the_device_through_transfer() -> None:
+    """torch.tensor(values, device=cuda) copies from pageable memory and waits for the device
+    first; in a step that undoes asynchronous scheduling (engine/transfer.py says why). Host
+    values go through transfer.to_device / copy_into instead."""
+    found = {
+        name: lines
+        for name, path in MODULES.items()
+        if (lines := _device_tensors(ast.parse(path.read_text())))
+    }
+    assert not found, f"torch.tensor(..., device=...): use controlplane.engine.transfer: {found}"
+    assert _device_tensors(ast.parse("import torch\nx = torch.tensor([1], device=dev)")) == [2]

@@ -33,6 +33,7 @@ import torch
 
 from controlplane.engine.attention.backend import AttentionBackend, AttentionMetadata, SeqSpan
 from controlplane.engine.model.llama import CausalLM
+from controlplane.engine.transfer import copy_into, to_device
 
 if TYPE_CHECKING:  # loaded only where Triton attention runs: the CPU engine never loads it
     from controlplane.engine.attention.triton import TritonAttentionMetadata, TritonPagedAttention
@@ -196,8 +197,8 @@ class CudaGraphDecode:
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         replayer, out, meta = self._graphs[size]
         pad = [0] * (size - n)
-        self._ids[:size].copy_(torch.tensor(input_ids + pad, dtype=torch.long))
-        self._positions[:size].copy_(torch.tensor(positions + pad, dtype=torch.long))
+        copy_into(self._ids[:size], input_ids + pad)
+        copy_into(self._positions[:size], positions + pad)
         if fed is not None:  # rows whose token the previous step sampled on the device
             self._ids[fed[0]] = fed[1]
         self.backend.prepare_into(meta, spans)
@@ -205,4 +206,4 @@ class CudaGraphDecode:
         self.replays += 1
         if len(rows) == n:  # every row: rows == range(n)
             return out[:n].clone()
-        return out[torch.tensor(rows, device=out.device)]
+        return out[to_device(rows, out.device)]

@@ -19,6 +19,7 @@ from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.sampler import argmax_rows, draw, filter_probs
 from controlplane.engine.sequence import Sequence
+from controlplane.engine.transfer import to_device
 
 
 class DraftModel:
@@ -96,11 +97,11 @@ class DraftModel:
             seq.draft_num_computed = start + len(tokens)
         dev = self.device
         logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            to_device(input_ids, dev),
+            to_device(positions, dev),
             self.backend,
             self.backend.prepare(spans, dev),
-            torch.tensor(rows, dtype=torch.long, device=dev),
+            to_device(rows, dev),
         )
         best = argmax_rows(logits).tolist()
         for i, (seq, _) in enumerate(feeds):

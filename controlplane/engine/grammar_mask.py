@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from controlplane.engine.structured import grammar_failed
+from controlplane.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from controlplane.engine.sequence import Sequence
@@ -110,10 +111,10 @@ class MaskBatch:
         if not rows:
             return
         assert job.bitmask is not None
-        allowed = self.allowed(job.bitmask[rows]).to(logits.device)
+        allowed = to_device(self.allowed(job.bitmask[rows]), logits.device, torch.bool)
         width = logits.shape[1]
         if width > self.vocab_size:  # padded embedding rows are never tokens
             pad = allowed.new_zeros((len(rows), width - self.vocab_size))
             allowed = torch.cat([allowed, pad], dim=1)
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, logits.device)
         logits[index] = logits[index].masked_fill(~allowed[:, :width], float("-inf"))

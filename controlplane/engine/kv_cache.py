@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from controlplane.engine.model.config import ModelConfig
+from controlplane.engine.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class KVCache:
         return pairs
 
     def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
-        src = torch.tensor(device_blocks, device=self.k[0].device)
+        src = to_device(device_blocks, self.k[0].device)
         dst = torch.tensor(host_blocks)
         for cache, swap in self._pairs():
             for layer, host in zip(cache, swap, strict=True):
@@ -168,7 +169,7 @@ class KVCache:
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         src = torch.tensor(host_blocks)
-        dst = torch.tensor(device_blocks, device=self.k[0].device)
+        dst = to_device(device_blocks, self.k[0].device)
         for cache, swap in self._pairs():
             for layer, host in zip(cache, swap, strict=True):
                 blocks = _raw(host).index_select(0, src).to(layer.device, non_blocking=True)
@@ -177,8 +178,7 @@ class KVCache:
     def copy(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy blocks within the device cache (copy-on-write of a shared partial block)."""
         dev = self.k[0].device
-        src = torch.tensor(src_blocks, device=dev)
-        dst = torch.tensor(dst_blocks, device=dev)
+        src, dst = to_device(src_blocks, dev), to_device(dst_blocks, dev)
         for cache, _swap in self._pairs():
             for layer in cache:
                 blocks = self._blocks(_raw(layer))

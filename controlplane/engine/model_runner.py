@@ -15,6 +15,7 @@ from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.prompt_logprobs import rows_needed
 from controlplane.engine.scheduler import ScheduledSeq, SchedulerOutput
 from controlplane.engine.sequence import Sequence
+from controlplane.engine.transfer import to_device
 from controlplane.engine.types import RankStats
 
 # Rows of a step's input ids and the tokens they take from the device (asynchronous scheduling).
@@ -180,10 +181,7 @@ class ModelRunner:
         if inputs.fed_rows:
             assert fed_tokens is not None
             dev = fed_tokens.device
-            fed = (
-                torch.tensor(inputs.fed_rows, device=dev),
-                fed_tokens[torch.tensor(inputs.fed_from, device=dev)],
-            )
+            fed = (to_device(inputs.fed_rows, dev), fed_tokens[to_device(inputs.fed_from, dev)])
         prompt_rows, logits_rows = inputs.prompt_rows, inputs.logits_rows
         if not prompt_rows and self.graphs is not None and self.graphs.applies(spans):
             logits = self.graphs(input_ids, positions, spans, rows, fed)
@@ -219,11 +217,11 @@ class ModelRunner:
         """A step without a graph: compiled when the compiled step applies, else eager."""
         meta = self.backend.prepare(spans, self.device)
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        ids_t = to_device(input_ids, dev)
         if fed is not None:
             ids_t[fed[0]] = fed[1]
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        pos_t = to_device(positions, dev)
+        rows_t = to_device(rows, dev)
         if self.compiled is not None and self.compiled.applies(meta, len(input_ids)):
             return self.compiled(ids_t, pos_t, rows_t, self.backend, meta)
         return self.model(ids_t, pos_t, self.backend, meta, rows_t)

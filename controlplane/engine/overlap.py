@@ -54,6 +54,7 @@ from controlplane.engine.sampler import Sampled
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.scheduler import SchedulerOutput
 from controlplane.engine.sequence import Sequence, SequenceStatus
+from controlplane.engine.transfer import to_device
 from controlplane.engine.types import RequestOutput
 
 if TYPE_CHECKING:
@@ -284,6 +285,6 @@ class _StepJob:
         except Exception:
             # Row by row, so that only the rows that fail on their own fail (Engine._sample).
             tokens, lps, errors = e._sample(logits, seqs)
-            sampled = Sampled.known(torch.tensor(tokens, device=logits.device), lps, errors)
+            sampled = Sampled.known(to_device(tokens, logits.device), lps, errors)
         sampled.start_copy()
         return sampled

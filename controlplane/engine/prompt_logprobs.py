@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from controlplane.engine.transfer import to_device
 from controlplane.engine.types import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def score(seq: Sequence, lo: int, logits: torch.Tensor) -> None:
     assert seq.prompt_logprobs is not None and len(seq.prompt_logprobs) - 1 == lo
     lp = torch.log_softmax(logits.float(), dim=-1)
     targets = seq.prompt_token_ids[lo + 1 : lo + 1 + len(logits)]
-    t = torch.tensor(targets, device=lp.device).unsqueeze(1)
+    t = to_device(targets, lp.device).unsqueeze(1)
     chosen = lp.gather(1, t)
     ranks = ((lp > chosen).sum(1) + 1).tolist()
     values = chosen.squeeze(1).tolist()

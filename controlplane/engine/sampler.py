@@ -9,6 +9,7 @@ import torch
 
 from controlplane.engine.sampling_params import SamplingParams
 from controlplane.engine.sequence import Sequence
+from controlplane.engine.transfer import to_device
 from controlplane.engine.types import TokenLogprobs
 
 
@@ -24,7 +25,7 @@ def _flat_keys(
         if ids
     ]
     keys = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-    return keys.to(device)
+    return to_device(keys, device)
 
 
 def apply_penalties(
@@ -47,8 +48,7 @@ def apply_penalties(
         # (On a GPU, torch.unique waits for the device: steps with penalties are synchronous
         # anyway, engine/overlap.py.)
         keys = torch.unique(_flat_keys(rep, [token_ids[i] for i in rep], vocab, device))
-        factor = torch.tensor([p.repetition_penalty for p in params], dtype=dtype)
-        f = factor.to(device)[keys // vocab]
+        f = to_device([p.repetition_penalty for p in params], device, dtype)[keys // vocab]
         sel = flat[keys]
         flat[keys] = torch.where(sel > 0, sel / f, sel * f)
     counted = [
@@ -62,8 +62,8 @@ def apply_penalties(
         keys, counts = torch.unique(occurrences, return_counts=True)
         c = counts.to(dtype)
         row = keys // vocab
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=dtype).to(device)[row]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=dtype).to(device)[row]
+        freq = to_device([p.frequency_penalty for p in params], device, dtype)[row]
+        pres = to_device([p.presence_penalty for p in params], device, dtype)[row]
         flat[keys] = flat[keys] - (freq * c + pres * (c > 0).to(dtype))
 
 
@@ -79,19 +79,21 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     probabilities (speculative verification compares them with the draft's: p/q must be
     exact, so the filtered-out mass is renormalized here, not left to the draw)."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)
+    temps = to_device([p.temperature for p in params], device, torch.float32)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
     ks = [p.top_k for p in params]
     ps = [p.top_p for p in params]
     if any(k > 0 for k in ks) or any(p < 1.0 for p in ps):
         vocab = probs.shape[-1]
         # k beyond the vocabulary keeps everything (and must not reach torch: int64 overflow).
-        k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks], device=device)
-        probs = _top_k_top_p(probs, k_t.unsqueeze(1), torch.tensor(ps, device=device).unsqueeze(1))
+        k_t = to_device([min(k, vocab) if k > 0 else vocab for k in ks], device)
+        p_t = to_device(ps, device, torch.float32)
+        probs = _top_k_top_p(probs, k_t.unsqueeze(1), p_t.unsqueeze(1))
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         floor = (
-            torch.tensor(min_ps, device=device).unsqueeze(1) * probs.max(-1, keepdim=True).values
+            to_device(min_ps, device, torch.float32).unsqueeze(1)
+            * probs.max(-1, keepdim=True).values
         )
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(-1, keepdim=True)
@@ -204,15 +206,19 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row of `probs`: a request with a seed draws its uniform number from
         its own generator, so its tokens do not depend on what else shares the batch."""
-        u = torch.empty(len(generators), 1, dtype=torch.float64, device=probs.device)
+        dev, f64, n = probs.device, torch.float64, len(generators)
         unseeded = [j for j, gen in enumerate(generators) if gen is None]
-        if unseeded:
-            u[unseeded] = torch.rand(
-                len(unseeded), 1, dtype=torch.float64, device=probs.device, generator=self.generator
+        if len(unseeded) == n:  # no seed in the batch: one draw for every row
+            return invert_cdf(
+                probs, torch.rand(n, 1, dtype=f64, device=dev, generator=self.generator)
             )
+        u = torch.empty(n, 1, dtype=f64, device=dev)
+        if unseeded:
+            rand = torch.rand(len(unseeded), 1, dtype=f64, device=dev, generator=self.generator)
+            u[to_device(unseeded, dev)] = rand
         for j, gen in enumerate(generators):
             if gen is not None:
-                u[j] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=gen)
+                u[j] = torch.rand(1, dtype=f64, device=dev, generator=gen)
         return invert_cdf(probs, u)
 
     def __call__(
@@ -239,12 +245,12 @@ class Sampler:
                 [seqs[i].token_ids for i in pen],
                 [seqs[i].output_token_ids for i in pen],
             )
-            logits = logits.index_put((torch.tensor(pen, device=logits.device),), part)
+            logits = logits.index_put((to_device(pen, logits.device),), part)
 
         tokens = argmax_rows(logits)
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]
         if rand_rows:
-            rows = torch.tensor(rand_rows, device=logits.device)
+            rows = to_device(rand_rows, logits.device)
             probs = _filter(logits[rows], [seqs[i] for i in rand_rows])
             tokens[rows] = self._draw(probs, [seqs[i].generator for i in rand_rows])
         if raw_lp is None:

@@ -11,7 +11,6 @@ import torch
 
 from controlplane.engine.attention.backend import (
     SeqSpan,
-    long_tensor,
     padded_block_table,
     padded_block_tables,
 )
@@ -19,13 +18,6 @@ from controlplane.engine.detokenizer import IncrementalDetokenizer
 from controlplane.engine.types import RequestOutput
 
 CPU = torch.device("cpu")
-
-
-@pytest.mark.parametrize("values", [[], [0], [5, -1, 2**40], list(range(300))])
-def test_long_tensor_is_torch_tensor(values):
-    got = long_tensor(values, CPU)
-    assert got.dtype == torch.long
-    assert torch.equal(got, torch.tensor(values, dtype=torch.long))
 
 
 def random_spans(rng: random.Random, n: int, block_size: int) -> list[SeqSpan]:

@@ -20,12 +20,12 @@ from controlplane.engine.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     SeqSpan,
-    long_tensor,
     padded_block_table,
 )
 from controlplane.engine.attention.torch_paged import TorchPagedAttention
 from controlplane.engine.kernels import cpu_ops
 from controlplane.engine.kv_cache import KVCache
+from controlplane.engine.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -66,7 +66,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 0,
                 len(spans),
                 padded_block_table(spans, self.block_size, device),
-                long_tensor([s.context_len for s in spans], device),
+                to_device([s.context_len for s in spans], device),
             )
         ]
 

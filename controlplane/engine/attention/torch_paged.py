@@ -15,9 +15,9 @@ from controlplane.engine.attention.backend import (
     AttentionMetadata,
     PrefillSpan,
     SeqSpan,
-    long_tensor,
     padded_block_table,
 )
+from controlplane.engine.transfer import host_tensor, to_device
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ class TorchPagedAttention(AttentionBackend):
                 decode_rows += 1
             else:
                 slot_mapping.extend([table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)])
-        meta = AttentionMetadata(slot_mapping=long_tensor(slot_mapping, device))
+        meta = AttentionMetadata(slot_mapping=to_device(slot_mapping, device))
         meta.decodes = self._decode_buckets(spans[:decode_rows], device)
         row = decode_rows
         for span in spans[decode_rows:]:
@@ -60,11 +60,15 @@ class TorchPagedAttention(AttentionBackend):
             if ctx == q_len:
                 meta.prefills.append(PrefillSpan(row, row + q_len, ctx, None, None))
             else:
-                blocks_t = long_tensor(span.block_table[: -(-ctx // bs)], device)
+                blocks_t = to_device(span.block_table[: -(-ctx // bs)], device)
                 # Row i sits at position ctx - q_len + i and sees keys 0..that position.
                 q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
                 mask = torch.arange(ctx).unsqueeze(0) <= q_pos
-                meta.prefills.append(PrefillSpan(row, row + q_len, ctx, blocks_t, mask.to(device)))
+                meta.prefills.append(
+                    PrefillSpan(
+                        row, row + q_len, ctx, blocks_t, to_device(mask, device, torch.bool)
+                    )
+                )
             row += q_len
         return meta
 
@@ -88,9 +92,11 @@ class TorchPagedAttention(AttentionBackend):
     ) -> DecodeBucket:
         part = spans[start:end]
         tables = padded_block_table(part, self.block_size, device)
-        lens = long_tensor([s.context_len for s in part], torch.device("cpu"))
+        lens = host_tensor([s.context_len for s in part], torch.long)
         mask = torch.arange(tables.shape[1] * self.block_size).unsqueeze(0) < lens.unsqueeze(1)
-        return DecodeBucket(start, end, tables.flatten(), mask[:, None, None, :].to(device))
+        return DecodeBucket(
+            start, end, tables.flatten(), to_device(mask[:, None, None, :], device, torch.bool)
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata

@@ -27,6 +27,7 @@ from controlplane.engine.attention.triton_kernels import (
     next_pow2,
 )
 from controlplane.engine.kv_cache import QMAX, KVCache
+from controlplane.engine.transfer import copy_into, to_device
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +90,15 @@ class TritonPagedAttention(AttentionBackend):
         slots = block_tables[seq_of_row, pos // bs].long() * bs + pos % bs
         decode_span = width * bs if self.max_blocks_per_seq else max(ctx[:num_decodes], default=0)
         return TritonAttentionMetadata(
-            slot_mapping=slots.to(device),
+            slot_mapping=to_device(slots, device),
             prefills=[
                 PrefillSpan(starts[i], starts[i + 1], ctx[i], None, None)
                 for i in range(num_decodes, len(spans))
             ],
-            query_start=query_start.to(device),
-            query_lens=q_lens_t.to(device),
-            seq_lens=ctx_t.to(device),
-            block_tables=block_tables.to(device),
+            query_start=to_device(query_start, device, torch.int32),
+            query_lens=to_device(q_lens_t, device, torch.int32),
+            seq_lens=to_device(ctx_t, device, torch.int32),
+            block_tables=to_device(block_tables, device, torch.int32),
             num_decodes=num_decodes,
             num_partitions=max(1, -(-decode_span // PARTITION)),
             max_query_len=max(q_lens[num_decodes:], default=0),
@@ -158,11 +159,9 @@ class TritonPagedAttention(AttentionBackend):
             last = s.context_len - 1
             slots.append(used[last // bs] * bs + last % bs)
         tables += [0] * (width * pad)
-        meta.seq_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
-        meta.slot_mapping.copy_(torch.tensor(slots + [-1] * pad, dtype=torch.long))
-        meta.block_tables[:, :width].copy_(
-            torch.tensor(tables, dtype=torch.int32).view(meta.num_decodes, width)
-        )
+        copy_into(meta.seq_lens, ctx)
+        copy_into(meta.slot_mapping, slots + [-1] * pad)
+        copy_into(meta.block_tables[:, :width], tables)
 
     def _layer_cache(
         self, layer: int
