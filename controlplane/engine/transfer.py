@@ -44,7 +44,10 @@ def host_tensor(values: Values, dtype: torch.dtype, pin: bool = False) -> torch.
 def to_device(
     values: Values, device: torch.device, dtype: torch.dtype = torch.long
 ) -> torch.Tensor:
-    """A tensor of host `values` on `device`; on CUDA the copy is queued, not waited for."""
+    """A tensor of host `values` on `device`; on CUDA the copy is queued, not waited for.
+    (A tensor already on a device is moved as it is: nothing of it is on the host.)"""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.to(device, dtype, non_blocking=True)
     if device.type == "cpu":
         return host_tensor(values, dtype)
     return host_tensor(values, dtype, pin=device.type == "cuda").to(device, non_blocking=True)

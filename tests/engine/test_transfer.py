@@ -71,14 +71,13 @@ def test_copy_into_writes_a_strided_view_and_nothing_else():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_copies_are_queued_behind_the_work_in_flight():
-    """With the stream busy for ~200 ms, the copies return at once and land in order after it:
+    """With the stream busy for a fifth of a second or so, the copies return at once and land in order after it:
     a blocking copy would have waited for the sleep first."""
     dev = torch.device("cuda")
     dst = torch.zeros(300, dtype=torch.long, device=dev)
     torch.cuda.synchronize()
-    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3 * 0.2)  # kHz -> 0.2 s
     t0 = time.perf_counter()
-    torch.cuda._sleep(cycles)
+    torch.cuda._sleep(300_000_000)  # GPU clock cycles: ~0.15-0.2 s
     got = to_device(list(range(300)), dev)
     copy_into(dst[:100], array("q", range(100, 200)))
     queued = time.perf_counter() - t0
@@ -87,6 +86,8 @@ def test_gpu_copies_are_queued_behind_the_work_in_flight():
     assert queued < waited / 4, (queued, waited)
     assert got.tolist() == list(range(300))
     assert dst[:100].tolist() == list(range(100, 200)) and not dst[100:].any()
+    # A tensor already on the device is moved as it is (pinning it would fail).
+    assert to_device(got, dev, torch.int32).tolist() == list(range(300))
 
 
 @pytest.mark.gpu
