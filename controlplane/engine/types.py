@@ -59,9 +59,12 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepStats:
-    """Immutable snapshot published after every step; readers never lock the engine."""
+    """A snapshot published after every step, never changed once published (a new one
+    replaces it), so readers never lock the engine. Not `frozen`: a frozen dataclass sets each
+    of these fields through object.__setattr__, a few microseconds of every step's host time
+    (docs/benchmarks.md#host-overhead)."""
 
     step: int
     time: float
