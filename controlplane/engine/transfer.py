@@ -3,9 +3,10 @@ positions, attention metadata, sampling parameters, row indices) leave the host.
 
 A copy from ordinary (pageable) host memory to a GPU first waits for everything already queued
 on the stream (CUDA's rule for such copies; torch's blocking `copy_` then waits for the copy
-too). In a step's preparation that stalls the host until the step in flight has ended, which
-undoes asynchronous scheduling (engine/overlap.py): the device sits idle while the host builds
-the rest of the next step and launches it. So on CUDA every value goes from pinned memory
+too). In a step's preparation the first such copy holds the host until the step in flight has
+ended, and each further one costs a round trip, while the device sits idle until the host has
+launched the next step: asynchronous scheduling (engine/overlap.py) is undone at every launch.
+So on CUDA every value goes from pinned memory
 (torch's caching host allocator, which reuses a block only once the copies that read it have
 run) with `non_blocking=True`, queued behind the step in flight rather than waiting for it.
 On a CPU the values become a plain tensor, shared with an `array`'s buffer where given one.
