@@ -208,14 +208,13 @@ class Sampler:
         its own generator, so its tokens do not depend on what else shares the batch."""
         dev, f64, n = probs.device, torch.float64, len(generators)
         unseeded = [j for j, gen in enumerate(generators) if gen is None]
-        if len(unseeded) == n:  # no seed in the batch: one draw for every row
-            return invert_cdf(
-                probs, torch.rand(n, 1, dtype=f64, device=dev, generator=self.generator)
-            )
-        u = torch.empty(n, 1, dtype=f64, device=dev)
-        if unseeded:
-            rand = torch.rand(len(unseeded), 1, dtype=f64, device=dev, generator=self.generator)
-            u[to_device(unseeded, dev)] = rand
+        if len(unseeded) == n:  # no seed in the batch: the generator's numbers are every row's
+            u = torch.rand(n, 1, dtype=f64, device=dev, generator=self.generator)
+        else:
+            u = torch.empty(n, 1, dtype=f64, device=dev)
+            if unseeded:
+                rand = torch.rand(len(unseeded), 1, dtype=f64, device=dev, generator=self.generator)
+                u[to_device(unseeded, dev)] = rand
         for j, gen in enumerate(generators):
             if gen is not None:
                 u[j] = torch.rand(1, dtype=f64, device=dev, generator=gen)
