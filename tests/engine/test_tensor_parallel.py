@@ -8,6 +8,7 @@ be made. The engine over two ranks gives one rank's tokens with either transport
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 from pathlib import Path
@@ -81,6 +82,9 @@ def _rank(
     rank: int, size: int, init: str | ShmSpec, model_dir: str, out: str, quant: QuantConfig | None
 ) -> None:
     """`init`: a gloo rendezvous, or the shared-memory segment of the group."""
+    # A native abort in a rank (gloo, the rendezvous store) prints every thread's Python
+    # stack into the test's output rather than a bare signal.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     if isinstance(init, ShmSpec):
         shm = ShmGroup(init, rank)
@@ -90,11 +94,29 @@ def _rank(
         finally:
             shm.close()
         return
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    host, port = init.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     try:
         logits = _logits(Path(model_dir), TensorParallel(rank, size), quant)
         torch.save(logits, Path(out) / f"rank{rank}.pt")
-    finally:
+    except BaseException:
+        dist.destroy_process_group()  # a failed rank leaves at once: spawn stops the others
+        raise
+    _leave(store, rank, size)
+
+
+def _leave(store: dist.TCPStore, rank: int, size: int) -> None:
+    """Leave the group in the engine's order (parallel/workers.py, Workers.close): every
+    worker shuts its gloo pairs down and says so through the store, then rank 0, which serves
+    the store. Once in CI, with all three ranks leaving at the same moment, rank 0 aborted in
+    native code ("terminate called without an active exception"); not reproduced here, so
+    this order takes the simultaneous teardown away rather than fixing a proven cause."""
+    if rank:
+        dist.destroy_process_group()
+        store.set(f"left{rank}", b"1")
+    else:
+        store.wait([f"left{r}" for r in range(1, size)])
         dist.destroy_process_group()
 
 
