@@ -447,6 +447,7 @@ def test_connection_errors_are_counted_by_exception_type() -> None:
     assert s.requests_failed == 3 and s.errors == {"ConnectError": 3}
 
 
+@pytest.mark.serial
 def test_stop_event_cancels_and_returns_partial_summary(fake_server: ThreadingHTTPServer) -> None:
     cfg = LoadConfig(
         url=_url(fake_server),

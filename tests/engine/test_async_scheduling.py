@@ -167,6 +167,7 @@ def test_a_forward_that_fails_fails_its_requests_and_the_engine_goes_on(
     _no_leaks(ahead)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("host_s,forward_s", [(0.05, 0.05), (0.03, 0.07)])
 def test_the_step_period_follows_the_longer_of_host_and_forward(
     tiny_model_dir: Path, host_s: float, forward_s: float

@@ -287,6 +287,7 @@ def test_body_over_max_body_bytes_is_413_naming_the_limit(served):
     assert httpx.get(d.url + "/health", timeout=30).status_code == 200
 
 
+@pytest.mark.serial
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(tiny_model_dir, tmp_path):
     # The daemon runs in its own process: a client in the daemon's process would share its
     # GIL, and could not measure the event loop.

@@ -98,6 +98,7 @@ def real_daemon(tiny_model_dir, tmp_path) -> Iterator[InProcessDaemon]:
     d.stop()
 
 
+@pytest.mark.serial  # 10 s for a relayout: missed once beside a parallel worker
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_the_prompt_shows_what_is_typed_in_a_real_terminal(real_daemon):
     cmd = ["env", "TERM=xterm-256color", sys.executable, "-m", "controlplane", "tui",
