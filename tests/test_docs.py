@@ -203,7 +203,10 @@ def test_readme_quickstart_commands_are_what_ci_runs():
     commands = [c.strip() for c in install.split("&&")]
     assert commands[0].startswith("pip install torch==") and commands[-1] == "controlplane serve"
     tests = quickstart_block("test").strip()
-    assert tests.startswith("python -m pytest -q -n 2 ") and tests.endswith("-m serial")
+    assert tests == (
+        'python -m pytest -q -n 2 --dist loadfile -m "not serial and not drill"'
+        " && python -m pytest -q -m serial"
+    )
     ci = ci_commands()
     for command in [*commands, tests]:
         assert command in ci, command
