@@ -22,6 +22,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from controlplane.client.admin import APIError, ClientError
+from controlplane.tui.closing import StopsWorkersOnClose
 
 # Who pins a knob: the sources the autopilot counts as an operator's (autopilot/pilot.py).
 OPERATOR_SOURCES = ("api", "tui", "file", "env", "fleet")
@@ -123,7 +124,7 @@ def setters_from(history: list[dict[str, Any]], knobs: list[str]) -> dict[str, s
     return out
 
 
-class AutopilotScreen(ModalScreen[None]):
+class AutopilotScreen(StopsWorkersOnClose, ModalScreen[None]):
     """`AutopilotScreen(client)`: what the autopilot is doing and why, from GET
     /admin/autopilot every `interval` seconds (and GET /admin/config/history for who pinned a
     knob). Escape (or q) closes; g refreshes now."""

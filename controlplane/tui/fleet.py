@@ -23,6 +23,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from controlplane.client.admin import ClientError
 from controlplane.fleet.order import WORST_FIRST, slo_missed, worst_first_key
+from controlplane.tui.closing import StopsWorkersOnClose
 from controlplane.tui.header import STATE_STYLE
 from controlplane.tui.help import HelpScreen
 from controlplane.tui.history import fmt_age, fmt_ms, fmt_num, fmt_usd
@@ -204,7 +205,7 @@ class FleetTable(MeasuredTable):
         return rows[self.cursor_row].get("advertise_url")
 
 
-class FleetScreen(Screen[None]):
+class FleetScreen(StopsWorkersOnClose, Screen[None]):
     """Polls the fleet every `interval` seconds through the app's `fleet_clients()`."""
 
     BINDINGS: ClassVar[list[Binding]] = [
@@ -255,8 +256,8 @@ class FleetScreen(Screen[None]):
             self.query_one("#fleet-totals", Static).update(line)
 
     def _show(self, body: dict[str, Any]) -> None:
-        # An answer can arrive while the screen closes (Enter, escape): Textual removes its
-        # widgets before it stops its workers, so a widget may already be gone.
+        # An answer can arrive while the app shuts down, its widgets removed before its workers
+        # stop (closing the screen alone cancels them first: tui/closing.py).
         with contextlib.suppress(NoMatches):
             self.query_one("#fleet-totals", Static).update(totals_line(body))
             self.query_one(FleetTable).show(body.get("instances") or [])

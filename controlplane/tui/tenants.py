@@ -27,6 +27,7 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 
 from controlplane.client.admin import APIError, ClientError
 from controlplane.tenants.usage import SORTS, sort_key
+from controlplane.tui.closing import StopsWorkersOnClose
 from controlplane.tui.confirm import ask_first, call_daemon
 from controlplane.tui.help import HelpScreen, help_rows
 from controlplane.tui.history import fmt_usd
@@ -258,7 +259,7 @@ def _text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-class KeyFormScreen(ModalScreen[dict[str, Any] | None]):
+class KeyFormScreen(StopsWorkersOnClose, ModalScreen[dict[str, Any] | None]):
     """Create a key (`key` None: a name and its fields) or change one (its fields, filled in):
     ctrl+s or enter sends it (only the fields changed, for an edit); the admin API's error shows
     under the form and the form stays open; success dismisses with the API's answer (a new
@@ -335,7 +336,7 @@ class KeyFormScreen(ModalScreen[dict[str, Any] | None]):
         self.dismiss(answer)
 
 
-class TenantsScreen(Screen[None]):
+class TenantsScreen(StopsWorkersOnClose, Screen[None]):
     """`TenantsScreen(client)`: GET /admin/keys every `interval` seconds, and the keys'
     management through the same client."""
 
@@ -392,7 +393,8 @@ class TenantsScreen(Screen[None]):
             self._error(exc)
             return
         self.fetches += 1
-        # An answer may arrive while the screen closes: its widgets may be gone already.
+        # An answer can arrive while the app shuts down, its widgets removed before its workers
+        # stop (closing the screen alone cancels them first: tui/closing.py).
         with contextlib.suppress(NoMatches):
             self.query_one("#keys-error", Static).display = False
             self.table.show(body.get("keys") or [])

@@ -16,11 +16,12 @@ from textual.timer import Timer
 from textual.widgets import Button, Input, Label, Select, Static
 
 from controlplane.client.admin import APIError, ClientError
+from controlplane.tui.closing import StopsWorkersOnClose
 from controlplane.tui.tune_fields import SECTION_NOTES, FormField, field_key, flag, fmt, form_fields
 from controlplane.tui.tune_preview import preview, simulation_lines
 
 
-class TuneScreen(ModalScreen[dict[str, Any] | None]):
+class TuneScreen(StopsWorkersOnClose, ModalScreen[dict[str, Any] | None]):
     """Change live settings through PATCH /admin/config, docked to the right of the dashboard.
 
     `fields`: GET /admin/config's fields (the rows, their ranges and choices); `stats`: the

@@ -184,6 +184,63 @@ def test_tune_form_reaches_engine_and_invalid_value_shows_api_error(daemon):
     c.patch("/admin/config", json={"engine": {"max_num_seqs": 8}})
 
 
+class HeldSimulator:
+    """The dashboard's client, whose simulator answer (the daemon's real one) is held until
+    `release` is set: to close the tuning form while the answer is on its way."""
+
+    def __init__(self, client: Any, form: TuneScreen | None = None) -> None:
+        self.client, self.form = client, form
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+        self.widgets_at_cancel: int | None = None  # the form's widgets left when cancelled
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def simulate(self, body: dict[str, Any], window_s: float = 900.0) -> Any:
+        try:
+            answer = await self.client.simulate(body, window_s)
+        except Exception as exc:  # 409 with no traffic: the form shows that too
+            answer = exc
+        self.asked.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.widgets_at_cancel = len(self.form.query("*")) if self.form else None
+            raise
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_closing_the_tune_form_cancels_its_simulator_before_its_widgets_go(daemon):
+    # CI (stop 66): the simulator's answer reached the form while Textual was removing its
+    # widgets, which comes before the screen's own workers are cancelled: NoMatches, the app
+    # failed. Closing now cancels them first, while every widget is still there.
+    async def main() -> None:
+        app = make_app(daemon.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.dashboard.fields, 5, "config loaded")
+            held = HeldSimulator(app.dashboard.client)
+            form = TuneScreen(held, app.dashboard.fields, simulate_after=0.05)
+            held.form = form
+            await app.push_screen(form)
+            whole = len(form.query("*"))
+            sim = form.query_one("#tune-sim")
+            form.query_one("#in-max_num_seqs", Input).value = "5"
+            await wait_until(pilot, held.asked.is_set, 10, "the simulator asked")
+            (worker,) = [w for w in app.workers if w.node is form and w.group == "simulate"]
+            await pilot.press("escape")
+            while sim.is_attached:  # the answer arrives as the widgets go
+                await asyncio.sleep(0)
+            held.release.set()
+            await wait_until(pilot, lambda: worker.is_finished, 5, "the simulator's worker")
+            assert worker.is_cancelled
+            assert held.widgets_at_cancel == whole
+            assert not isinstance(app.screen, TuneScreen)
+
+    asyncio.run(main())  # a worker's NoMatches would fail the app, and this, with WorkerFailed
+
+
 def test_abort_selected_request_after_confirmation(daemon, monkeypatch):
     result: dict = {}
 
