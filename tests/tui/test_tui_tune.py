@@ -70,6 +70,12 @@ def values(c: httpx.Client) -> dict[str, Any]:
     return {k: v["value"] for k, v in c.get("/admin/config").json()["fields"].items()}
 
 
+def last_change(c: httpx.Client) -> int:
+    """The id of the daemon's latest config change, 0 before any (a test run alone)."""
+    changes = c.get("/admin/config/history", params={"limit": 1}).json()["changes"]
+    return changes[0]["id"] if changes else 0
+
+
 def text(widget: Any) -> str:
     return str(widget.render())
 
@@ -175,7 +181,7 @@ def test_fast_typing_lands_in_the_right_fields_and_applies(daemon, c):
 
 
 def test_dropped_tab_is_flagged_and_needs_a_second_apply(daemon, c):
-    before = c.get("/admin/config/history", params={"limit": 1}).json()["changes"][0]["id"]
+    before = last_change(c)
 
     async def main() -> None:
         app = make_app(daemon.url)
@@ -199,8 +205,7 @@ def test_dropped_tab_is_flagged_and_needs_a_second_apply(daemon, c):
             assert "not applied" in text(status)
             await pilot.pause(0.5)  # were anything sent, it would have landed by now
             assert values(c)["autopilot.ttft_p99_ms"] == 2000.0
-            newest = c.get("/admin/config/history", params={"limit": 1}).json()["changes"][0]
-            assert newest["id"] == before
+            assert last_change(c) == before
             # Corrected: nothing flagged, and the flag is gone from the field.
             await pilot.press("end", "ctrl+u", *"2200")
             await wait_until(pilot, lambda: ttft.value == "2200" and not text(note), 5, "fixed")
@@ -225,7 +230,7 @@ def test_dropped_tab_is_flagged_and_needs_a_second_apply(daemon, c):
 
 
 def test_out_of_range_and_garbage_are_field_errors_and_nothing_applies(daemon, c):
-    before = c.get("/admin/config/history", params={"limit": 1}).json()["changes"][0]["id"]
+    before = last_change(c)
 
     async def main() -> None:
         app = make_app(daemon.url)
@@ -265,7 +270,7 @@ def test_out_of_range_and_garbage_are_field_errors_and_nothing_applies(daemon, c
     got = values(c)
     assert (got["engine.max_num_seqs"], got["engine.max_num_batched_tokens"]) == (8, 2048)
     assert got["server.max_queue_len"] == 256
-    assert c.get("/admin/config/history", params={"limit": 1}).json()["changes"][0]["id"] == before
+    assert last_change(c) == before
 
 
 def test_max_queue_len_through_the_form_reaches_the_daemon(daemon, c):
