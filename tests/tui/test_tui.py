@@ -230,8 +230,9 @@ def test_closing_the_tune_form_cancels_its_simulator_before_its_widgets_go(daemo
             await wait_until(pilot, held.asked.is_set, 10, "the simulator asked")
             (worker,) = [w for w in app.workers if w.node is form and w.group == "simulate"]
             await pilot.press("escape")
-            while sim.is_attached:  # the answer arrives as the widgets go
-                await asyncio.sleep(0)
+            deadline = time.monotonic() + 10
+            while sim.is_attached and time.monotonic() < deadline:
+                await asyncio.sleep(0)  # the answer is let go the moment the widgets go
             held.release.set()
             await wait_until(pilot, lambda: worker.is_finished, 5, "the simulator's worker")
             assert worker.is_cancelled
