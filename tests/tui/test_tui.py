@@ -188,8 +188,9 @@ class HeldSimulator:
     """The dashboard's client, whose simulator answer (the daemon's real one) is held until
     `release` is set: to close the tuning form while the answer is on its way."""
 
-    def __init__(self, client: Any, form: TuneScreen | None = None) -> None:
-        self.client, self.form = client, form
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.form: TuneScreen | None = None  # the form it answers, once made
         self.asked, self.release = asyncio.Event(), asyncio.Event()
         self.widgets_at_cancel: int | None = None  # the form's widgets left when cancelled
 
