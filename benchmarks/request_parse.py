@@ -23,39 +23,14 @@ requests for each body before it is timed. Figures: microseconds per parse (best
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
 import timeit
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from benchmarks.at_commit import module_at
 from controlplane.http.body import load_json
 from controlplane.openai import protocol
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def old_protocol(commit: str) -> ModuleType:
-    """protocol.py as it was at `commit`, imported as a module of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:controlplane/openai/protocol.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "protocol_old.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("protocol_old", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def _words(n: int, seed: int) -> str:
@@ -141,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--number", type=int, default=2000, help="parses per run (large: / 20)")
     ap.add_argument("--repeats", type=int, default=7, help="runs per parser, best taken")
     args = ap.parse_args(argv)
-    old = old_protocol(args.baseline)
+    old = module_at(args.baseline, "controlplane/openai/protocol.py")
     print(f"python {sys.version.split()[0]}; baseline {args.baseline}; best of {args.repeats}")
     print(f"{'body':<40} {'bytes':>8} {'old us':>9} {'new us':>9} {'old/new':>8}")
     for name, (kind, body) in bodies().items():

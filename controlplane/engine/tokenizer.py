@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.engine.chat_template import SpecialTokenEscape, compile_chat_template, plain
-from controlplane.engine.detokenizer import IncrementalDetokenizer
+from controlplane.engine.detokenizer import IncrementalDetokenizer, gpt2_byte_alphabet
 from controlplane.engine.errors import ModelLoadError
 
 # tokenizer_config.json keys that transformers hands to chat templates (its special_tokens_map).
@@ -347,25 +347,11 @@ class Tokenizer:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _gpt2_byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves,
-    the others for the code points from 256 up, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
 def _byte_decoder(backend: Any) -> dict[str, int]:
     """The byte-level alphabet when the tokenizer decodes with ByteLevel (empty otherwise)."""
     spec = json.loads(backend.to_str()).get("decoder") or {}
     kinds = {spec.get("type")} | {d.get("type") for d in spec.get("decoders") or ()}
-    return _gpt2_byte_alphabet() if "ByteLevel" in kinds else {}
+    return gpt2_byte_alphabet() if "ByteLevel" in kinds else {}
 
 
 # Texts at least this long are encoded with `encode_batch`, which releases the GIL (`encode`

@@ -199,11 +199,36 @@ class _PlainBackend:
         self.decode = inner.decode
 
 
-def test_byte_level_fast_path_gives_the_windows_texts(tok):
-    """The byte-level path (a token's own text, after a complete character) emits, token by
-    token, exactly what the general path's decoded windows do: random ids (bytes that split
-    characters, invalid bytes, special tokens) and multilingual text, both skip modes, with
-    the compaction of a long stream in between."""
+def _same_stream_on_both_paths(backend, streams):
+    """The byte-level path against the window path, token by token: never behind it (it may
+    release a complete character the window still holds, such as the space of a token that is a
+    space and the first byte of a character), never past the whole stream's text, all of that
+    text once it ends in a complete character; both end on the whole stream decoded at once.
+    Returns the tokens that went through the bytes."""
+    through_bytes = 0
+    for ids in streams:
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(backend, skip_special_tokens=skip)
+            plain = IncrementalDetokenizer(_PlainBackend(backend), skip_special_tokens=skip)
+            assert fast._by_token is not None and plain._by_token is None
+            fast_out = plain_out = ""
+            for k, i in enumerate(ids, start=1):
+                fast_out += fast.add(i)
+                plain_out += plain.add(i)
+                whole = backend.decode(ids[:k], skip_special_tokens=skip)
+                assert fast_out.startswith(plain_out) and whole.startswith(fast_out), (ids, k)
+                if not whole.endswith("\ufffd"):
+                    assert fast_out == whole
+            through_bytes += len(ids)
+            assert not fast._ids  # no window was ever decoded
+            assert fast_out + fast.flush() == plain_out + plain.flush()
+            assert fast.text == plain.text == backend.decode(ids, skip_special_tokens=skip)
+    return through_bytes
+
+
+def test_byte_level_path_gives_the_windows_texts(tok):
+    """Random ids (bytes that split characters, invalid bytes, special tokens) and
+    multilingual text, both skip modes, with the compaction of a long stream in between."""
     from controlplane.engine.detokenizer import _byte_level
 
     assert _byte_level(tok.backend) and not _byte_level(_PlainBackend(tok.backend))
@@ -213,21 +238,27 @@ def test_byte_level_fast_path_gives_the_windows_texts(tok):
     ]
     streams += [tok.encode(t, add_special_tokens=False) for t in TEXTS]
     streams.append(tok.encode(" ".join(TEXTS) * 30, add_special_tokens=False))  # > 1,024 ids
-    fast_tokens = 0
-    for ids in streams:
-        for skip in (True, False):
-            fast = IncrementalDetokenizer(tok.backend, skip_special_tokens=skip)
-            plain = IncrementalDetokenizer(_PlainBackend(tok.backend), skip_special_tokens=skip)
-            assert fast._by_token is not None and plain._by_token is None
-            for i in ids:
-                fast_tokens += fast._read_offset == len(fast._ids)
-                assert fast.add(i) == plain.add(i), (ids, i)
-            assert fast.flush() == plain.flush()
-            assert fast.text == plain.text == tok.decode(ids, skip_special_tokens=skip)
-    assert fast_tokens > 10_000  # the fast path was taken, not just the general one
+    assert _same_stream_on_both_paths(tok.backend, streams) > 10_000
 
 
-def test_byte_level_fast_path_on_smollm2s_tokenizer():
+def test_every_tokens_bytes_decode_to_its_text(tok):
+    """Each vocabulary entry's bytes, as the byte-level path keeps them, read as UTF-8 give the
+    token decoded alone: the alphabet mapping agrees with `tokenizers` for every token."""
+    from controlplane.engine.detokenizer import token_bytes
+
+    for skip in (True, False):
+        for i in range(tok.vocab_size):
+            raw = token_bytes(tok.backend, i, skip)
+            assert raw.decode("utf-8", "replace") == tok.decode([i], skip_special_tokens=skip)
+    # A byte of a multi-byte character is that byte, not U+FFFD's three.
+    lead = tok.encode("\U0001f999", add_special_tokens=False)[0]
+    assert token_bytes(tok.backend, lead, True) == b"\xf0"
+    eot = tok.token_to_id("<|eot_id|>")
+    assert token_bytes(tok.backend, eot, True) == b""
+    assert token_bytes(tok.backend, eot, False) == b"<|eot_id|>"
+
+
+def test_byte_level_path_on_smollm2s_tokenizer():
     """The same on the real model's vocabulary (49,152 byte-level BPE tokens from its GGUF,
     with multi-byte merges): random ids and the multilingual texts, both skip modes."""
     from controlplane.engine.gguf.tokenizer import tokenizer_from_gguf
@@ -239,14 +270,7 @@ def test_byte_level_fast_path_on_smollm2s_tokenizer():
         [rng.randrange(real.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(200)
     ]
     streams += [real.encode(t, add_special_tokens=False) for t in TEXTS]
-    for ids in streams:
-        for skip in (True, False):
-            fast = IncrementalDetokenizer(real.backend, skip_special_tokens=skip)
-            plain = IncrementalDetokenizer(_PlainBackend(real.backend), skip_special_tokens=skip)
-            assert fast._by_token is not None
-            assert [fast.add(i) for i in ids] == [plain.add(i) for i in ids], ids
-            assert fast.flush() == plain.flush()
-            assert fast.text == plain.text == real.decode(ids, skip_special_tokens=skip)
+    assert _same_stream_on_both_paths(real.backend, streams) > 5_000
 
 
 def test_flush_releases_invalid_trailing_bytes(tok):
