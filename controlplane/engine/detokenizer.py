@@ -35,8 +35,7 @@ _ALPHABET = gpt2_byte_alphabet()
 
 # Per backend and skip_special_tokens: each token's text where its bytes are whole characters,
 # else its bytes (byte-level backends); each token's text decoded alone (the others' window
-# context). At most one entry per vocabulary
-# entry; gone with the backend.
+# context). At most one entry per vocabulary entry; gone with the backend.
 _TOKEN_BYTES: weakref.WeakKeyDictionary[
     Any, tuple[dict[int, str | bytes], dict[int, str | bytes]]
 ] = weakref.WeakKeyDictionary()

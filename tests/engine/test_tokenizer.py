@@ -215,10 +215,12 @@ def _same_stream_on_both_paths(backend, streams):
             for k, i in enumerate(ids, start=1):
                 fast_out += fast.add(i)
                 plain_out += plain.add(i)
-                whole = backend.decode(ids[:k], skip_special_tokens=skip)
-                assert fast_out.startswith(plain_out) and whole.startswith(fast_out), (ids, k)
-                if not whole.endswith("\ufffd"):
-                    assert fast_out == whole
+                assert fast_out.startswith(plain_out), (ids, k)
+                if len(ids) <= 100:  # each prefix decoded whole: quadratic in the stream
+                    whole = backend.decode(ids[:k], skip_special_tokens=skip)
+                    assert whole.startswith(fast_out), (ids, k)
+                    if not whole.endswith("\ufffd"):
+                        assert fast_out == whole
             through_bytes += len(ids)
             assert not fast._ids  # no window was ever decoded
             assert fast_out + fast.flush() == plain_out + plain.flush()
