@@ -62,7 +62,7 @@ def padded_block_tables(spans: list[SeqSpan], block_size: int) -> list[list[int]
 def padded_block_table(spans: list[SeqSpan], block_size: int, device: torch.device) -> torch.Tensor:
     """padded_block_tables as an int64 tensor [len(spans), blocks of the longest]: the rows
     joined into one list, its ints converted in one call (an array extended a row at a time
-    took 1.7x as long at 256 rows of 160 blocks: docs/benchmarks.md#host-overhead)."""
+    took 1.8x as long at 256 rows of 160 blocks: docs/benchmarks.md#host-overhead)."""
     used = [s.block_table[: -(-s.context_len // block_size)] for s in spans]
     width = max(map(len, used), default=0)
     flat: list[int] = []
