@@ -17,7 +17,7 @@ from typing import Any
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def gpt2_byte_alphabet() -> dict[str, int]:
+def _gpt2_byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character to byte: printable bytes stand for themselves,
     the others for the code points from 256 up, in order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -31,7 +31,17 @@ def gpt2_byte_alphabet() -> dict[str, int]:
     return chars
 
 
-_ALPHABET = gpt2_byte_alphabet()
+_ALPHABET = _gpt2_byte_alphabet()
+
+
+def alphabet_bytes(piece: str) -> bytes | None:
+    """A byte-level vocabulary string's bytes, read back through GPT-2's alphabet; None when a
+    character of it is outside the alphabet (not a byte-level piece)."""
+    try:
+        return bytes(_ALPHABET[c] for c in piece)
+    except KeyError:
+        return None
+
 
 # Per backend and skip_special_tokens: each token's text where its bytes are whole characters,
 # else its bytes (byte-level backends); each token's text decoded alone (the others' window
@@ -93,9 +103,8 @@ def token_bytes(backend: Any, token: int, skip: bool) -> bytes:
     if not text:
         return b""
     piece = backend.id_to_token(token) or ""
-    try:
-        raw = bytes(_ALPHABET[c] for c in piece)
-    except KeyError:
+    raw = alphabet_bytes(piece)
+    if raw is None:
         raw = piece.encode()
     return raw if raw.decode("utf-8", "replace") == text else text.encode()
 

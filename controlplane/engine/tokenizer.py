@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.engine.chat_template import SpecialTokenEscape, compile_chat_template, plain
-from controlplane.engine.detokenizer import IncrementalDetokenizer, gpt2_byte_alphabet
+from controlplane.engine.detokenizer import IncrementalDetokenizer, alphabet_bytes
 from controlplane.engine.errors import ModelLoadError
 
 # tokenizer_config.json keys that transformers hands to chat templates (its special_tokens_map).
@@ -145,7 +145,7 @@ class Tokenizer:
         self.special_token_texts: tuple[str, ...] = tuple(sorted(specials, key=len, reverse=True))
         self._plain_backend: Any = None
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
-        self._byte_decoder: dict[str, int] | None = None  # token_bytes, built on first use
+        self._byte_level: bool | None = None  # token_bytes, found on first use
         self._marks: SpecialTokenEscape | None = (
             None  # the escape (encode_chat), built on first use
         )
@@ -328,13 +328,10 @@ class Tokenizer:
             return b""
         if token_id in self._added_ids:
             return piece.encode()
-        if self._byte_decoder is None:
-            self._byte_decoder = _byte_decoder(self._backend)
-        if self._byte_decoder:
-            try:
-                return bytes(self._byte_decoder[c] for c in piece)
-            except KeyError:  # not a byte-level piece after all
-                pass
+        if self._byte_level is None:
+            self._byte_level = _has_byte_level_decoder(self._backend)
+        if self._byte_level and (raw := alphabet_bytes(piece)) is not None:
+            return raw  # else not a byte-level piece after all
         m = _BYTE_FALLBACK.fullmatch(piece)
         if m is not None:
             return bytes([int(m.group(1), 16)])
@@ -347,11 +344,11 @@ class Tokenizer:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_decoder(backend: Any) -> dict[str, int]:
-    """The byte-level alphabet when the tokenizer decodes with ByteLevel (empty otherwise)."""
+def _has_byte_level_decoder(backend: Any) -> bool:
+    """Whether the tokenizer decodes with ByteLevel (alone or in a sequence of decoders)."""
     spec = json.loads(backend.to_str()).get("decoder") or {}
     kinds = {spec.get("type")} | {d.get("type") for d in spec.get("decoders") or ()}
-    return gpt2_byte_alphabet() if "ByteLevel" in kinds else {}
+    return "ByteLevel" in kinds
 
 
 # Texts at least this long are encoded with `encode_batch`, which releases the GIL (`encode`

@@ -35,9 +35,13 @@ def host_tensor(values: Values, dtype: torch.dtype, pin: bool = False) -> torch.
     elif (code := _TYPECODES.get(dtype)) is None:
         return torch.tensor(values, dtype=dtype, pin_memory=pin)
     else:
-        buf = (
-            values if isinstance(values, array) and values.typecode == code else array(code, values)
-        )
+        if isinstance(values, array) and values.typecode == code:
+            buf = values
+        elif isinstance(values, list):  # fromlist reads a list faster than array(code, list)
+            buf = array(code)
+            buf.fromlist(values)
+        else:
+            buf = array(code, values)
         t = torch.frombuffer(buf, dtype=dtype)  # shares the array's memory, keeps it alive
     return t.pin_memory() if pin and not t.is_pinned() else t
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,20 +58,25 @@ def padded_block_tables(spans: list[SeqSpan], block_size: int) -> list[list[int]
     return [u + [0] * (width - len(u)) for u in used]
 
 
-def padded_block_table(spans: list[SeqSpan], block_size: int, device: torch.device) -> torch.Tensor:
-    """padded_block_tables as an int64 tensor [len(spans), blocks of the longest]: the rows
-    joined into one list, its ints converted in one call (an array extended a row at a time
-    took 1.8x as long at 256 rows of 160 blocks: docs/benchmarks.md#host-overhead)."""
+def padded_block_table(
+    spans: list[SeqSpan],
+    block_size: int,
+    device: torch.device,
+    width: int | None = None,
+    dtype: torch.dtype = torch.long,
+) -> torch.Tensor:
+    """padded_block_tables as a tensor [len(spans), width] (default: the longest's count): the
+    rows joined into one list, its ints converted in one call rather than a row at a time
+    (docs/benchmarks.md#host-overhead)."""
     used = [s.block_table[: -(-s.context_len // block_size)] for s in spans]
-    width = max(map(len, used), default=0)
+    if width is None:
+        width = max(map(len, used), default=0)
     flat: list[int] = []
     for u in used:
         flat += u
         if len(u) < width:
             flat += [0] * (width - len(u))
-    table = array("q")
-    table.fromlist(flat)
-    return to_device(table, device).view(len(spans), width)
+    return to_device(flat, device, dtype).view(len(spans), width)
 
 
 class AttentionBackend(ABC):

@@ -18,6 +18,7 @@ from controlplane.engine.attention.backend import (
     AttentionMetadata,
     PrefillSpan,
     SeqSpan,
+    padded_block_table,
 )
 from controlplane.engine.attention.triton_kernels import (
     BLOCK_N,
@@ -27,7 +28,7 @@ from controlplane.engine.attention.triton_kernels import (
     next_pow2,
 )
 from controlplane.engine.kv_cache import QMAX, KVCache
-from controlplane.engine.transfer import copy_into, host_tensor, to_device
+from controlplane.engine.transfer import copy_into, to_device
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,7 @@ class TritonPagedAttention(AttentionBackend):
         width = self.max_blocks_per_seq or max(used, default=1)
         if max(used, default=0) > width:
             raise ValueError(f"a context of {max(ctx)} tokens exceeds max_blocks_per_seq={width}")
-        tables: list[int] = []  # one list, converted in one call (padded_block_table's way)
-        for s, n in zip(spans, used, strict=True):
-            tables += s.block_table[:n]
-            tables += [0] * (width - n)
-        block_tables = host_tensor(tables, torch.int32).view(len(spans), width)
+        block_tables = padded_block_table(spans, bs, torch.device("cpu"), width, torch.int32)
         starts = list(itertools.accumulate(q_lens, initial=0))
         q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
         ctx_t = torch.tensor(ctx, dtype=torch.int32)
