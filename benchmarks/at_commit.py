@@ -16,9 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def module_at(commit: str, path: str) -> ModuleType:
     """`path` (relative to the repository) as it was at `commit`, imported as a module of its
     own (named after the file, with `_at_` and the commit)."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout
+    shown = subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True, text=True
+    )
+    if shown.returncode:
+        raise SystemExit(f"--baseline {commit}: {shown.stderr.strip()}")
+    source = shown.stdout
     name = f"{Path(path).stem}_at_{commit.replace('~', '_').replace('^', '_')}"
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(source)

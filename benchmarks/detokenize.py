@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=10_000, help="ids a stream")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    if args.tokens < 1 or args.repeats < 1:
+        ap.error(f"--tokens and --repeats must be >= 1, got {args.tokens} and {args.repeats}")
     old_module = module_at(args.baseline, "controlplane/engine/detokenizer.py")
     print(f"CPU: {cpu_name()}; load average {os.getloadavg()[0]:.1f}; baseline {args.baseline}")
     print(f"{'tokenizer':<10} {'stream':<13} {'old ns':>8} {'new ns':>8} {'old/new':>8}")
