@@ -3,12 +3,13 @@
 # (TOTAL_S, default 560 s: a 10-minute device call less its transfers), in order of value so
 # that running out of time loses the least. The order puts first what no run has measured yet
 # (after the H200 run of 2026-11-29, docs/benchmarks.md#gpu-seeds: 8B bf16 done in 159 s, fp8's
-# start-up alone took 161 s, the gpu-marked tests finished one test in 150 s):
+# start-up alone took 161 s, int4 and the daemon not reached or failed, the gpu-marked tests
+# finished one test in 150 s):
 #   1. benchmarks/gpu_daemon.py: the daemon with the sampler on (NVML rows, the rollup's cost);
-#   2. benchmarks/gpu_seeds.py on the Llama-3-8B shape in bf16 (the seeds' table; its batch 64
-#      replays graphs since 32d26c1, where it ran eagerly at half speed before);
-#   3. gpu_seeds on the 8B with fp8, then int4 weights (a second call: SKIP="daemon
-#      seeds_8b_bf16" once those two are in);
+#   2. benchmarks/gpu_seeds.py on the Llama-3-8B shape with int4, then fp8 weights (the seeds'
+#      table; each inside ~3.5 minutes, so their batch 64 may be cut);
+#   3. gpu_seeds on the 8B in bf16 (measured once; its batch 64 replays graphs since 32d26c1,
+#      where it ran eagerly at half speed before);
 #   4. the gpu-marked tests (a step that never waits for the device, CUDA graphs over the
 #      compiled step, the quantized kernels, ...);
 #   5. gpu_seeds on the ~1.1B (1b shape); the quantized kernels per call;
@@ -61,13 +62,13 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step daemon 150 python3 -m benchmarks.gpu_daemon --shape 1b --json "$OUT/daemon.json"
+step daemon 130 python3 -m benchmarks.gpu_daemon --shape 1b --json "$OUT/daemon.json"
+step seeds_8b_int4 220 python3 -m benchmarks.gpu_seeds --shape 8b --weights int4 \
+    --budget-s 205 --json "$OUT/seeds_8b_int4.json"
+step seeds_8b_fp8 220 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
+    --budget-s 205 --json "$OUT/seeds_8b_fp8.json"
 step seeds_8b_bf16 270 python3 -m benchmarks.gpu_seeds --shape 8b --weights bf16 \
     --budget-s 240 --json "$OUT/seeds_8b_bf16.json"
-step seeds_8b_fp8 280 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
-    --budget-s 260 --json "$OUT/seeds_8b_fp8.json"
-step seeds_8b_int4 280 python3 -m benchmarks.gpu_seeds --shape 8b --weights int4 \
-    --budget-s 260 --json "$OUT/seeds_8b_int4.json"
 step pytest_gpu "${TEST_TIMEOUT:-150}" bash -c 'python3 -m pytest -p no:cacheprovider -q -m gpu \
     tests/engine/test_transfer.py tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py \
     tests/engine/test_fp8_weights.py tests/engine/test_triton_linear.py 2>&1 | tee "$1"' _ \
