@@ -126,6 +126,11 @@ def read_store(db: Path, samples: int) -> dict[str, Any]:
             )
         ]
         gpu_count = con.execute("SELECT COUNT(*) FROM gpu_samples").fetchone()[0]
+        # The latest rows come after the load (idle, 0%: the H200 run of 2026-11-30 showed only
+        # those); the busiest one is the reading taken under load.
+        busiest = con.execute(
+            "SELECT * FROM gpu_samples ORDER BY utilization_pct DESC, power_w DESC LIMIT 1"
+        ).fetchone()
         rollups = [
             dict(r) for r in con.execute("SELECT * FROM cost_rollups ORDER BY hour_bucket, id")
         ]
@@ -141,6 +146,7 @@ def read_store(db: Path, samples: int) -> dict[str, Any]:
         "gpu_sample_rows": gpu_count,
         "latest_samples": util,
         "latest_gpu_samples": gpus,
+        "busiest_gpu_sample": None if busiest is None else dict(busiest),
         "cost_rollups": rollups,
         "request_rows": requests[0],
         "request_completion_tokens": requests[1],
@@ -414,9 +420,13 @@ def print_summary(out: dict[str, Any], stream: Any) -> None:
             f"  store: {store['utilization_samples']} utilization samples, "
             f"{store['gpu_sample_rows']} gpu_samples rows, {store['request_rows']} request rows"
         )
-        for g in store["latest_gpu_samples"][-2:]:
+        busiest = store.get("busiest_gpu_sample")
+        for label, g in [
+            *(("latest", g) for g in store["latest_gpu_samples"][-2:]),
+            *((("busiest", busiest),) if busiest else ()),
+        ]:
             p(
-                f"  gpu_samples: GPU {g['gpu_index']} {g['name']}: {_f(g['utilization_pct'], '.0f')}% "
+                f"  gpu_samples ({label}): GPU {g['gpu_index']} {g['name']}: {_f(g['utilization_pct'], '.0f')}% "
                 f"busy, {_f((g['memory_used_bytes'] or 0) / 2**30, '.1f')} / "
                 f"{_f((g['memory_total_bytes'] or 0) / 2**30, '.1f')} GiB, "
                 f"{_f(g['power_w'], '.0f')} W, {_f(g['temperature_c'], '.0f')} C, "
