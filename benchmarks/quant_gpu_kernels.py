@@ -3,14 +3,17 @@
 What is measured
 ----------------
 For each shape of an 8B Llama's linears (K in-features -> N out-features: 4096 -> 4096,
-4096 -> 14336, 14336 -> 4096, 4096 -> 1024) and each row count (1, 16, 32, 64 by default),
-microseconds per call of:
+4096 -> 14336, 14336 -> 4096, 4096 -> 1024) and each row count (1, 4, 16, 32, 64, 256 by
+default), microseconds per call of:
 
 * ``bf16``: ``F.linear`` on the bf16 weight (the baseline, measured in the same run);
 * ``tinygemm-int4``: torch's ``_weight_int4pack_mm`` (group ``--group``, the engine's packing);
 * ``int8pack_mm``: torch's ``_weight_int8pack_mm`` (per-channel scales);
 * ``triton-int4`` / ``triton-int8``: ours (controlplane/engine/model/quant/triton_linear.py),
-  with the variant `plan` picks for the row count (split-K up to 16 rows, tiles beyond).
+  with the variant `plan` picks for the row count (int4: gemv up to 4 rows, split-K to 16,
+  the weight dequantized then one matmul beyond; int8: split-K up to 16 rows, tiles beyond);
+* ``triton-int4-dot``: our int4 kernel as int8's rule runs it (split-K, then tiles: both on
+  tl.dot), the int4 choice before the H200 run of 2026-11-30, so one run shows both.
 
 Each figure is the GPU time of one call inside a CUDA graph of many calls (the engine's decode
 step replays CUDA graphs, so Python and launch overheads are not what it pays), the calls
@@ -38,7 +41,14 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024)]  # (K, N)
-CANDIDATES = ["bf16", "tinygemm-int4", "int8pack_mm", "triton-int4", "triton-int8"]
+CANDIDATES = [
+    "bf16",
+    "tinygemm-int4",
+    "int8pack_mm",
+    "triton-int4",
+    "triton-int4-dot",
+    "triton-int8",
+]
 L2_FLUSH_BYTES = 256 << 20  # distinct weight copies per candidate add up to at least this
 
 
@@ -120,6 +130,7 @@ def measure_shape(
     mods = {
         "tinygemm-int4": quant.Int4Linear(w, None, group, bf16, kernel=tinygemm),
         "triton-int4": quant.Int4Linear(w, None, group, bf16, kernel="int4_triton"),
+        "triton-int4-dot": quant.Int4Linear(w, None, group, bf16, kernel="int4_triton"),
         "int8pack_mm": quant.Int8Linear(quant.quantize_int8(w), None, bf16, kernel="int8pack_mm"),
         "triton-int8": quant.Int8Linear(quant.quantize_int8(w), None, bf16, kernel="int8_triton"),
     }
@@ -144,13 +155,21 @@ def measure_shape(
                 log(f"  {name} at {k} -> {n}, {rows} rows failed: {type(exc).__name__}: {exc}")
                 times[name] = float("nan")
         errs = {}
-        for name, ref_w in (("triton-int4", int4_ref), ("triton-int8", int8_ref)):
+        refs = (("triton-int4", int4_ref), ("triton-int4-dot", int4_ref), ("triton-int8", int8_ref))
+        for name, ref_w in refs:
             try:
                 errs[name] = rel_err(call(name, mods[name], x, group)(), F.linear(x, ref_w))
             except Exception as exc:  # reported with the timing's failure above
                 log(f"  {name}: no output to check ({type(exc).__name__})")
                 errs[name] = float("nan")
-        launch = triton_linear.plan(rows, n, k // triton_linear.PERIOD, dev)
+        steps = k // triton_linear.PERIOD
+        variants = {
+            "triton-int4": triton_linear.plan(rows, n, steps, dev, int4=True).variant,
+            "triton-int4-dot": triton_linear.plan(rows, n, steps, dev).variant,
+            "triton-int8": triton_linear.plan(
+                rows, n, -(-k // triton_linear.INT8_BLOCK_K), dev
+            ).variant,
+        }
         for name in CANDIDATES:
             out.append(
                 dict(
@@ -161,7 +180,7 @@ def measure_shape(
                     us=times[name],
                     speed_vs_bf16=times["bf16"] / times[name],
                     rel_err=errs.get(name),
-                    variant=launch.variant if name.startswith("triton") else None,
+                    variant=variants.get(name),
                 )
             )
         log(
@@ -181,6 +200,10 @@ def call(name: str, m: Any, x: torch.Tensor, group: int) -> Callable[[], Any]:
         return lambda: torch._weight_int4pack_mm(x, m.packed, group, m.scales_and_zeros)
     if name == "triton-int4":
         return lambda: triton_linear.run_int4(x, m.packed, m.scales_and_zeros, group)
+    if name == "triton-int4-dot":
+        periods = m.packed.shape[0] // triton_linear.PLANE
+        launch = triton_linear.plan(x.shape[0], m.packed.shape[1], periods, x.device)
+        return lambda: triton_linear.run_int4(x, m.packed, m.scales_and_zeros, group, launch)
     if name == "int8pack_mm":
         return lambda: torch._weight_int8pack_mm(x, m.qweight, m.scales)
     return lambda: triton_linear.run_int8(x, m.qweight, m.scales)
@@ -197,7 +220,7 @@ def _clone_module(mod: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,16,32,64", help="comma-separated row counts")
+    p.add_argument("--rows", default="1,4,16,32,64,256", help="comma-separated row counts")
     p.add_argument("--group", type=int, default=128, help="int4 group size")
     p.add_argument("--reps", type=int, default=20, help="passes over the weight copies a graph")
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON")

@@ -47,7 +47,7 @@ ROWS = [1, 3, 16, 17, 64, 256]
 def rows_for(dtype: torch.dtype) -> list[int]:
     """Every row count for bf16 (what the modules run), one per variant for the others (the
     interpreter is slow)."""
-    return ROWS if dtype == torch.bfloat16 else [3, 17]
+    return ROWS if dtype == torch.bfloat16 else [3, 5, 17]
 
 
 UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -86,6 +86,12 @@ def check_int4(x, packed, sz, group, ref, launch=None):
     y = triton_linear.run_int4(x, packed, sz, group, launch)
     assert y.dtype == x.dtype and y.shape == (x.shape[0], ref_w.shape[0])
     xd = x.double().cpu()
+    periods = packed.shape[0] // PLANE
+    variant = (launch or plan(x.shape[0], ref_w.shape[0], periods, x.device, int4=True)).variant
+    if variant == "dequant":
+        # The weight rounded to x's dtype first, then one matmul: the bound of that weight.
+        ref_w = ref_w.to(x.dtype).double()
+        terms = ref_w.abs()
     assert_within_bound(y, xd @ ref_w.t(), xd.abs() @ terms.t(), x.shape[1], x.dtype)
     return y
 
@@ -110,6 +116,24 @@ def test_int4_kernel_matches_the_dequantized_weight(k, n, group, dtype, device):
     packed, sz, ref = int4_case(k, n, group, dtype, device)
     for rows in rows_for(dtype):
         check_int4(activations(rows, k, seed=rows).to(device, dtype), packed, sz, group, ref)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("k,n,group", INT4_SHAPES)
+def test_the_dequantized_weight_is_the_exact_one_rounded_once(k, n, group, dtype, device):
+    packed, sz, (ref_w, _) = int4_case(k, n, group, dtype, device)
+    w = triton_linear.dequantize_int4(packed, sz, group, dtype)
+    assert w.dtype == dtype and w.shape == (packed.shape[0] * 8, n)
+    # Rows past K (the padding to whole periods) are the zero weights' (q = 8: z).
+    got = w[:k].t().double().cpu()
+    assert got.shape == ref_w.shape
+    # (q - 8) s, then + z, each rounded to float32 (exact for 16-bit scales), then to dtype.
+    q = triton_linear.unpack_int4(packed.cpu())[:, :k].double()
+    s = sz[..., 0].double().cpu().t().repeat_interleave(group, dim=1)[:, :k]
+    bound = UNIT[dtype] * (ref_w.abs() + ((q - 8) * s).abs())
+    assert ((got - ref_w).abs() <= bound * 1.001).all()
+    if dtype != torch.float32:  # 16-bit: the exact weight rounded once, but for ties
+        assert (got != ref_w.to(dtype).double()).float().mean() < 0.01
 
 
 def int8_case(k, n, device, seed=0):
@@ -145,11 +169,14 @@ def test_both_variants_at_any_split_give_the_reference(device):
     periods, blocks = packed.shape[0] // PLANE, -(-k // triton_linear.INT8_BLOCK_K)
     for rows in (5, 40):
         x = activations(rows, k, seed=rows).to(device, dtype)
-        for variant, bm in (("split_k", 16), ("tiles", 32)):
+        for variant, bm in (("gemv", 1), ("gemv", 4), ("split_k", 16), ("tiles", 32)):
             for splits, steps in ((1, periods), (periods, 1)):
                 check_int4(x, packed, sz, 32, ref, Launch(variant, bm, 64, splits, steps))
+            if variant == "gemv":
+                continue  # int4's alone
             for splits, steps in ((1, blocks), (blocks, 1)):
                 check_int8(x, qweight, scales, ref8, Launch(variant, bm, 64, splits, steps))
+        check_int4(x, packed, sz, 32, ref, Launch("dequant", 0, 128, 1, periods))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -166,7 +193,8 @@ def test_zero_rows_and_strided_rows(device):
 
 def test_few_rows_take_split_k_and_many_rows_take_tiles_on_an_h100(monkeypatch):
     """On 132 SMs, the shapes of an 8B Llama (K -> N): split-K up to 16 rows with about four
-    programs an SM and every split non-empty; tiles from 17 rows, split only below one wave."""
+    programs an SM and every split non-empty; tiles from 17 rows, split only below one wave.
+    int4 takes gemv up to 4 rows and dequant from 17."""
     monkeypatch.setattr(triton_linear, "_cuda_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
     for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024)]:
@@ -183,9 +211,22 @@ def test_few_rows_take_split_k_and_many_rows_take_tiles_on_an_h100(monkeypatch):
             else:
                 assert launch.block_m >= 32 and launch.block_m >= min(rows, 128) // 2
                 assert launch.splits == 1 or tiles * launch.splits <= 132
+            # int4: gemv up to 4 rows (a tile of them alone), split-K to 16, then dequant.
+            four = plan(rows, n, steps, cuda, int4=True)
+            if rows <= 4:
+                assert four.variant == "gemv" and rows <= four.block_m < 2 * rows
+                gemv_tiles = -(-n // four.block_n)
+                assert gemv_tiles * four.splits >= min(4 * 132, gemv_tiles * steps) * 0.75
+                assert (four.splits - 1) * four.steps_per_split < steps
+            elif rows <= 16:
+                assert four == launch
+            else:
+                assert four.variant == "dequant"
         # Under the interpreter (no SMs) the same rule picks the variant.
         assert plan(16, n, steps, torch.device("cpu")).variant == "split_k"
         assert plan(17, n, steps, torch.device("cpu")).variant == "tiles"
+        assert plan(4, n, steps, torch.device("cpu"), int4=True).variant == "gemv"
+        assert plan(17, n, steps, torch.device("cpu"), int4=True).variant == "dequant"
     assert plan(256, 14336, 32, cuda).splits == 1  # 224 tiles fill 132 SMs
 
 

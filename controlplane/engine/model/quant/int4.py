@@ -10,8 +10,9 @@ features (weights.py's convention). Their kernels, in order of preference (INT4_
   row count where the CPU has AVX512-BF16 (engine.bf16_dot), in AMX tiles where it has those
   (engine.amx); else `int4_linear` (torch's results bit for bit) from `many_rows` rows (and
   at one row where it won). With engine.int4_dense_copy, a bf16 copy for many-row steps;
-* `int4_triton`: our Triton kernels on CUDA (triton_linear.py: split-K for a few rows, tiles
-  for many), the weight in nibble planes, bf16 or fp16 activations;
+* `int4_triton`: our Triton kernels on CUDA (triton_linear.py: gemv or split-K for few rows,
+  the weight dequantized for one matmul for many), the weight in nibble planes, bf16 or fp16
+  activations;
 * `int4pack_mm_cuda`: tinygemm's `_weight_int4pack_mm` (bf16 activations): correct on an
   H100 (tests/engine/test_quant_gpu.py), slower than bf16 there (docs/models.md);
 * `dequant`: the weight dequantized, then `F.linear`: anywhere.

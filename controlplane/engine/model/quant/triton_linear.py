@@ -9,7 +9,12 @@ triton_linear_kernels.py), the choice of variant (`plan`), the launches (`run_in
 torch.compile does not trace into the launch, and the grid may differ per row count without
 splitting the graph), and whether they can serve (`unavailable`, `int4_unavailable`).
 
-Two variants of each kernel (`plan` picks one per call, by row count and device):
+The variants (`plan` picks one per call, by row count, format and device):
+
+* `gemv`, int4 only, for up to GEMV_MAX_ROWS rows (one user's decode, a few): like split-K,
+  with float32 products summed on the CUDA cores instead of `tl.dot`, in a tile of the rows
+  alone (1, 2 or 4): at one row the tl.dot variant was slower than bf16 where torch's
+  tinygemm was faster (H200, docs/benchmarks.md#gpu-seeds);
 
 * `split_k`, for up to SPLIT_K_MAX_ROWS rows (decode): all rows in one 16-row tile (tl.dot's
   smallest), K cut into splits so that about four programs per SM stream the weight, each
@@ -17,9 +22,15 @@ Two variants of each kernel (`plan` picks one per call, by row count and device)
   unlike atomics) and rounds once. At a few rows a linear is the time to read its weight once:
   a grid of output tiles alone (64 programs for 4096 outputs) would leave half of an H100's
   132 SMs idle, each streaming all of K.
-* `tiles`, for more rows (prompt chunks, large batches): a GEMM of 32- to 128-row tiles, each
-  weight tile dequantized once for all their rows; K is split only while the tiles alone
-  would not fill the SMs once (the partials' bytes grow with the rows, the weight's do not).
+* `tiles`, for more rows (int8's prompt chunks and large batches): a GEMM of 32- to 128-row
+  tiles, each weight tile widened once for all their rows; K is split only while the tiles
+  alone would not fill the SMs once (the partials' bytes grow with the rows, the weight's do
+  not);
+* `dequant`, int4 from SPLIT_K_MAX_ROWS + 1 rows: the weight written out in the activations'
+  dtype by one kernel, then one dense matmul (cuBLAS). int4 tiles ran well below bf16 at 32
+  and 64 rows and made a 2K prompt's TTFT many times bf16's (same run); writing the weight
+  moves 2.5 bytes a weight, about one more bf16 read, so a decode step of many rows should
+  take about twice bf16's time and a prompt about bf16's (not yet measured on a device).
 
 Triton is imported lazily (on the first launch), so the package imports without it; on a CPU
 (tests) the kernels run under Triton's interpreter, with CPU tensors.
@@ -38,11 +49,13 @@ from controlplane.engine.model.quant import triton_linear_kernels as tk
 from controlplane.engine.model.quant.triton_linear_kernels import PERIOD, PLANE
 
 __all__ = [
+    "GEMV_MAX_ROWS",
     "INT8_BLOCK_K",
     "PERIOD",
     "PLANE",
     "SPLIT_K_MAX_ROWS",
     "Launch",
+    "dequantize_int4",
     "int4_linear",
     "int4_unavailable",
     "int8_linear",
@@ -57,6 +70,11 @@ __all__ = [
 # Rows up to which a call takes the split-K variant: one 16-row tile holds them all, so the
 # weight is read once; beyond, a second row tile would read it again (see the module doc).
 SPLIT_K_MAX_ROWS = 16
+# Rows up to which an int4 call takes `gemv`: its CUDA-core products grow with every row,
+# tl.dot's do not until 16.
+GEMV_MAX_ROWS = 4
+GEMV_BLOCK_N = 128
+DEQUANT_BLOCK_N = 128
 INT8_BLOCK_K = 128  # int8 input features per step: 128 bytes of a weight row
 # Programs one "wave" stands for under the interpreter (no SMs): small, so that the tests'
 # small shapes still split K.
@@ -68,7 +86,7 @@ class Launch:
     """How one call runs: its variant, tile sizes and how K is split (in K steps: int4
     periods of PERIOD features, int8 blocks of INT8_BLOCK_K)."""
 
-    variant: str  # split_k | tiles
+    variant: str  # gemv | split_k | tiles | dequant
     block_m: int
     block_n: int
     splits: int
@@ -77,12 +95,21 @@ class Launch:
     num_stages: int = 3
 
 
-def plan(rows: int, out_features: int, k_steps: int, device: torch.device) -> Launch:
+def plan(
+    rows: int, out_features: int, k_steps: int, device: torch.device, int4: bool = False
+) -> Launch:
     """The variant and tiles for `rows` rows of a linear with `out_features` outputs and
-    `k_steps` K steps on `device` (the module doc says why): split-K up to SPLIT_K_MAX_ROWS
+    `k_steps` K steps on `device` (the module doc says why): for int4, gemv up to
+    GEMV_MAX_ROWS rows and dequant beyond SPLIT_K_MAX_ROWS; split-K up to SPLIT_K_MAX_ROWS
     rows, about four programs per SM; tiles beyond, K split only to fill the SMs once."""
     sms = _sm_count(device)
-    if rows <= SPLIT_K_MAX_ROWS:
+    if int4 and rows > SPLIT_K_MAX_ROWS:
+        return Launch("dequant", 0, DEQUANT_BLOCK_N, 1, k_steps)
+    if int4 and rows <= GEMV_MAX_ROWS:
+        variant, block_m, block_n, warps = "gemv", _pow2(rows), GEMV_BLOCK_N, 4
+        tiles = _cdiv(out_features, block_n)
+        splits = _cdiv(4 * sms, tiles)
+    elif rows <= SPLIT_K_MAX_ROWS:
         variant, block_m, block_n, warps = "split_k", 16, 64, 4
         tiles = _cdiv(out_features, block_n)
         splits = _cdiv(4 * sms, tiles)
@@ -113,6 +140,11 @@ def _sm_count(device: torch.device) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (a tile's rows)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 # -- can they serve --------------------------------------------------------------------------
@@ -227,10 +259,13 @@ def run_int4(
     periods, n = packed.shape[0] // PLANE, packed.shape[1]
     x = _check(x, periods * PERIOD)
     rows, k = x.shape
-    out = x.new_empty(rows, n)
     if not rows:
-        return out
-    launch = launch or plan(rows, n, periods, x.device)
+        return x.new_empty(rows, n)
+    launch = launch or plan(rows, n, periods, x.device, int4=True)
+    if launch.variant == "dequant":
+        # The weight's rows past K meet no activation: the matmul takes the first K.
+        return x @ dequantize_int4(packed, scales_and_zeros, group_size, x.dtype)[:k]
+    out = x.new_empty(rows, n)
     split = launch.splits > 1
     partial = x.new_empty(launch.splits, rows, n, dtype=torch.float32) if split else out
     how = _prepare(x)
@@ -240,10 +275,28 @@ def run_int4(
         x.stride(0), packed.stride(0), scales_and_zeros.stride(0), scales_and_zeros.stride(1),
         out.stride(0), GROUP=group_size, GROUP_PLANES=min(group_size, PERIOD) // PLANE,
         PLANE=PLANE, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=split,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **how,
+        DOT=launch.variant != "gemv", num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **how,
     )  # fmt: skip
     if split:
         _reduce(partial, None, out, launch, how)
+    return out
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The int4 weight packed by `pack_int4` as [K', N] in `dtype` (the transpose of the
+    [N, K'] linear weight): w = (q - 8) * scale + zero in float32, rounded once."""
+    periods, n = packed.shape[0] // PLANE, packed.shape[1]
+    out = torch.empty(periods * PERIOD, n, dtype=dtype, device=packed.device)
+    how = _prepare(out)
+    grid = (periods, _cdiv(n, DEQUANT_BLOCK_N))
+    tk.int4_dequant_kernel[grid](
+        packed, scales_and_zeros, out, n, packed.stride(0), scales_and_zeros.stride(0),
+        scales_and_zeros.stride(1), out.stride(0), GROUP=group_size, PLANE=PLANE,
+        BLOCK_N=DEQUANT_BLOCK_N, RNE=how["RNE"],
+    )  # fmt: skip
     return out
 
 

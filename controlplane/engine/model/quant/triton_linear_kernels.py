@@ -1,12 +1,17 @@
 """The Triton kernels of the weight-only quantized linears on a GPU (the wrappers that pack the
 weights, pick a variant and launch these: triton_linear.py).
 
-Three kernels:
+Four kernels:
 
 - `int4_kernel`: W4A16, the int4 values packed eight to an int32 in *nibble planes* (below),
-  unpacked to the dot dtype (exact: 0..15) and multiplied as they are in `tl.dot`, float32
-  sums; each group's (scale, zero) (weights.py's convention, w = (q - 8) * scale + zero)
-  applies once to its sums: s * sum(x q) + (z - 8 s) * sum(x), never to each weight.
+  unpacked to the dot dtype (exact: 0..15) and multiplied as they are, float32 sums; each
+  group's (scale, zero) (weights.py's convention, w = (q - 8) * scale + zero) applies once to
+  its sums: s * sum(x q) + (z - 8 s) * sum(x), never to each weight. With `DOT` the products
+  go through `tl.dot` (tensor cores; 16 rows a tile at least); without it, for a few rows
+  (one user's decode), as float32 products summed along K on the CUDA cores, a tile of 1 to
+  4 rows: tl.dot would pay for 16 rows and move each unpacked tile into its operand layout.
+- `int4_dequant_kernel`: the weight itself, w = (q - 8) s + z, written [K, N] in the
+  activations' dtype, for many-row calls that then run as one dense matmul.
 - `int8_kernel`: W8A16, the int8 weight as stored ([N, K], one row per output feature),
   widened to the dot dtype (exact: |q| <= 127), summed in float32, times the row's float32
   scale at the end.
@@ -39,6 +44,7 @@ On a CPU the kernels run under Triton's interpreter (tests only), with CPU tenso
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the kernels' annotations; at run time `jit_kernels` binds it
@@ -47,7 +53,14 @@ if TYPE_CHECKING:  # the kernels' annotations; at run time `jit_kernels` binds i
 PLANE = 16  # input features per nibble plane: tl.dot's smallest K
 PERIOD = 8 * PLANE  # input features per period of PLANE int32 words
 
-_KERNEL_NAMES = ("_cast", "_int4_period", "int4_kernel", "int8_kernel", "splitk_reduce_kernel")
+_KERNEL_NAMES = (
+    "_cast",
+    "_int4_period",
+    "int4_kernel",
+    "int4_dequant_kernel",
+    "int8_kernel",
+    "splitk_reduce_kernel",
+)
 _jitted = False
 
 
@@ -64,7 +77,7 @@ def _cast(v, ty: tl.constexpr, RNE: tl.constexpr):
 def _int4_period(
     acc, x, packed, sz, t, m, n, m_ok, n_ok, K, stride_xm, stride_pk, stride_sg, stride_sn,
     GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
-    DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_TY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     # One period: PLANE words per output column, eight planes of PLANE input features each.
     # The int4 values (exact in any float dtype) go into the dot as they are; each group's
@@ -82,9 +95,14 @@ def _int4_period(
             x + m[:, None] * stride_xm + k[None, :],
             mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
-        ).to(DOT_TY)
-        q = ((words >> (4 * i)) & 15).to(DOT_TY)
-        part += tl.dot(xi, q, input_precision=PRECISION)
+        )
+        if DOT:
+            xi = xi.to(DOT_TY)
+            part += tl.dot(xi, ((words >> (4 * i)) & 15).to(DOT_TY), input_precision=PRECISION)
+        else:  # [rows, PLANE, 1] * [1, PLANE, BLOCK_N], summed over the plane's features
+            xi = xi.to(tl.float32)
+            q = ((words >> (4 * i)) & 15).to(tl.float32)
+            part += tl.sum(xi[:, :, None] * q[None, :, :], axis=1)
         xsum += tl.sum(xi.to(tl.float32), axis=1)
         if (i + 1) % GROUP_PLANES == 0:
             group = sz + ((t * (8 * PLANE) + i * PLANE) // GROUP) * stride_sg + n * stride_sn
@@ -101,7 +119,7 @@ def int4_kernel(
     stride_xm, stride_pk, stride_sg, stride_sn, stride_om,
     GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_TY: tl.constexpr,
-    PRECISION: tl.constexpr, RNE: tl.constexpr,
+    PRECISION: tl.constexpr, RNE: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     # Grid (row tiles, column tiles, splits): row tiles vary fastest, so the programs running
     # at once share their weight tile (read from memory once) rather than their activations.
@@ -118,7 +136,7 @@ def int4_kernel(
     for t in range(t0, t1):
         acc = _int4_period(
             acc, x, packed, sz, t, m, n, m_ok, n_ok, K, stride_xm, stride_pk, stride_sg,
-            stride_sn, GROUP, GROUP_PLANES, PLANE, DOT_TY, PRECISION,
+            stride_sn, GROUP, GROUP_PLANES, PLANE, DOT_TY, PRECISION, DOT,
         )  # fmt: skip
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -126,6 +144,30 @@ def int4_kernel(
     else:
         y = _cast(acc, out.dtype.element_ty, RNE)
         tl.store(out + m[:, None] * stride_om + n[None, :], y, mask=mask)
+
+
+def int4_dequant_kernel(
+    packed, sz, out, N, stride_pk, stride_sg, stride_sn, stride_ok,
+    GROUP: tl.constexpr, PLANE: tl.constexpr, BLOCK_N: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    # Grid (periods, column tiles): one period of PLANE words a column, written as its
+    # 8 * PLANE rows of the [K, N] weight (N contiguous, as the words are: coalesced both ways).
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    j = tl.arange(0, PLANE)
+    words = tl.load(
+        packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :], mask=n_ok[None, :], other=0
+    )
+    for i in tl.static_range(8):
+        k0 = t * (8 * PLANE) + i * PLANE
+        group = sz + (k0 // GROUP) * stride_sg + n * stride_sn
+        scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
+        zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
+        q = ((words >> (4 * i)) & 15).to(tl.float32)
+        w = (q - 8.0) * scale[None, :] + zero[None, :]
+        at = out + (k0 + j)[:, None] * stride_ok + n[None, :]
+        tl.store(at, _cast(w, out.dtype.element_ty, RNE), mask=n_ok[None, :])
 
 
 def int8_kernel(
@@ -192,6 +234,6 @@ def jit_kernels() -> None:
     for name in _KERNEL_NAMES:
         # The row count varies with every step: one compiled kernel for all of them (Triton
         # would otherwise compile again for 1 row and for multiples of 16).
-        rows = ["M"] if name.endswith("_kernel") else None
+        rows = ["M"] if "M" in inspect.signature(module[name]).parameters else None
         module[name] = triton.jit(module[name], do_not_specialize=rows)
     _jitted = True
