@@ -13,7 +13,11 @@ default), microseconds per call of:
   with the variant `plan` picks for the row count (int4: gemv up to 4 rows, split-K to 16,
   the weight dequantized then one matmul beyond; int8: split-K up to 16 rows, tiles beyond);
 * ``triton-int4-dot``: our int4 kernel as int8's rule runs it (split-K, then tiles: both on
-  tl.dot), the int4 choice before the H200 run of 2026-11-30, so one run shows both.
+  tl.dot), the int4 choice before the H200 run of 2026-11-30, so one run shows both;
+* ``fp8-scaled_mm``: an FP8 (e4m3, per-channel) linear through torch's ``_scaled_mm``, its
+  activations quantized per token in the call (Fp8Linear's ``scaled_mm`` at every row count);
+* ``triton-fp8``: the same e4m3 weight through our W8A16 kernel (what Fp8Linear runs up to 16
+  rows where triton serves).
 
 Each figure is the GPU time of one call inside a CUDA graph of many calls (the engine's decode
 step replays CUDA graphs, so Python and launch overheads are not what it pays), the calls
@@ -48,6 +52,8 @@ CANDIDATES = [
     "triton-int4",
     "triton-int4-dot",
     "triton-int8",
+    "fp8-scaled_mm",
+    "triton-fp8",
 ]
 L2_FLUSH_BYTES = 256 << 20  # distinct weight copies per candidate add up to at least this
 
@@ -126,13 +132,18 @@ def measure_shape(
         return max(2, min(64, -(-L2_FLUSH_BYTES // nbytes)))
 
     # The engine's modules pack each candidate's weight; the calls below use their buffers.
-    tinygemm = "int4pack_mm_cuda" if dev.type == "cuda" else "dequant"
+    cuda = dev.type == "cuda"
+    tinygemm = "int4pack_mm_cuda" if cuda else "dequant"
     mods = {
         "tinygemm-int4": quant.Int4Linear(w, None, group, bf16, kernel=tinygemm),
         "triton-int4": quant.Int4Linear(w, None, group, bf16, kernel="int4_triton"),
         "triton-int4-dot": quant.Int4Linear(w, None, group, bf16, kernel="int4_triton"),
         "int8pack_mm": quant.Int8Linear(quant.quantize_int8(w), None, bf16, kernel="int8pack_mm"),
         "triton-int8": quant.Int8Linear(quant.quantize_int8(w), None, bf16, kernel="int8_triton"),
+        "fp8-scaled_mm": quant.Fp8Linear(
+            quant.quantize_fp8(w), None, bf16, "scaled_mm" if cuda else "dequant", triton_rows=0
+        ),
+        "triton-fp8": quant.Fp8Linear(quant.quantize_fp8(w), None, bf16, "dequant", triton_rows=0),
     }
     weights: dict[str, list[Any]] = {}
     nbytes = n * k * 2
@@ -143,6 +154,7 @@ def measure_shape(
     int4_ref = mods["triton-int4"].dequantize()[:, :k].to(bf16)
     q8 = mods["triton-int8"]
     int8_ref = (q8.qweight.float() * q8.scales.float()[:, None]).to(bf16)
+    fp8_ref = mods["triton-fp8"].weight_dequantized(bf16)
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k, device=dev, generator=gen).to(bf16)
@@ -155,7 +167,12 @@ def measure_shape(
                 log(f"  {name} at {k} -> {n}, {rows} rows failed: {type(exc).__name__}: {exc}")
                 times[name] = float("nan")
         errs = {}
-        refs = (("triton-int4", int4_ref), ("triton-int4-dot", int4_ref), ("triton-int8", int8_ref))
+        refs = (
+            ("triton-int4", int4_ref),
+            ("triton-int4-dot", int4_ref),
+            ("triton-int8", int8_ref),
+            ("triton-fp8", fp8_ref),
+        )
         for name, ref_w in refs:
             try:
                 errs[name] = rel_err(call(name, mods[name], x, group)(), F.linear(x, ref_w))
@@ -166,6 +183,9 @@ def measure_shape(
         variants = {
             "triton-int4": triton_linear.plan(rows, n, steps, dev, int4=True).variant,
             "triton-int4-dot": triton_linear.plan(rows, n, steps, dev).variant,
+            "triton-fp8": triton_linear.plan(
+                rows, n, -(-k // triton_linear.INT8_BLOCK_K), dev
+            ).variant,
             "triton-int8": triton_linear.plan(
                 rows, n, -(-k // triton_linear.INT8_BLOCK_K), dev
             ).variant,
@@ -204,6 +224,10 @@ def call(name: str, m: Any, x: torch.Tensor, group: int) -> Callable[[], Any]:
         periods = m.packed.shape[0] // triton_linear.PLANE
         launch = triton_linear.plan(x.shape[0], m.packed.shape[1], periods, x.device)
         return lambda: triton_linear.run_int4(x, m.packed, m.scales_and_zeros, group, launch)
+    if name == "fp8-scaled_mm":
+        return lambda: m(x)
+    if name == "triton-fp8":
+        return lambda: triton_linear.run_int8(x, m.qweight, m.scales)
     if name == "int8pack_mm":
         return lambda: torch._weight_int8pack_mm(x, m.qweight, m.scales)
     return lambda: triton_linear.run_int8(x, m.qweight, m.scales)

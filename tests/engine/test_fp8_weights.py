@@ -21,6 +21,7 @@ from torch import nn
 from controlplane.engine import Engine
 from controlplane.engine.errors import InvalidSettingError
 from controlplane.engine.model import quant
+from controlplane.engine.model.quant import triton_linear
 from controlplane.engine.model.quant.fp8 import (
     FP8_KERNELS,
     Fp8Linear,
@@ -447,12 +448,19 @@ def test_cuda_scaled_mm_matches_its_emulation_and_the_dequant_kernel(k, n, rows,
     print(f"scaled_mm rowwise={mod.rowwise} ({rowwise_unavailable(cuda)})")
     q = quant.Fp8Weight(mod.qweight, mod.scales)
     slow = Fp8Linear(q, mod.bias, dtype, kernel="dequant")
+    # Where triton imports, up to 16 rows take our W8A16 kernel (16-bit activations).
+    assert mod.triton_rows == (16 if triton_linear.unavailable(cuda) is None else 0)
+    scaled_mm = Fp8Linear(q, mod.bias, dtype, kernel="scaled_mm", triton_rows=0)
     x = activations(rows, k, seed=rows).to(cuda, dtype)
-    y = mod(x)
+    y = scaled_mm(x)
     assert y.dtype == dtype and y.shape == (rows, n) and y.device.type == "cuda"
     want = emulated_scaled_mm(x, q, mod.rowwise) + mod.bias.float()
     assert rel_err(y, want) < 1e-2  # bf16 output and 16-bit activations
     assert rel_err(y, slow(x)) < 2.0**-4  # e4m3 activations
+    if rows <= mod.triton_rows:  # exact weights, float32 sums: within the output's rounding
+        assert rel_err(mod(x), slow(x)) < 1e-2
+    else:
+        assert torch.equal(mod(x), y)
 
 
 @pytest.mark.gpu

@@ -159,6 +159,39 @@ def test_int8_kernel_matches_the_dequantized_weight(k, n, dtype, device):
         check_int8(activations(rows, k, seed=rows).to(device, dtype), qweight, scales, ref_w)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("k,n", INT8_SHAPES)
+def test_the_w8a16_kernel_takes_e4m3_weights_as_exactly_as_int8(k, n, dtype, device):
+    """An FP8 weight (e4m3, a float32 scale per row) through the int8 kernel: e4m3 values
+    widen exactly, so the same bound holds against the exact dequantized weight."""
+    q = quant.quantize_fp8(linear(k, n, seed=1).weight)
+    assert q.qweight.dtype == torch.float8_e4m3fn
+    ref_w = q.qweight.double() * q.scales.double()[:, None]
+    for rows in rows_for(dtype):
+        x = activations(rows, k, seed=rows).to(device, dtype)
+        check_int8(x, q.qweight.to(device), q.scales.to(device), ref_w)
+
+
+def test_an_fp8_linear_runs_few_rows_on_the_triton_kernel_and_many_on_its_own():
+    """Fp8Linear with triton_rows (on CUDA: 16 where triton serves `scaled_mm`; forced here
+    on the CPU's `dequant`, under the interpreter): up to that many rows the W8A16 kernel,
+    beyond it the layer's kernel; both within their bounds of the exact weight, the bias
+    added once."""
+    lin = linear(320, 48, seed=2, bias=True)
+    q = quant.quantize_fp8(lin.weight)
+    bf16 = torch.bfloat16
+    mod = quant.Fp8Linear(q, lin.bias, bf16, kernel="dequant", triton_rows=4)
+    assert mod.triton_rows == 4 and "triton_rows=4" in repr(mod)
+    assert quant.Fp8Linear(q, lin.bias, bf16, kernel="dequant").triton_rows == 0  # not CUDA
+    bias = lin.bias.detach().to(bf16)
+    for rows in (1, 4, 5):
+        x = activations(rows, 320, seed=rows).to(bf16)
+        y = mod(x)
+        triton = triton_linear.run_int8(x, mod.qweight, mod.scales) + bias
+        dequant = F.linear(x, mod.weight_dequantized(bf16), bias)
+        assert torch.equal(y, triton if rows <= 4 else dequant)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_both_variants_at_any_split_give_the_reference(device):
     """Each variant forced at a row count the other would get, unsplit and split every step."""
@@ -324,7 +357,7 @@ def test_the_ops_fake_shapes_agree_with_the_kernels(device):
     x4 = activations(3, 96).to(device, torch.bfloat16)
     x8 = activations(3, 100).to(device, torch.bfloat16)
     torch.library.opcheck(triton_linear.int4_linear, (x4, packed, sz, 32))
-    torch.library.opcheck(triton_linear.int8_linear, (x8, q8, s8))
+    torch.library.opcheck(triton_linear.w8a16_linear, (x8, q8, s8))
 
 
 # -- engines ---------------------------------------------------------------------------------

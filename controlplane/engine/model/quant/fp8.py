@@ -17,7 +17,13 @@ of preference (FP8_KERNELS):
   architectures and builds), one scale for the tensor (`scale_a` a scalar, `scale_b` 1) and
   the weight's per-channel scales multiplying the output in float32; the start-up log says
   which. Its output is bfloat16 (the dtype rowwise scaling writes), converted to the model's
-  dtype. It needs K and N multiples of 16.
+  dtype. It needs K and N multiples of 16. Calls of up to 16 rows (decode) skip it where
+  triton imports: our Triton W8A16 kernel (triton_linear.py's int8 kernel, which widens an
+  e4m3 weight to bf16 exactly) multiplies the bf16 activations by the e4m3 weight with no
+  activation quantization. On the H200 `_scaled_mm` made fp8 decode no faster than bf16 while
+  that kernel on int8 weights (the same bytes) was faster at few rows on the 8B's large shapes
+  (docs/benchmarks.md#gpu-seeds); not yet measured on fp8 weights. So on a GPU a token's
+  result depends on whether its step had more than 16 rows.
 * `dequant`: the weight dequantized to the activations' dtype (e4m3 values times their
   float32 scale, rounded once), then `F.linear`: anywhere, the CPU included (the path the CPU
   suite covers). It saves memory, not time: each call converts the whole weight.
@@ -41,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from controlplane.engine.model.quant import triton_linear
 from controlplane.engine.model.quant.kernels import LinearKernel, LinearSpec, choose
 from controlplane.engine.model.quant.weights import FP8_MAX, TINY, Fp8Weight, quantize_fp8
 
@@ -59,6 +66,7 @@ class Fp8Linear(nn.Module):
         dtype: torch.dtype,
         kernel: str = "",
         rowwise: bool | None = None,
+        triton_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.qweight.shape
@@ -68,6 +76,12 @@ class Fp8Linear(nn.Module):
             kernel
             or choose(FP8_KERNELS, LinearSpec(*weight.qweight.shape, device, dtype)).kernel.name
         )
+        # Calls of up to this many rows run the Triton W8A16 kernel (the module doc): with
+        # scaled_mm where triton serves; any kernel when asked (tests, under the interpreter).
+        if triton_rows is None:
+            serves = self.kernel == "scaled_mm" and triton_linear.unavailable(device) is None
+            triton_rows = triton_linear.SPLIT_K_MAX_ROWS if serves else 0
+        self.triton_rows = triton_rows
         # scaled_mm: one activation scale per token where the GPU's _scaled_mm takes them.
         if self.kernel != "scaled_mm":
             rowwise = False
@@ -90,7 +104,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "scaled_mm":
+        if 0 < x2.shape[0] <= self.triton_rows:
+            y = torch.ops.controlplane_triton.w8a16_linear(x2, self.qweight, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
+        elif self.kernel == "scaled_mm":
             # The bias added in float32 and the sum rounded once: the same bits eager and
             # compiled (inductor drops an intermediate rounding to a 16-bit dtype when it fuses).
             y = self._scaled_mm(x2).float()
@@ -118,13 +136,17 @@ class Fp8Linear(nn.Module):
         """For the start-up log: how scaled_mm scales its activations."""
         if self.kernel != "scaled_mm":
             return ""
-        return "a scale per token" if self.rowwise else "one activation scale per step"
+        detail = "a scale per token" if self.rowwise else "one activation scale per step"
+        if self.triton_rows:
+            detail += f"; up to {self.triton_rows} rows our Triton W8A16 kernel"
+        return detail
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"kernel={self.kernel}, dtype={self.dtype}"
             + (f", rowwise={self.rowwise}" if self.kernel == "scaled_mm" else "")
+            + (f", triton_rows={self.triton_rows}" if self.triton_rows else "")
         )
 
 

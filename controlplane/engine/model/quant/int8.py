@@ -112,7 +112,7 @@ class Int8Linear(nn.Module):
             y = torch.ops.controlplane_cpu.w8a8_linear(x2, self.qweight, self.scales).to(x.dtype)
         elif self.kernel == "int8_triton":
             x2 = kernel_input(x, self.in_features, self.act_dtype)
-            y = torch.ops.controlplane_triton.int8_linear(x2, self.qweight, self.scales)
+            y = torch.ops.controlplane_triton.w8a16_linear(x2, self.qweight, self.scales)
             y = y.to(x.dtype)
         elif self._unit is not None:
             x2 = kernel_input(x, self.in_features, self.act_dtype)

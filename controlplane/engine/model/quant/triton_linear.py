@@ -5,7 +5,7 @@ than it on an H100 (docs/models.md); these exist to make the quantized weights p
 
 What is here: the int4 packing (`pack_int4` / `unpack_int4`: nibble planes, see
 triton_linear_kernels.py), the choice of variant (`plan`), the launches (`run_int4`,
-`run_int8`), the same as custom ops a compiled graph calls as is (`int4_linear`, `int8_linear`:
+`run_int8`), the same as custom ops a compiled graph calls as is (`int4_linear`, `w8a16_linear`:
 torch.compile does not trace into the launch, and the grid may differ per row count without
 splitting the graph), and whether they can serve (`unavailable`, `int4_unavailable`).
 
@@ -58,13 +58,13 @@ __all__ = [
     "dequantize_int4",
     "int4_linear",
     "int4_unavailable",
-    "int8_linear",
     "pack_int4",
     "plan",
     "run_int4",
     "run_int8",
     "unavailable",
     "unpack_int4",
+    "w8a16_linear",
 ]
 
 # Rows up to which a call takes the split-K variant: one 16-row tile holds them all, so the
@@ -303,8 +303,8 @@ def dequantize_int4(
 def run_int8(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, launch: Launch | None = None
 ) -> torch.Tensor:
-    """x [rows, K] @ (qweight [N, K] int8 * scales [N] float32, per row)^T -> [rows, N] in
-    x's dtype. `launch`: `plan`'s choice unless given (tests)."""
+    """x [rows, K] @ (qweight [N, K] int8 or float8_e4m3fn * scales [N] float32, per row)^T
+    -> [rows, N] in x's dtype. `launch`: `plan`'s choice unless given (tests)."""
     n, k_full = qweight.shape
     x = _check(x, k_full)
     rows, k = x.shape
@@ -323,7 +323,8 @@ def run_int8(
     tk.int8_kernel[grid](
         x, qweight, scales, out, partial, rows, n, k, launch.steps_per_split * INT8_BLOCK_K,
         x.stride(0), qweight.stride(0), out.stride(0), BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n, BLOCK_K=INT8_BLOCK_K, SPLIT=split, num_warps=launch.num_warps,
+        BLOCK_N=launch.block_n, BLOCK_K=INT8_BLOCK_K, SPLIT=split,
+        W_ZERO=0.0 if qweight.is_floating_point() else 0, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **how,
     )  # fmt: skip
     if split:
@@ -347,12 +348,13 @@ def _(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, gro
     return x.new_empty(x.shape[0], packed.shape[1])
 
 
-@torch.library.custom_op("controlplane_triton::int8_linear", mutates_args=())
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`run_int8` as one op (Int8Linear's `int8_triton` kernel)."""
+@torch.library.custom_op("controlplane_triton::w8a16_linear", mutates_args=())
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`run_int8` as one op: Int8Linear's `int8_triton` kernel, and Fp8Linear's few-row
+    calls (an e4m3 weight widens to bf16 or fp16 exactly, as int8's does)."""
     return run_int8(x, qweight, scales)
 
 
-@int8_linear.register_fake
+@w8a16_linear.register_fake
 def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor):
     return x.new_empty(x.shape[0], qweight.shape[0])

@@ -12,9 +12,9 @@ Four kernels:
   4 rows: tl.dot would pay for 16 rows and move each unpacked tile into its operand layout.
 - `int4_dequant_kernel`: the weight itself, w = (q - 8) s + z, written [K, N] in the
   activations' dtype, for many-row calls that then run as one dense matmul.
-- `int8_kernel`: W8A16, the int8 weight as stored ([N, K], one row per output feature),
-  widened to the dot dtype (exact: |q| <= 127), summed in float32, times the row's float32
-  scale at the end.
+- `int8_kernel`: W8A16, the int8 (or float8 e4m3) weight as stored ([N, K], one row per
+  output feature), widened to the dot dtype (exact: |q| <= 127; e4m3's values all lie in
+  bf16 and fp16), summed in float32, times the row's float32 scale at the end.
 - `splitk_reduce_kernel`: the split-K variant's second pass: the partial sums of every split
   added in a fixed order (so a result does not depend on which program finished first, as an
   atomic add's would), times the int8 scales, rounded once to the output dtype.
@@ -173,8 +173,10 @@ def int4_dequant_kernel(
 def int8_kernel(
     x, w, scale, out, partial, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_TY: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
+    DOT_TY: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr, W_ZERO: tl.constexpr,
 ):  # fmt: skip
+    # W_ZERO: the masked weights' value in the weight's own type (0 for int8, 0.0 for e4m3:
+    # the interpreter casts no int to float8).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -191,7 +193,9 @@ def int8_kernel(
         xk = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :])
         # [BLOCK_K, BLOCK_N] of the [N, K] weight: K is the contiguous axis of the tile.
         wk = tl.load(
-            w + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0
+            w + n[None, :] * stride_wn + k[:, None],
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=W_ZERO,
         )
         acc += tl.dot(xk.to(DOT_TY), wk.to(DOT_TY), input_precision=PRECISION)
     mask = m_ok[:, None] & n_ok[None, :]
