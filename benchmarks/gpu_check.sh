@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks and figures, in one call on a machine with an NVIDIA GPU, inside ~9.5 minutes
 # (TOTAL_S, default 560 s: a 10-minute device call less its transfers), in order of value so
-# that running out of time loses the least. The order puts first what no run has measured yet
-# (after the H200 run of 2026-11-29, docs/benchmarks.md#gpu-seeds: 8B bf16 done in 159 s, fp8's
-# start-up alone took 161 s, int4 and the daemon not reached or failed, the gpu-marked tests
-# finished one test in 150 s):
-#   1. benchmarks/gpu_daemon.py: the daemon with the sampler on (NVML rows, the rollup's cost);
-#   2. benchmarks/gpu_seeds.py on the Llama-3-8B shape with int4, then fp8 weights (the seeds'
-#      table; each inside ~3.5 minutes, so their batch 64 may be cut);
-#   3. gpu_seeds on the 8B in bf16 (measured once; its batch 64 replays graphs since 32d26c1,
-#      where it ran eagerly at half speed before);
-#   4. the gpu-marked tests (a step that never waits for the device, CUDA graphs over the
-#      compiled step, the quantized kernels, ...);
-#   5. gpu_seeds on the ~1.1B (1b shape); the quantized kernels per call;
+# that running out of time loses the least. The order puts first what no run has measured
+# yet. The H200 run of 2026-11-30 (docs/benchmarks.md#gpu-seeds) measured the daemon, the 8B
+# in int4, fp8 and bf16 (~3.5, ~2.3 and ~1.5 minutes) and the quantized linears per call
+# (~45 s); the int4 and fp8 kernels then changed for its findings, proven on the CPU alone:
+#   1. benchmarks/quant_gpu_kernels.py: the new int4 variants (gemv, dequant) against the old
+#      rule (triton-int4-dot) and tinygemm, fp8 through _scaled_mm and through our W8A16
+#      kernel, each checked against its reference;
+#   2. the gpu-marked tests, the quantized kernels' first (the new variants compiled);
+#   3. benchmarks/gpu_seeds.py on the Llama-3-8B shape with int4, then fp8 weights, then bf16
+#      (the baseline of their ratios in the same call);
+#   4. benchmarks/gpu_daemon.py: the daemon with the sampler on (NVML rows, the rollup's cost);
+#   5. gpu_seeds on the ~1.1B (1b shape);
 #   6. the Triton attention tests compiled for the GPU (the cases the CPU suite interprets);
 #   7. benchmarks/gpu_decode.py (arguments to this script go to it).
 # SKIP="name ..." skips steps by name (e.g. SKIP=seeds_8b_bf16 once its figures are in).
@@ -62,21 +62,21 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step daemon 130 python3 -m benchmarks.gpu_daemon --shape 1b --json "$OUT/daemon.json"
+# The quantized kernels per call against bf16 (its table in the log: no file of its own).
+step quant_gpu_kernels 120 python3 -m benchmarks.quant_gpu_kernels
+step pytest_gpu "${TEST_TIMEOUT:-150}" bash -c 'python3 -m pytest -p no:cacheprovider -q -m gpu \
+    tests/engine/test_triton_linear.py tests/engine/test_fp8_weights.py \
+    tests/engine/test_quant_gpu.py tests/engine/test_transfer.py tests/engine/test_cuda_graphs.py \
+    2>&1 | tee "$1"' _ "$OUT/pytest_gpu.log"
 step seeds_8b_int4 220 python3 -m benchmarks.gpu_seeds --shape 8b --weights int4 \
     --budget-s 205 --json "$OUT/seeds_8b_int4.json"
-step seeds_8b_fp8 220 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
-    --budget-s 205 --json "$OUT/seeds_8b_fp8.json"
-step seeds_8b_bf16 270 python3 -m benchmarks.gpu_seeds --shape 8b --weights bf16 \
-    --budget-s 240 --json "$OUT/seeds_8b_bf16.json"
-step pytest_gpu "${TEST_TIMEOUT:-150}" bash -c 'python3 -m pytest -p no:cacheprovider -q -m gpu \
-    tests/engine/test_transfer.py tests/engine/test_cuda_graphs.py tests/engine/test_quant_gpu.py \
-    tests/engine/test_fp8_weights.py tests/engine/test_triton_linear.py 2>&1 | tee "$1"' _ \
-    "$OUT/pytest_gpu.log"
-step seeds_1b_bf16 150 python3 -m benchmarks.gpu_seeds --shape 1b --weights bf16 \
-    --budget-s 120 --json "$OUT/seeds_1b_bf16.json"
-# The quantized kernels per call against bf16 (its table in the log: no file of its own).
-step quant_gpu_kernels 150 python3 -m benchmarks.quant_gpu_kernels
+step seeds_8b_fp8 200 python3 -m benchmarks.gpu_seeds --shape 8b --weights fp8 \
+    --budget-s 185 --json "$OUT/seeds_8b_fp8.json"
+step seeds_8b_bf16 150 python3 -m benchmarks.gpu_seeds --shape 8b --weights bf16 \
+    --budget-s 140 --json "$OUT/seeds_8b_bf16.json"
+step daemon 130 python3 -m benchmarks.gpu_daemon --shape 1b --json "$OUT/daemon.json"
+step seeds_1b_bf16 90 python3 -m benchmarks.gpu_seeds --shape 1b --weights bf16 \
+    --budget-s 80 --json "$OUT/seeds_1b_bf16.json"
 step pytest_triton 240 python3 -m pytest -p no:cacheprovider -q -m "not drill" \
     tests/engine/test_triton_attention.py
 step gpu_decode "${BENCH_TIMEOUT:-330}" python3 -m benchmarks.gpu_decode \
