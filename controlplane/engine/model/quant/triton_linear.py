@@ -15,7 +15,6 @@ The variants (`plan` picks one per call, by row count, format and device):
   with float32 products summed on the CUDA cores instead of `tl.dot`, in a tile of the rows
   alone (1, 2 or 4): at one row the tl.dot variant was slower than bf16 where torch's
   tinygemm was faster (H200, docs/benchmarks.md#gpu-seeds);
-
 * `split_k`, for up to SPLIT_K_MAX_ROWS rows (decode): all rows in one 16-row tile (tl.dot's
   smallest), K cut into splits so that about four programs per SM stream the weight, each
   writing float32 partial sums, which a second pass adds in a fixed order (deterministic,
