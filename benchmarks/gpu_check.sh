@@ -8,13 +8,15 @@
 #   1. benchmarks/quant_gpu_kernels.py: the new int4 variants (gemv, dequant) against the old
 #      rule (triton-int4-dot) and tinygemm, fp8 through _scaled_mm and through our W8A16
 #      kernel, each checked against its reference;
-#   2. the gpu-marked tests, the quantized kernels' first (the new variants compiled);
-#   3. benchmarks/gpu_seeds.py on the Llama-3-8B shape with int4, then fp8 weights, then bf16
+#   2. benchmarks/gpu_step_profile.py: where a batch-1 and a batch-32 decode step of the ~1.1B
+#      go (kernels, the gaps between them, host), for the distance to the bandwidth limit;
+#   3. the gpu-marked tests, the quantized kernels' first (the new variants compiled);
+#   4. benchmarks/gpu_seeds.py on the Llama-3-8B shape with int4, then fp8 weights, then bf16
 #      (the baseline of their ratios in the same call);
-#   4. benchmarks/gpu_daemon.py: the daemon with the sampler on (NVML rows, the rollup's cost);
-#   5. gpu_seeds on the ~1.1B (1b shape);
-#   6. the Triton attention tests compiled for the GPU (the cases the CPU suite interprets);
-#   7. benchmarks/gpu_decode.py (arguments to this script go to it).
+#   5. benchmarks/gpu_daemon.py: the daemon with the sampler on (NVML rows, the rollup's cost);
+#   6. gpu_seeds on the ~1.1B (1b shape);
+#   7. the Triton attention tests compiled for the GPU (the cases the CPU suite interprets);
+#   8. benchmarks/gpu_decode.py (arguments to this script go to it).
 # SKIP="name ..." skips steps by name (e.g. SKIP=seeds_8b_bf16 once its figures are in).
 # Each step's timeout is the smaller of its own cap and the time left; a step with under 20 s
 # left is skipped (said in the log). Logs go to $OUT/gpu_check.log (one file: a device call
@@ -64,6 +66,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # The quantized kernels per call against bf16 (its table in the log: no file of its own).
 step quant_gpu_kernels 120 python3 -m benchmarks.quant_gpu_kernels
+# Where a decode step of the ~1.1B goes: kernels, gaps, host (its table in the log).
+step step_profile 100 python3 -m benchmarks.gpu_step_profile --shape 1b
 step pytest_gpu "${TEST_TIMEOUT:-150}" bash -c 'python3 -m pytest -p no:cacheprovider -q -m gpu \
     tests/engine/test_triton_linear.py tests/engine/test_fp8_weights.py \
     tests/engine/test_quant_gpu.py tests/engine/test_transfer.py tests/engine/test_cuda_graphs.py \

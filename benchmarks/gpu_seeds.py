@@ -159,6 +159,18 @@ def ensure_random_model(shape: str, root: Path, seed: int = 0) -> Path:
     return path
 
 
+def device_defaults(device: str) -> dict[str, str]:
+    """The engine settings of the GPU serving path on CUDA (bf16, Triton attention, the
+    compiled step, CUDA graphs); the engine's CPU defaults elsewhere."""
+    on_cuda = device == "cuda"
+    return dict(
+        dtype="bfloat16" if on_cuda else "auto",
+        attention_backend="triton" if on_cuda else "torch",
+        compile="on" if on_cuda else "off",
+        cuda_graphs="auto" if on_cuda else "off",
+    )
+
+
 # -- measurements --------------------------------------------------------------------------------
 
 
@@ -262,16 +274,17 @@ class Run:
 
         a = self.args
         on_cuda = a.device == "cuda"
+        d = device_defaults(a.device)
         settings = dict(
             model=str(model_dir),
             device=a.device,
-            dtype=a.dtype or ("bfloat16" if on_cuda else "auto"),
+            dtype=a.dtype or d["dtype"],
             quantization=WEIGHTS[a.weights],
             quantize_lm_head=a.quantize_lm_head,
             kv_cache_dtype=a.kv_cache_dtype,
-            attention_backend=a.attention_backend or ("triton" if on_cuda else "torch"),
-            compile=a.compile or ("on" if on_cuda else "off"),
-            cuda_graphs="auto" if on_cuda else "off",
+            attention_backend=a.attention_backend or d["attention_backend"],
+            compile=a.compile or d["compile"],
+            cuda_graphs=d["cuda_graphs"],
             max_num_seqs=max(a.batches),
             max_num_batched_tokens=max(a.max_num_batched_tokens, max(a.batches)),
             prefill_chunk_size=a.prefill_chunk_size,

@@ -124,3 +124,35 @@ def test_gpu_check_script_parses() -> None:
     script = REPO_ROOT / "benchmarks" / "gpu_check.sh"
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow  # ~10 s: the tiny model's engine, two profiled row counts
+def test_gpu_step_profile_on_cpu(tmp_path: Path) -> None:
+    """The step profile's CPU path: every row count profiled, the CPU operators ranked by
+    their own time, no GPU figures (there are no kernels)."""
+    out = tmp_path / "profile.json"
+    done = _run(
+        "benchmarks.gpu_step_profile",
+        *("--device", "cpu", "--shape", "tiny", "--rows", "1,3", "--steps", "3"),
+        *("--warmup", "1", "--top", "4", "--json", str(out), "--model-root", str(tmp_path)),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["cuda_graphs"] is False
+    assert [p["rows"] for p in r["profiles"]] == [1, 3]
+    for p in r["profiles"]:
+        assert p["steps"] == 3 and p["wall_us"] > 0 and p["kernels"] == 0
+        assert p["gpu_busy_us"] is None
+        assert 1 <= len(p["top"]) <= 4
+        shares = [t["share"] for t in p["top"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0001
+    assert "3 rows: wall" in done.stdout
+
+
+def test_union_of_kernel_intervals() -> None:
+    from benchmarks.gpu_step_profile import union_us
+
+    assert union_us([]) == 0
+    # Overlapping, nested, touching and separate intervals, out of order.
+    assert union_us([(10, 20), (0, 5), (12, 15), (18, 25), (25, 30), (40, 41)]) == 5 + 20 + 1
