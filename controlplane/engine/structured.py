@@ -49,6 +49,17 @@ PARSER_LIMITS = {
 }
 
 
+# The oldest llguidance that takes a list of EOS ids (LLTokenizer's eos_token): pyproject's
+# bound, named again in the error a server with an older one answers (an H200 image carried
+# 1.6.1 as a wheel, and every constrained request would have failed there).
+LLGUIDANCE_MIN = (1, 7)
+
+
+class GrammarEngineError(RuntimeError):
+    """llguidance cannot serve this model on this server (it refused the vocabulary): every
+    constrained request fails alike, through no fault of its own."""
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """What a request's output must match. `spec` is text: the schema as JSON, the regex, the
@@ -93,6 +104,30 @@ class GrammarStats:
     cache_hits: int = 0
 
 
+def _unavailable(exc: Exception) -> str:
+    """What a constrained request is told when llguidance refused the vocabulary: its
+    version, its words and, where it is older than LLGUIDANCE_MIN, the fix."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = version("llguidance")
+    except PackageNotFoundError:  # imported from a path, not installed
+        have = "(version unknown)"
+    return (
+        f"structured outputs are unavailable on this server: llguidance {have} refused the "
+        f"model's vocabulary ({type(exc).__name__}: {short_error(exc)})" + upgrade_hint(have)
+    )
+
+
+def upgrade_hint(have: str) -> str:
+    """'; this server needs llguidance >= 1.7 (...)' where version `have` is older, else ''."""
+    parts = tuple(int(p) for p in have.split(".")[:2] if p.isdigit())
+    if len(parts) < 2 or parts >= LLGUIDANCE_MIN:
+        return ""
+    need = ".".join(map(str, LLGUIDANCE_MIN))
+    return f"; this server needs llguidance >= {need} (pip install -U 'llguidance>={need}')"
+
+
 def _grammar_text(out: StructuredOutput) -> str:
     import llguidance
 
@@ -117,6 +152,7 @@ class Grammars:
         self._vocab_size = vocab_size
         self.capacity = capacity
         self._lltok: Any = None
+        self._lltok_error: str | None = None  # why llguidance refused the vocabulary, once
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._tok_lock = threading.Lock()
@@ -126,22 +162,28 @@ class Grammars:
         # Built once (0.35 s for SmolLM2's 49k vocabulary): the daemon warms it in the
         # background when the model loads (`warm`), other callers on first use.
         with self._tok_lock:
+            if self._lltok_error is not None:  # refused once: refused for good
+                raise GrammarEngineError(self._lltok_error)
             if self._lltok is None:
                 import llguidance
 
                 tok = self._tokenizer
-                self._lltok = llguidance.LLTokenizer(
-                    tok.backend.to_str(),
-                    n_vocab=self._vocab_size,
-                    eos_token=list(tok.eos_token_ids) or None,
-                )
+                try:
+                    self._lltok = llguidance.LLTokenizer(
+                        tok.backend.to_str(),
+                        n_vocab=self._vocab_size,
+                        eos_token=list(tok.eos_token_ids) or None,
+                    )
+                except Exception as exc:
+                    self._lltok_error = _unavailable(exc)
+                    raise GrammarEngineError(self._lltok_error) from exc
             return self._lltok
 
     def warm(self) -> None:
         try:
             self._llg_tokenizer()
-        except Exception:  # the first constrained request will say what is wrong
-            log.warning("structured outputs: building the grammar tokenizer failed", exc_info=True)
+        except GrammarEngineError as exc:  # each constrained request will answer the same
+            log.error("%s", exc)
 
     def cached(self, out: StructuredOutput) -> CompiledGrammar | None:
         with self._lock:

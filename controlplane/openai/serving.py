@@ -19,6 +19,7 @@ from litestar.connection import ASGIConnection
 from litestar.response import ServerSentEvent
 
 from controlplane.engine.sampling_params import LOWEST_PRIORITY_CLASS
+from controlplane.engine.structured import GrammarEngineError
 from controlplane.errors import FieldError
 from controlplane.http.errors import (
     APIError,
@@ -461,6 +462,10 @@ class InferenceAPI:
             return await self.runtime.engine.compile_grammar(out, server.grammar_compile_timeout_s)
         except FieldError as exc:
             raise invalid(exc.field, exc.message) from None
+        except GrammarEngineError as exc:  # the server's llguidance, not the request
+            raise APIError(
+                500, str(exc), type="server_error", code="structured_outputs_unavailable"
+            ) from None
 
     def _note_ignored(self, fields: tuple[str, ...]) -> None:
         """Count the request's ignored fields; log each field name the first time (a debug

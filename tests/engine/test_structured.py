@@ -13,7 +13,12 @@ import pytest
 
 from controlplane.engine import LLM, SamplingParams
 from controlplane.engine.errors import InvalidSettingError
-from controlplane.engine.structured import StructuredOutput
+from controlplane.engine.structured import (
+    GrammarEngineError,
+    Grammars,
+    StructuredOutput,
+    upgrade_hint,
+)
 from harness import assert_no_leaks
 from tests.conftest import require_smollm2
 from tests.json_schemas import generate_schemas
@@ -422,3 +427,33 @@ def test_an_ambiguous_grammar_never_stalls_the_batch(llm: LLM) -> None:
     # share of the batch (prefill and a few steps of four more rows), measured 1.2-2x.
     assert attacked / baseline < 3, (attacked, baseline)
     assert_released(llm)
+
+
+def test_a_vocabulary_llguidance_refuses_fails_every_grammar_alike_and_says_why(llm, caplog):
+    """llguidance refusing the model's vocabulary (here a vocab size below the tokenizer's;
+    on the H200 an old llguidance refusing a list of EOS ids) is the server's fault: warm-up
+    logs it once as an error, and each compile raises the same GrammarEngineError naming
+    llguidance, its version and its words, without asking it again."""
+    grammars = Grammars(llm.tokenizer, vocab_size=5)
+    with caplog.at_level("ERROR", logger="controlplane.engine.structured"):
+        grammars.warm()
+    [record] = [r for r in caplog.records if "structured outputs are unavailable" in r.message]
+    assert record.levelname == "ERROR"
+    out = StructuredOutput("json_object", "{}")
+    with pytest.raises(GrammarEngineError) as first:
+        grammars.compile(out)
+    message = str(first.value)
+    assert re.search(r"llguidance \d+\.\d+", message) and "vocab size too small" in message
+    assert record.message == message
+    with pytest.raises(GrammarEngineError) as again:
+        grammars.compile(StructuredOutput("regex", "[a-z]+"))
+    assert str(again.value) == message and grammars.stats.compiles == 0
+
+
+def test_an_llguidance_older_than_the_bound_is_told_how_to_upgrade():
+    assert upgrade_hint("1.6.1") == (
+        "; this server needs llguidance >= 1.7 (pip install -U 'llguidance>=1.7')"
+    )
+    assert upgrade_hint("0.7.30").startswith("; this server needs")
+    for fine in ("1.7.0", "1.9.1", "2.0", "(version unknown)"):
+        assert upgrade_hint(fine) == "", fine

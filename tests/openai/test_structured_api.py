@@ -440,6 +440,30 @@ def test_grammar_failing_part_way_is_a_400_naming_the_field_streamed_or_not(serv
     _released(d)
 
 
+def test_a_server_whose_llguidance_refuses_the_vocabulary_answers_500_saying_why(served) -> None:
+    """The server's fault, not the request's: a 500 `server_error` with the code
+    `structured_outputs_unavailable` and llguidance's own words; unconstrained requests are
+    served as before. (The refusal is real: a grammar engine built for a 5-token vocabulary.)"""
+    from controlplane.engine.structured import Grammars
+
+    d = served
+    engine = _engine(d)
+    kept = engine.grammars
+    engine.grammars = Grammars(engine.tokenizer, vocab_size=5)
+    try:
+        body = {"messages": ASK, "max_tokens": 4, "response_format": {"type": "json_object"}}
+        r = _post(d, "/v1/chat/completions", body)
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and error["param"] is None
+        assert error["code"] == "structured_outputs_unavailable", error
+        assert "llguidance" in error["message"] and "vocab size too small" in error["message"]
+        plain = _post(d, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4})
+        assert plain.status_code == 200, plain.text
+    finally:
+        engine.grammars = kept
+
+
 def test_compile_timeout_is_a_400_and_the_grammar_is_cached_after(served) -> None:
     d = served
     big = {
