@@ -65,7 +65,7 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # The quantized kernels per call against bf16 (its table in the log: no file of its own).
-step quant_gpu_kernels 120 python3 -m benchmarks.quant_gpu_kernels
+step quant_gpu_kernels 150 python3 -m benchmarks.quant_gpu_kernels --rows 1,4,16,64,256
 # Where a decode step of the ~1.1B goes: kernels, gaps, host (its table in the log).
 step step_profile 100 python3 -m benchmarks.gpu_step_profile --shape 1b
 step pytest_gpu "${TEST_TIMEOUT:-150}" bash -c 'python3 -m pytest -p no:cacheprovider -q -m gpu \
