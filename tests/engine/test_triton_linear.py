@@ -202,7 +202,7 @@ def test_both_variants_at_any_split_give_the_reference(device):
     periods, blocks = packed.shape[0] // PLANE, -(-k // triton_linear.INT8_BLOCK_K)
     for rows in (5, 40):
         x = activations(rows, k, seed=rows).to(device, dtype)
-        for variant, bm in (("gemv", 1), ("gemv", 4), ("split_k", 16), ("tiles", 32)):
+        for variant, bm in (("gemv", 1), ("split_k", 16), ("tiles", 32)):
             for splits, steps in ((1, periods), (periods, 1)):
                 check_int4(x, packed, sz, 32, ref, Launch(variant, bm, 64, splits, steps))
             if variant == "gemv":
@@ -244,10 +244,10 @@ def test_few_rows_take_split_k_and_many_rows_take_tiles_on_an_h100(monkeypatch):
             else:
                 assert launch.block_m >= 32 and launch.block_m >= min(rows, 128) // 2
                 assert launch.splits == 1 or tiles * launch.splits <= 132
-            # int4: gemv up to 4 rows (a tile of them alone), split-K to 16, then dequant.
+            # int4: gemv up to 4 rows (one row a program), split-K to 16, then dequant.
             four = plan(rows, n, steps, cuda, int4=True)
             if rows <= 4:
-                assert four.variant == "gemv" and rows <= four.block_m < 2 * rows
+                assert four.variant == "gemv" and four.block_m == 1
                 gemv_tiles = -(-n // four.block_n)
                 assert gemv_tiles * four.splits >= min(4 * 132, gemv_tiles * steps) * 0.75
                 assert (four.splits - 1) * four.steps_per_split < steps

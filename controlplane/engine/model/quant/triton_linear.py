@@ -11,9 +11,9 @@ splitting the graph), and whether they can serve (`unavailable`, `int4_unavailab
 
 The variants (`plan` picks one per call, by row count, format and device):
 
-* `gemv`, int4 only, for up to GEMV_MAX_ROWS rows (one user's decode, a few): like split-K,
-  with float32 products summed on the CUDA cores instead of `tl.dot`, in a tile of the rows
-  alone (1, 2 or 4): at one row the tl.dot variant was slower than bf16 where torch's
+* `gemv`, int4 only, for up to GEMV_MAX_ROWS rows (one user's decode, a few): split-K's work
+  split, one row a program, float32 products on the CUDA cores instead of `tl.dot`
+  (`int4_gemv_kernel`): at one row the tl.dot variant was slower than bf16 where torch's
   tinygemm was faster (H200, docs/benchmarks.md#gpu-seeds);
 * `split_k`, for up to SPLIT_K_MAX_ROWS rows (decode): all rows in one 16-row tile (tl.dot's
   smallest), K cut into splits so that about four programs per SM stream the weight, each
@@ -105,7 +105,7 @@ def plan(
     if int4 and rows > SPLIT_K_MAX_ROWS:
         return Launch("dequant", 0, DEQUANT_BLOCK_N, 1, k_steps)
     if int4 and rows <= GEMV_MAX_ROWS:
-        variant, block_m, block_n, warps = "gemv", _pow2(rows), GEMV_BLOCK_N, 4
+        variant, block_m, block_n, warps = "gemv", 1, GEMV_BLOCK_N, 4
         tiles = _cdiv(out_features, block_n)
         splits = _cdiv(4 * sms, tiles)
     elif rows <= SPLIT_K_MAX_ROWS:
@@ -139,11 +139,6 @@ def _sm_count(device: torch.device) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    """The least power of two >= n (a tile's rows)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 # -- can they serve --------------------------------------------------------------------------
@@ -269,14 +264,23 @@ def run_int4(
     partial = x.new_empty(launch.splits, rows, n, dtype=torch.float32) if split else out
     how = _prepare(x)
     grid = (_cdiv(rows, launch.block_m), _cdiv(n, launch.block_n), launch.splits)
-    tk.int4_kernel[grid](
+    args = (
         x, packed, scales_and_zeros, out, partial, rows, n, k, periods, launch.steps_per_split,
         x.stride(0), packed.stride(0), scales_and_zeros.stride(0), scales_and_zeros.stride(1),
-        out.stride(0), GROUP=group_size, GROUP_PLANES=min(group_size, PERIOD) // PLANE,
-        PLANE=PLANE, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, SPLIT=split,
-        DOT=launch.variant != "gemv", num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **how,
+        out.stride(0),
     )  # fmt: skip
+    shape = dict(
+        GROUP=group_size, GROUP_PLANES=min(group_size, PERIOD) // PLANE, PLANE=PLANE,
+        BLOCK_N=launch.block_n, SPLIT=split, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, RNE=how["RNE"],
+    )  # fmt: skip
+    if launch.variant == "gemv":  # one row a program (block_m 1)
+        tk.int4_gemv_kernel[grid](*args, **shape)
+    else:
+        tk.int4_kernel[grid](
+            *args, BLOCK_M=launch.block_m, DOT_TY=how["DOT_TY"], PRECISION=how["PRECISION"],
+            **shape,
+        )  # fmt: skip
     if split:
         _reduce(partial, None, out, launch, how)
     return out

@@ -1,15 +1,15 @@
 """The Triton kernels of the weight-only quantized linears on a GPU (the wrappers that pack the
 weights, pick a variant and launch these: triton_linear.py).
 
-Four kernels:
+Five kernels:
 
 - `int4_kernel`: W4A16, the int4 values packed eight to an int32 in *nibble planes* (below),
-  unpacked to the dot dtype (exact: 0..15) and multiplied as they are, float32 sums; each
-  group's (scale, zero) (weights.py's convention, w = (q - 8) * scale + zero) applies once to
-  its sums: s * sum(x q) + (z - 8 s) * sum(x), never to each weight. With `DOT` the products
-  go through `tl.dot` (tensor cores; 16 rows a tile at least); without it, for a few rows
-  (one user's decode), as float32 products summed along K on the CUDA cores, a tile of 1 to
-  4 rows: tl.dot would pay for 16 rows and move each unpacked tile into its operand layout.
+  unpacked to the dot dtype (exact: 0..15) and multiplied as they are in `tl.dot`, float32
+  sums; each group's (scale, zero) (weights.py's convention, w = (q - 8) * scale + zero)
+  applies once to its sums: s * sum(x q) + (z - 8 s) * sum(x), never to each weight.
+- `int4_gemv_kernel`: the same sums for one row a program on the CUDA cores (one user's
+  decode, a few): tl.dot would pay for 16 rows and move each unpacked tile into its operand
+  layout; the products accumulate elementwise and are summed across the plane once.
 - `int4_dequant_kernel`: the weight itself, w = (q - 8) s + z, written [K, N] in the
   activations' dtype, for many-row calls that then run as one dense matmul.
 - `int8_kernel`: W8A16, the int8 (or float8 e4m3) weight as stored ([N, K], one row per
@@ -57,6 +57,7 @@ _KERNEL_NAMES = (
     "_cast",
     "_int4_period",
     "int4_kernel",
+    "int4_gemv_kernel",
     "int4_dequant_kernel",
     "int8_kernel",
     "splitk_reduce_kernel",
@@ -77,7 +78,7 @@ def _cast(v, ty: tl.constexpr, RNE: tl.constexpr):
 def _int4_period(
     acc, x, packed, sz, t, m, n, m_ok, n_ok, K, stride_xm, stride_pk, stride_sg, stride_sn,
     GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
-    DOT_TY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One period: PLANE words per output column, eight planes of PLANE input features each.
     # The int4 values (exact in any float dtype) go into the dot as they are; each group's
@@ -95,14 +96,9 @@ def _int4_period(
             x + m[:, None] * stride_xm + k[None, :],
             mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
-        )
-        if DOT:
-            xi = xi.to(DOT_TY)
-            part += tl.dot(xi, ((words >> (4 * i)) & 15).to(DOT_TY), input_precision=PRECISION)
-        else:  # [rows, PLANE, 1] * [1, PLANE, BLOCK_N], summed over the plane's features
-            xi = xi.to(tl.float32)
-            q = ((words >> (4 * i)) & 15).to(tl.float32)
-            part += tl.sum(xi[:, :, None] * q[None, :, :], axis=1)
+        ).to(DOT_TY)
+        q = ((words >> (4 * i)) & 15).to(DOT_TY)
+        part += tl.dot(xi, q, input_precision=PRECISION)
         xsum += tl.sum(xi.to(tl.float32), axis=1)
         if (i + 1) % GROUP_PLANES == 0:
             group = sz + ((t * (8 * PLANE) + i * PLANE) // GROUP) * stride_sg + n * stride_sn
@@ -119,7 +115,7 @@ def int4_kernel(
     stride_xm, stride_pk, stride_sg, stride_sn, stride_om,
     GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_TY: tl.constexpr,
-    PRECISION: tl.constexpr, RNE: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr, RNE: tl.constexpr,
 ):  # fmt: skip
     # Grid (row tiles, column tiles, splits): row tiles vary fastest, so the programs running
     # at once share their weight tile (read from memory once) rather than their activations.
@@ -136,7 +132,7 @@ def int4_kernel(
     for t in range(t0, t1):
         acc = _int4_period(
             acc, x, packed, sz, t, m, n, m_ok, n_ok, K, stride_xm, stride_pk, stride_sg,
-            stride_sn, GROUP, GROUP_PLANES, PLANE, DOT_TY, PRECISION, DOT,
+            stride_sn, GROUP, GROUP_PLANES, PLANE, DOT_TY, PRECISION,
         )  # fmt: skip
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -144,6 +140,54 @@ def int4_kernel(
     else:
         y = _cast(acc, out.dtype.element_ty, RNE)
         tl.store(out + m[:, None] * stride_om + n[None, :], y, mask=mask)
+
+
+def int4_gemv_kernel(
+    x, packed, sz, out, partial, M, N, K, periods, periods_per_split,
+    stride_xm, stride_pk, stride_sg, stride_sn, stride_om,
+    GROUP: tl.constexpr, GROUP_PLANES: tl.constexpr, PLANE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    # Grid (rows, column tiles, splits): one row a program; a few rows' programs read the same
+    # weight tile at about the same time (once from memory, then from L2). Every product is
+    # accumulated elementwise in a [PLANE, BLOCK_N] tile, the scales applied elementwise at
+    # each group's end, and the PLANE axis summed once at the end: no reduction across threads
+    # inside the loop (with rows in the tile, tl.sum over the plane's features inside the loop
+    # would be one per plane).
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    j = tl.arange(0, PLANE)
+    total = tl.zeros((PLANE, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((PLANE, BLOCK_N), dtype=tl.float32)
+    xg = tl.zeros((PLANE,), dtype=tl.float32)  # the group's activations, feature by feature
+    t0 = pid_s * periods_per_split
+    t1 = tl.minimum(t0 + periods_per_split, periods)
+    for t in range(t0, t1):
+        words = tl.load(
+            packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :],
+            mask=n_ok[None, :],
+            other=0,
+        )
+        for i in tl.static_range(8):
+            k = t * (8 * PLANE) + i * PLANE + j
+            xi = tl.load(x + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            part += xi[:, None] * ((words >> (4 * i)) & 15).to(tl.float32)
+            xg += xi
+            if (i + 1) % GROUP_PLANES == 0:
+                group = sz + ((t * (8 * PLANE) + i * PLANE) // GROUP) * stride_sg + n * stride_sn
+                scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
+                zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
+                total += part * scale[None, :] + xg[:, None] * (zero - 8.0 * scale)[None, :]
+                part = tl.zeros_like(part)
+                xg = tl.zeros_like(xg)
+    acc = tl.sum(total, axis=0)
+    if SPLIT:
+        tl.store(partial + (pid_s * M + m) * N + n, acc, mask=n_ok)
+    else:
+        tl.store(out + m * stride_om + n, _cast(acc, out.dtype.element_ty, RNE), mask=n_ok)
 
 
 def int4_dequant_kernel(
