@@ -55,6 +55,7 @@ PERIOD = 8 * PLANE  # input features per period of PLANE int32 words
 
 _KERNEL_NAMES = (
     "_cast",
+    "_scale_zero",
     "_int4_period",
     "int4_kernel",
     "int4_gemv_kernel",
@@ -73,6 +74,13 @@ def _cast(v, ty: tl.constexpr, RNE: tl.constexpr):
         b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
         v = b.to(tl.float32, bitcast=True)
     return v.to(ty)
+
+
+def _scale_zero(sz, k0, n, n_ok, stride_sg, stride_sn, GROUP: tl.constexpr):
+    # The (scale, zero) pair, as float32, of the group holding input feature k0, for columns n.
+    group = sz + (k0 // GROUP) * stride_sg + n * stride_sn
+    scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
+    return scale, tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
 
 
 def _int4_period(
@@ -101,9 +109,8 @@ def _int4_period(
         part += tl.dot(xi, q, input_precision=PRECISION)
         xsum += tl.sum(xi.to(tl.float32), axis=1)
         if (i + 1) % GROUP_PLANES == 0:
-            group = sz + ((t * (8 * PLANE) + i * PLANE) // GROUP) * stride_sg + n * stride_sn
-            scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
-            zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
+            k0 = t * (8 * PLANE) + i * PLANE
+            scale, zero = _scale_zero(sz, k0, n, n_ok, stride_sg, stride_sn, GROUP)
             acc += part * scale[None, :] + xsum[:, None] * (zero - 8.0 * scale)[None, :]
             part = tl.zeros_like(acc)
             xsum = tl.sum(part, axis=1)
@@ -177,9 +184,8 @@ def int4_gemv_kernel(
             part += xi[:, None] * ((words >> (4 * i)) & 15).to(tl.float32)
             xg += xi
             if (i + 1) % GROUP_PLANES == 0:
-                group = sz + ((t * (8 * PLANE) + i * PLANE) // GROUP) * stride_sg + n * stride_sn
-                scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
-                zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
+                k0 = t * (8 * PLANE) + i * PLANE
+                scale, zero = _scale_zero(sz, k0, n, n_ok, stride_sg, stride_sn, GROUP)
                 total += part * scale[None, :] + xg[:, None] * (zero - 8.0 * scale)[None, :]
                 part = tl.zeros_like(part)
                 xg = tl.zeros_like(xg)
@@ -205,9 +211,7 @@ def int4_dequant_kernel(
     )
     for i in tl.static_range(8):
         k0 = t * (8 * PLANE) + i * PLANE
-        group = sz + (k0 // GROUP) * stride_sg + n * stride_sn
-        scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)
-        zero = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)
+        scale, zero = _scale_zero(sz, k0, n, n_ok, stride_sg, stride_sn, GROUP)
         q = ((words >> (4 * i)) & 15).to(tl.float32)
         w = (q - 8.0) * scale[None, :] + zero[None, :]
         at = out + (k0 + j)[:, None] * stride_ok + n[None, :]
