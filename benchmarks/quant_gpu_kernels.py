@@ -179,16 +179,13 @@ def measure_shape(
             except Exception as exc:  # reported with the timing's failure above
                 log(f"  {name}: no output to check ({type(exc).__name__})")
                 errs[name] = float("nan")
-        steps = k // triton_linear.PERIOD
+        periods = k // triton_linear.PERIOD
+        w8a16 = triton_linear.plan(rows, n, -(-k // triton_linear.INT8_BLOCK_K), dev).variant
         variants = {
-            "triton-int4": triton_linear.plan(rows, n, steps, dev, int4=True).variant,
-            "triton-int4-dot": triton_linear.plan(rows, n, steps, dev).variant,
-            "triton-fp8": triton_linear.plan(
-                rows, n, -(-k // triton_linear.INT8_BLOCK_K), dev
-            ).variant,
-            "triton-int8": triton_linear.plan(
-                rows, n, -(-k // triton_linear.INT8_BLOCK_K), dev
-            ).variant,
+            "triton-int4": triton_linear.plan(rows, n, periods, dev, int4=True).variant,
+            "triton-int4-dot": triton_linear.plan(rows, n, periods, dev).variant,
+            "triton-int8": w8a16,  # the same kernel and rule for both 8-bit weights
+            "triton-fp8": w8a16,
         }
         for name in CANDIDATES:
             out.append(

@@ -104,12 +104,10 @@ def plan(
     sms = _sm_count(device)
     if int4 and rows > SPLIT_K_MAX_ROWS:
         return Launch("dequant", 0, DEQUANT_BLOCK_N, 1, k_steps)
-    if int4 and rows <= GEMV_MAX_ROWS:
-        variant, block_m, block_n, warps = "gemv", 1, GEMV_BLOCK_N, 4
-        tiles = _cdiv(out_features, block_n)
-        splits = _cdiv(4 * sms, tiles)
-    elif rows <= SPLIT_K_MAX_ROWS:
-        variant, block_m, block_n, warps = "split_k", 16, 64, 4
+    if rows <= SPLIT_K_MAX_ROWS:  # gemv shares split-K's work split, one row a program
+        gemv = int4 and rows <= GEMV_MAX_ROWS
+        variant, block_m, block_n = ("gemv", 1, GEMV_BLOCK_N) if gemv else ("split_k", 16, 64)
+        warps = 4
         tiles = _cdiv(out_features, block_n)
         splits = _cdiv(4 * sms, tiles)
     else:

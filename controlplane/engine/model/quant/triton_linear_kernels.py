@@ -55,6 +55,7 @@ PERIOD = 8 * PLANE  # input features per period of PLANE int32 words
 
 _KERNEL_NAMES = (
     "_cast",
+    "_period_words",
     "_scale_zero",
     "_int4_period",
     "int4_kernel",
@@ -76,6 +77,13 @@ def _cast(v, ty: tl.constexpr, RNE: tl.constexpr):
     return v.to(ty)
 
 
+def _period_words(packed, t, j, n, n_ok, stride_pk, PLANE: tl.constexpr):
+    # Period t's PLANE words (j: arange(PLANE)) for columns n: [PLANE, len(n)] int32, each
+    # row one coalesced read.
+    words_at = packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :]
+    return tl.load(words_at, mask=n_ok[None, :], other=0)
+
+
 def _scale_zero(sz, k0, n, n_ok, stride_sg, stride_sn, GROUP: tl.constexpr):
     # The (scale, zero) pair, as float32, of the group holding input feature k0, for columns n.
     group = sz + (k0 // GROUP) * stride_sg + n * stride_sn
@@ -94,8 +102,7 @@ def _int4_period(
     #   sum_k x_k ((q_k - 8) s + z) = s * sum_k x_k q_k + (z - 8 s) * sum_k x_k
     # so a weight costs a shift, a mask and a conversion, not a dequantization in registers.
     j = tl.arange(0, PLANE)
-    words_at = packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :]
-    words = tl.load(words_at, mask=n_ok[None, :], other=0)
+    words = _period_words(packed, t, j, n, n_ok, stride_pk, PLANE)
     part = tl.zeros_like(acc)
     xsum = tl.sum(part, axis=1)
     for i in tl.static_range(8):
@@ -159,8 +166,7 @@ def int4_gemv_kernel(
     # weight tile at about the same time (once from memory, then from L2). Every product is
     # accumulated elementwise in a [PLANE, BLOCK_N] tile, the scales applied elementwise at
     # each group's end, and the PLANE axis summed once at the end: no reduction across threads
-    # inside the loop (with rows in the tile, tl.sum over the plane's features inside the loop
-    # would be one per plane).
+    # inside the loop.
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -173,11 +179,7 @@ def int4_gemv_kernel(
     t0 = pid_s * periods_per_split
     t1 = tl.minimum(t0 + periods_per_split, periods)
     for t in range(t0, t1):
-        words = tl.load(
-            packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :],
-            mask=n_ok[None, :],
-            other=0,
-        )
+        words = _period_words(packed, t, j, n, n_ok, stride_pk, PLANE)
         for i in tl.static_range(8):
             k = t * (8 * PLANE) + i * PLANE + j
             xi = tl.load(x + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
@@ -206,9 +208,7 @@ def int4_dequant_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     j = tl.arange(0, PLANE)
-    words = tl.load(
-        packed + (t * PLANE + j)[:, None] * stride_pk + n[None, :], mask=n_ok[None, :], other=0
-    )
+    words = _period_words(packed, t, j, n, n_ok, stride_pk, PLANE)
     for i in tl.static_range(8):
         k0 = t * (8 * PLANE) + i * PLANE
         scale, zero = _scale_zero(sz, k0, n, n_ok, stride_sg, stride_sn, GROUP)
