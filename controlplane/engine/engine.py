@@ -498,13 +498,7 @@ class Engine:
         sampled = len(plain) - len(errors)
         now = time.time()
         finished = SequenceStatus.FINISHED
-        for j, seq in enumerate(plain):
-            if seq.status is finished:
-                continue  # a sibling's failure ended the whole request
-            if errors and j in errors:
-                outputs += self._fail(seq, errors[j], now)
-            else:
-                self._append_or_fail(seq, tokens[j], logprobs[j], now, outputs)
+        self._take(plain, tokens, logprobs, now, outputs, errors)
         for seq, at, k in rows:
             if k and seq.status is not finished:
                 new = self._verify(seq, logits[at : at + k + 1], now)
@@ -603,10 +597,8 @@ class Engine:
         seq.metrics.num_draft_tokens += k
         seq.metrics.num_accepted_tokens += accepted
         outs: list[RequestOutput] = []
-        for token, lp in zip(tokens, lps, strict=True):
-            self._append_or_fail(seq, token, lp, now, outs)
-            if seq.status is SequenceStatus.FINISHED:
-                break  # a stop inside the accepted run ends the sequence there
+        # A stop inside the accepted run ends the sequence there (_take skips the rest).
+        self._take([seq] * len(tokens), tokens, lps, now, outs)
         if seq.status is not SequenceStatus.FINISHED:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.scheduler.trim(seq)
@@ -672,25 +664,49 @@ class Engine:
                 errors[i] = f"sampling failed: {exc!r}"
         return tokens, lps, errors
 
-    def _append_or_fail(
+    def _take(
         self,
-        seq: Sequence,
-        token: int,
-        lp: TokenLogprobs | None,
+        seqs: list[Sequence],
+        tokens: list[int],
+        lps: list[TokenLogprobs | None],
         now: float,
         outputs: list[RequestOutput],
+        errors: dict[int, str] | None = None,
     ) -> None:
-        """Take one sampled token; its output (or its request's failure) goes onto `outputs`."""
-        try:
-            outputs.append(self._append(seq, token, lp, now))
-        except GrammarFailedError as exc:  # the request's grammar, not the engine, failed
-            log.warning("request %s: %s", seq.request_id, exc)
-            outputs += self._fail(seq, exc.message, now, param=exc.field)
-        except Exception as exc:
-            log.exception(
-                "request %s failed after sampling (stop checks, detokenizer)", seq.request_id
-            )
-            outputs += self._fail(seq, f"post-processing failed: {exc!r}", now)
+        """Take each row's sampled token (`errors`: rows whose sampling failed): append it,
+        detokenize it, check the stop conditions, and put the row's output (or its request's
+        failure) onto `outputs`. A row whose sequence has finished is skipped (a sibling's
+        failure, or a stop earlier in a speculated run). One loop with the per-token work
+        inline: at 256 rows the calls a row cost as much as the work
+        (docs/benchmarks.md#host-overhead)."""
+        finished = SequenceStatus.FINISHED
+        eos_token_ids, max_model_len = self.tokenizer.eos_token_ids, self.max_model_len
+        for j, seq in enumerate(seqs):
+            if seq.status is finished:
+                continue
+            if errors and j in errors:
+                outputs += self._fail(seq, errors[j], now)
+                continue
+            token, lp = tokens[j], lps[j]
+            try:
+                # Before the token is taken: a token the grammar refuses is not output.
+                matcher = seq.matcher
+                if matcher is not None and not matcher.consume_token(token):
+                    raise grammar_failed(seq.params.structured, matcher, len(seq.output_token_ids))
+                reason, flush = take_token(seq, token, lp, now, eos_token_ids, max_model_len)
+                if reason is None:
+                    outputs.append(make_output(seq, [token], [lp], now, False))
+                else:
+                    outputs.append(self._finish(seq, reason, now, [token], [lp], flush))
+            except GrammarFailedError as exc:  # the request's grammar, not the engine, failed
+                log.warning("request %s: %s", seq.request_id, exc)
+                outputs += self._fail(seq, exc.message, now, param=exc.field)
+            except Exception as exc:
+                log.exception(
+                    "request %s failed after sampling (stop checks, detokenizer)",
+                    seq.request_id,
+                )
+                outputs += self._fail(seq, f"post-processing failed: {exc!r}", now)
 
     def _fail(
         self, seq: Sequence, message: str, now: float, param: str | None = None
@@ -718,19 +734,6 @@ class Engine:
             del self.requests[seq.request_id]
             self._num_finished += 1
             self._overlap.num_special -= Overlap.special(seq.params)
-
-    def _append(
-        self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
-    ) -> RequestOutput:
-        # Before the token is taken: a token the grammar refuses is not part of the output.
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            raise grammar_failed(seq.params.structured, seq.matcher, len(seq.output_token_ids))
-        reason, flush = take_token(
-            seq, token, lp, now, self.tokenizer.eos_token_ids, self.max_model_len
-        )
-        if reason is None:
-            return make_output(seq, [token], [lp], now, finished=False)
-        return self._finish(seq, reason, now, [token], [lp], flush)
 
     def _finish(
         self,

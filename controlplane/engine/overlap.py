@@ -90,9 +90,15 @@ class Engine(Protocol):
 
     def _fail(self, seq: Sequence, message: str, now: float) -> list[RequestOutput]: ...
 
-    def _append_or_fail(
-        self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float
-    ) -> list[RequestOutput]: ...
+    def _take(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        lps: list[TokenLogprobs | None],
+        now: float,
+        outputs: list[RequestOutput],
+        errors: dict[int, str] | None = None,
+    ) -> None: ...
 
 
 def overlap_wanted(mode: str, device: torch.device) -> bool:
@@ -247,13 +253,11 @@ class Overlap:
             return e._fail_step(launched.sched, exc)
         now = time.time()
         outputs: list[RequestOutput] = []
-        for j, (seq, token, lp) in enumerate(zip(launched.samplers, tokens, lps, strict=True)):
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # aborted, or ended by its previous token: this row is dropped
-            if j in sampled.errors:
-                outputs += e._fail(seq, sampled.errors[j], now)
-                continue
-            e._append_or_fail(seq, token, lp, now, outputs)
+        if len(tokens) != len(launched.samplers):
+            raise RuntimeError(f"{len(tokens)} tokens for {len(launched.samplers)} rows")
+        # A row whose sequence finished (aborted, or ended by its previous token) is dropped.
+        e._take(launched.samplers, tokens, lps, now, outputs, sampled.errors)
+        for seq in launched.samplers:
             if seq.status is SequenceStatus.RUNNING:
                 e.scheduler.cache_blocks(seq)
         e._failed_steps = 0

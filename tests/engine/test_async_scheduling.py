@@ -173,12 +173,12 @@ def test_the_step_period_follows_the_longer_of_host_and_forward(
     tiny_model_dir: Path, host_s: float, forward_s: float
 ) -> None:
     """A forward that takes `forward_s` more (sleeping: off the GIL, as a device computes) and
-    `host_s` more host work per step (in the output processing): synchronous steps take the
+    `host_s` more host work per step (in the output processing: one request, one call a step): synchronous steps take the
     sum, steps run ahead hide the shorter of the two behind the longer."""
     periods = {}
     for mode in ("off", "on"):
         engine = Engine(model=str(tiny_model_dir), dtype="float32", async_scheduling=mode)
-        real_run, real_append = engine.runner.run, engine._append_or_fail
+        real_run, real_append = engine.runner.run, engine._take
 
         def slow_run(*args: Any, real_run: Any = real_run, **kw: Any) -> torch.Tensor:
             time.sleep(forward_s)
@@ -189,7 +189,7 @@ def test_the_step_period_follows_the_longer_of_host_and_forward(
             return real_append(*args, **kw)
 
         engine.runner.run = slow_run  # type: ignore[method-assign]
-        engine._append_or_fail = slow_append  # type: ignore[method-assign]
+        engine._take = slow_append  # type: ignore[method-assign]
         params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
         engine.add_request([5, 6, 7], params)
         for _ in range(4):  # past the first steps (prefill, the pipeline filling)

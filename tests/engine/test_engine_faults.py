@@ -23,6 +23,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import controlplane.engine.engine as engine_module
 import controlplane.engine.sampler as sampler_module
 from controlplane.engine import AsyncEngine, Engine, InvalidSettingError, SamplingParams
 from controlplane.engine.engine import MAX_CONSECUTIVE_FAILED_STEPS
@@ -194,14 +195,14 @@ def test_a_sampling_failure_fails_only_its_request(engine, monkeypatch):
 
 def test_a_post_processing_failure_fails_only_its_request(engine, monkeypatch):
     clean, _ = run_batch(engine, greedy())
-    real = engine._append
+    real = engine_module.take_token
 
-    def faulty(seq, token, lp, now):
+    def faulty(seq, token, *args):
         if seq.request_id == "victim" and len(seq.output_token_ids) == 5:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
-        return real(seq, token, lp, now)
+        return real(seq, token, *args)
 
-    monkeypatch.setattr(engine, "_append", faulty)
+    monkeypatch.setattr(engine_module, "take_token", faulty)
     done, victim = run_batch(engine, greedy())
     assert done[victim].finish_reason == "error" and "injected" in done[victim].error
     assert done[victim].token_ids == clean[victim].token_ids[:5]
