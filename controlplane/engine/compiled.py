@@ -53,6 +53,7 @@ from controlplane.engine.attention.backend import (
     attention_step,
 )
 from controlplane.engine.model.llama import CausalLM, set_graph_attention
+from controlplane.engine.sequence import new_block_table
 from controlplane.engine.settings import MIN_COMPILED_ROWS
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ class CompiledDecode:
                     self.state = "cold"
                     log.info("compiling the decode step stopped; every step stays eager")
                     return
-                spans = [SeqSpan(1, 1, [block]) for _ in range(rows)]
+                spans = [SeqSpan(1, 1, new_block_table([block])) for _ in range(rows)]
                 # Three distinct tensors: dynamo guards on aliasing between inputs too.
                 ids, positions = (torch.zeros(rows, dtype=torch.long, device=device) for _ in "ip")
                 meta = backend.prepare(spans, device)

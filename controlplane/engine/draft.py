@@ -18,7 +18,7 @@ from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.kv_cache import KVCache
 from controlplane.engine.model.llama import CausalLM
 from controlplane.engine.sampler import argmax_rows, draw, filter_probs
-from controlplane.engine.sequence import Sequence
+from controlplane.engine.sequence import Sequence, new_block_table
 from controlplane.engine.transfer import to_device
 
 
@@ -36,7 +36,7 @@ class DraftModel:
         """Forget seq's draft KV (finished, preempted or aborted)."""
         if seq.draft_block_table:
             self.pool.release(seq.draft_block_table)
-            seq.draft_block_table = []
+            seq.draft_block_table = new_block_table()
         seq.draft_num_computed = 0
 
     def rollback(self, seq: Sequence) -> None:
@@ -59,7 +59,7 @@ class DraftModel:
                 self.release(seq)  # make room for the others; it catches up another time
                 continue
             if need > 0:
-                seq.draft_block_table += self.pool.allocate(need)
+                seq.draft_block_table.extend(self.pool.allocate(need))
             seq.draft_token_ids = []
             seq.draft_probs = None
             live.append((seq, k))

@@ -117,7 +117,7 @@ class ModelRunner:
                 # chunk of one token short of its end.
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
-                table = seq.block_table if fed is None else list(seq.block_table)
+                table = seq.block_table if fed is None else seq.block_table[:]
                 spans.append(SeqSpan(1, start + 1, table))
                 if start + 1 >= seq.num_tokens:
                     logits_rows.append(len(input_ids) - 1)
@@ -136,7 +136,7 @@ class ModelRunner:
                 ]
             positions += range(start, start + n)
             # A copy of the block table where the host may change it before the step runs.
-            table = seq.block_table if fed is None else list(seq.block_table)
+            table = seq.block_table if fed is None else seq.block_table[:]
             spans.append(SeqSpan(n, start + n, table))
             if seq.prompt_logprobs is not None:
                 lo, hi = rows_needed(seq, start, n)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from controlplane.engine.block_pool import BlockPool
 from controlplane.engine.policy import Policy
 from controlplane.engine.prompt_logprobs import cache_limit
-from controlplane.engine.sequence import Sequence, SequenceStatus, chain_hashes
+from controlplane.engine.sequence import Sequence, SequenceStatus, chain_hashes, new_block_table
 from controlplane.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         if seq.block_table:
             self.pool.release(seq.block_table)
-            seq.block_table = []
+            seq.block_table = new_block_table()
             seq.num_registered_blocks = 0
         if self.draft is not None:
             self.draft.release(seq)
@@ -125,7 +125,7 @@ class Scheduler:
             seq.block_table[j] = copy
         need = self._blocks_needed(seq, num_new)
         if need:
-            seq.block_table += self.pool.allocate(need)
+            seq.block_table.extend(self.pool.allocate(need))
 
     # -- the prefix cache -------------------------------------------------------------------
     def _lookup(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -227,7 +227,7 @@ class Scheduler:
             child.num_computed_tokens = seq.num_computed_tokens
             child.block_hashes = list(seq.block_hashes)
             child.num_registered_blocks = seq.num_registered_blocks
-            child.block_table = list(seq.block_table)
+            child.block_table = new_block_table(seq.block_table)
             child.prompt_logprobs = seq.prompt_logprobs  # scored once, by choice 0
             self.pool.share(child.block_table)
             child.status = SequenceStatus.RUNNING
@@ -254,7 +254,7 @@ class Scheduler:
             host = self.swap_pool.allocate(n)
             out.swap_out += zip(seq.block_table, host, strict=True)
             self.pool.release(seq.block_table)
-            seq.block_table, seq.swap_table = [], host
+            seq.block_table, seq.swap_table = new_block_table(), host
             seq.num_registered_blocks = 0
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)
@@ -395,7 +395,7 @@ class Scheduler:
             return False
         self.waiting.remove(seq)
         self.pool.take(hits)
-        seq.block_table, seq.num_registered_blocks = hits, len(hits)
+        seq.block_table, seq.num_registered_blocks = new_block_table(hits), len(hits)
         if self.settings.enable_prefix_caching:
             self.num_cache_queries += seq.num_tokens
             self._count_hits(seq, cached)
@@ -436,7 +436,7 @@ class Scheduler:
         device = self.pool.allocate(held - k)
         out.swap_in += zip(seq.swap_table[k:], device, strict=True)
         self.swap_pool.release(seq.swap_table)
-        seq.block_table, seq.swap_table = hits + device, []
+        seq.block_table, seq.swap_table = new_block_table(hits + device), []
         seq.num_registered_blocks = k
         self._grow(seq, n, out)
         seq.status = SequenceStatus.RUNNING

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,14 @@ if TYPE_CHECKING:
     import torch
 
     from controlplane.engine.detokenizer import IncrementalDetokenizer
+
+
+def new_block_table(blocks: Iterable[int] = ()) -> array:
+    """A block table: the KV cache blocks of a sequence, in order, as int64 in an `array`, so
+    that a step's padded table of every row is a memory copy a row rather than a conversion a
+    block id (docs/benchmarks.md#host-overhead). Mutate it in place or replace it with another
+    from here; a list works everywhere too, only slower."""
+    return array("q", blocks)
 
 
 class SequenceStatus(enum.Enum):
@@ -63,7 +72,7 @@ class Sequence:
     # the host learns a step later. They count in num_tokens (the scheduler plans with them)
     # but are not in token_ids yet; at most one while a step is scheduled.
     num_pending: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: array = field(default_factory=new_block_table)
     swap_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -87,7 +96,7 @@ class Sequence:
     draft_probs: torch.Tensor | None = None
     # The draft model's own KV (speculative_method = draft): its blocks and how many of
     # token_ids it holds.
-    draft_block_table: list[int] = field(default_factory=list)
+    draft_block_table: array = field(default_factory=new_block_table)
     draft_num_computed: int = 0
     # Structured outputs: this choice's grammar state (an llguidance matcher, advanced by
     # every token appended), None when unconstrained or once the sequence has ended.

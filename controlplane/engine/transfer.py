@@ -22,6 +22,7 @@ import torch
 Values = Sequence[int] | Sequence[float] | array | torch.Tensor
 # The array type of each dtype host values are built in.
 _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float64: "d", torch.float32: "f"}
+_DTYPES = {code: dtype for dtype, code in _TYPECODES.items()}
 
 
 def host_tensor(values: Values, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
@@ -32,12 +33,14 @@ def host_tensor(values: Values, dtype: torch.dtype, pin: bool = False) -> torch.
         t = values if values.dtype == dtype else values.to(dtype)
     elif not len(values):  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype, pin_memory=pin)
+    elif isinstance(values, array) and values.typecode in _DTYPES:
+        # Read in place, converted by torch when another type is wanted (not int by int).
+        t = torch.frombuffer(values, dtype=_DTYPES[values.typecode])
+        t = t if t.dtype == dtype else t.to(dtype)
     elif (code := _TYPECODES.get(dtype)) is None:
         return torch.tensor(values, dtype=dtype, pin_memory=pin)
     else:
-        if isinstance(values, array) and values.typecode == code:
-            buf = values
-        elif isinstance(values, list):  # fromlist reads a list faster than array(code, list)
+        if isinstance(values, list):  # fromlist reads a list faster than array(code, list)
             buf = array(code)
             buf.fromlist(values)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from array import array
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from controlplane.engine.attention.backend import (
     padded_block_table,
     padded_block_tables,
 )
+from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.detokenizer import IncrementalDetokenizer
+from controlplane.engine.sequence import new_block_table
 from controlplane.engine.types import RequestOutput
 
 CPU = torch.device("cpu")
@@ -31,10 +34,43 @@ def random_spans(rng: random.Random, n: int, block_size: int) -> list[SeqSpan]:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_padded_block_table_is_the_lists_as_a_tensor(rows):
+@pytest.mark.parametrize("held_as", [list, new_block_table])
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32])
+def test_padded_block_table_is_the_lists_as_a_tensor(rows, held_as, dtype):
     spans = random_spans(random.Random(rows), rows, 16)
-    expected = torch.tensor(padded_block_tables(spans, 16), dtype=torch.long)
-    assert torch.equal(padded_block_table(spans, 16, CPU), expected)
+    expected = torch.tensor(padded_block_tables(spans, 16), dtype=dtype)
+    for s in spans:
+        s.block_table = held_as(s.block_table)
+    assert torch.equal(padded_block_table(spans, 16, CPU, dtype=dtype), expected)
+    wider = padded_block_table(spans, 16, CPU, expected.shape[1] + 3, dtype)
+    assert torch.equal(wider[:, : expected.shape[1]], expected) and not wider[:, -3:].any()
+
+
+def test_the_scheduler_keeps_every_block_table_an_array(tiny_model_dir):
+    """A list would still be correct, only slow (a conversion a block id every step): through
+    prefix hits, forks (n > 1), swapping and finishing, tables stay arrays."""
+    engine = Engine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=24,
+        max_num_seqs=4,
+        preemption_mode="swap",
+        seed=0,
+    )
+    shared = list(range(5, 17))  # three full blocks: later requests hit them
+    for i in range(4):
+        params = SamplingParams(max_tokens=12, temperature=0.8, n=2 if i == 1 else 1)
+        engine.add_request(shared + [30 + i], params)
+    swapped = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        sch = engine.scheduler
+        swapped += len(sch.swapped)
+        for seq in (*sch.running, *sch.waiting, *sch.swapped):
+            assert type(seq.block_table) is array, seq.request_id
+    assert swapped and sch.num_preemptions, "the cache was never short: nothing was swapped"
+    assert engine.stats().prefix_cache_hits_total > 0
 
 
 class FakeKV:

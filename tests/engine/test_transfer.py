@@ -46,6 +46,8 @@ def test_an_array_of_the_dtype_is_read_in_place_and_others_are_converted():
     assert t.tolist() == [9, 1, 4]
     narrow = host_tensor(array("i", [3, 1, 4]), torch.long)
     assert narrow.dtype == torch.long and narrow.tolist() == [3, 1, 4]
+    wide = host_tensor(array("q", [7, 2**31 - 1, -(2**31)]), torch.int32)  # a block table
+    assert wide.dtype == torch.int32 and wide.tolist() == [7, 2**31 - 1, -(2**31)]
     assert to_device(array("q"), CPU).shape == (0,)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ class SeqSpan:
 
     num_new_tokens: int  # rows this sequence has in the batch (chunk length, or 1 for a decode)
     context_len: int  # tokens it attends to after this step, the new ones included
-    block_table: list[int]
+    block_table: array | list[int]  # sequence.block_table (an array; a list works, slower)
 
 
 @dataclass(slots=True)
@@ -53,9 +54,23 @@ class AttentionMetadata:
 def padded_block_tables(spans: list[SeqSpan], block_size: int) -> list[list[int]]:
     """Each span's blocks in use (those its context reaches), padded with block 0 to the
     longest's count."""
-    used = [s.block_table[: -(-s.context_len // block_size)] for s in spans]
+    used = [list(s.block_table[: -(-s.context_len // block_size)]) for s in spans]
     width = max(map(len, used), default=0)
     return [u + [0] * (width - len(u)) for u in used]
+
+
+def flat_block_tables(spans: list[SeqSpan], block_size: int, width: int) -> array:
+    """The spans' padded block tables (padded_block_tables) as one int64 array, row after
+    row: a memory copy a row for tables held as arrays (sequence.block_table), where a list's
+    ints were converted one by one, 13 ns each (docs/benchmarks.md#host-overhead)."""
+    flat = array("q")
+    zeros = array("q", bytes(8 * width))
+    for s in spans:
+        n = -(-s.context_len // block_size)
+        flat.extend(s.block_table[:n])
+        if n < width:
+            flat += zeros[: width - n]
+    return flat
 
 
 def padded_block_table(
@@ -65,17 +80,10 @@ def padded_block_table(
     width: int | None = None,
     dtype: torch.dtype = torch.long,
 ) -> torch.Tensor:
-    """padded_block_tables as a tensor [len(spans), width] (default: the longest's count): the
-    rows joined into one list, its ints converted in one call rather than a row at a time
-    (docs/benchmarks.md#host-overhead)."""
-    used = [s.block_table[: -(-s.context_len // block_size)] for s in spans]
+    """padded_block_tables as a tensor [len(spans), width] (default: the longest's count)."""
     if width is None:
-        width = max(map(len, used), default=0)
-    flat: list[int] = []
-    for u in used:
-        flat += u
-        if len(u) < width:
-            flat += [0] * (width - len(u))
+        width = max((-(-s.context_len // block_size) for s in spans), default=0)
+    flat = flat_block_tables(spans, block_size, width)
     return to_device(flat, device, dtype).view(len(spans), width)
 
 

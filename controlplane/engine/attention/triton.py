@@ -18,6 +18,7 @@ from controlplane.engine.attention.backend import (
     AttentionMetadata,
     PrefillSpan,
     SeqSpan,
+    flat_block_tables,
     padded_block_table,
 )
 from controlplane.engine.attention.triton_kernels import (
@@ -151,14 +152,11 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError(
                 f"a context of {max(ctx)} tokens exceeds {meta.block_tables.shape[1]} blocks"
             )
-        tables: list[int] = []
-        slots: list[int] = []
-        for s in spans:
-            used = s.block_table[: -(-s.context_len // bs)]
-            tables += used + [0] * (width - len(used))
-            last = s.context_len - 1
-            slots.append(used[last // bs] * bs + last % bs)
-        tables += [0] * (width * pad)
+        tables = flat_block_tables(spans, bs, width)
+        tables.frombytes(bytes(8 * width * pad))
+        slots = [
+            s.block_table[(s.context_len - 1) // bs] * bs + (s.context_len - 1) % bs for s in spans
+        ]
         copy_into(meta.seq_lens, ctx)
         copy_into(meta.slot_mapping, slots + [-1] * pad)
         copy_into(meta.block_tables[:, :width], tables)
