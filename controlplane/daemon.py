@@ -395,6 +395,10 @@ class Daemon:
         background.append(
             asyncio.create_task(trim_when_idle(lambda: aeng.stats().step, configured_idle_s()))
         )
+        if self.install_signals:  # this process is the daemon's own (runtime/collector.py)
+            from controlplane.runtime.collector import freeze_startup_objects
+
+            freeze_startup_objects()
         self.runtime.state = DaemonState.READY
         await self.fleet.beat_now()  # serving, now rather than at the next beat
         self.ready.set()

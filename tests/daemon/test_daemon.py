@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -427,6 +428,9 @@ def test_health_and_requests_503_while_loading_then_sigterm_exits_0(tmp_path):
             "ready on", 0
         )
         assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+        # The start-up's objects are out of the collector's reach (runtime/collector.py).
+        frozen = re.search(r"froze (\d+) start-up objects", "\n".join(d.lines))
+        assert frozen and int(frozen.group(1)) > 10_000, d.lines[-20:]
     finally:
         assert d.stop(signal.SIGTERM) == 0
     assert any("stopped" in line for line in d.lines)
