@@ -10,12 +10,12 @@ from array import array
 import pytest
 import torch
 
+from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.attention.backend import (
     SeqSpan,
     padded_block_table,
     padded_block_tables,
 )
-from controlplane.engine import Engine, SamplingParams
 from controlplane.engine.detokenizer import IncrementalDetokenizer
 from controlplane.engine.sequence import new_block_table
 from controlplane.engine.types import RequestOutput
@@ -61,7 +61,7 @@ def test_the_scheduler_keeps_every_block_table_an_array(tiny_model_dir):
     shared = list(range(5, 17))  # three full blocks: later requests hit them
     for i in range(4):
         params = SamplingParams(max_tokens=12, temperature=0.8, n=2 if i == 1 else 1)
-        engine.add_request(shared + [30 + i], params)
+        engine.add_request([*shared, 30 + i], params)
     swapped = 0
     while engine.has_unfinished_requests():
         engine.step()
