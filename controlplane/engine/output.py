@@ -36,7 +36,7 @@ def take_token(
         return "stop", True  # the stop token's text is not part of the output
     piece = seq.detokenizer.add(token)
     if piece:  # no new text: no new stop-string match either
-        seq.output_text += piece
+        seq.output_text.append(piece)
         if p.stop and truncate_at_stop(seq, len(piece)):
             return "stop", False  # the text is cut before the stop string: nothing to flush
     if grammar_done:
@@ -49,17 +49,18 @@ def take_token(
 def truncate_at_stop(seq: Sequence, new_chars: int) -> bool:
     """Cut the text before the first stop string; only a match touching the new text is new."""
     text = seq.output_text
-    start = max(0, len(text) - new_chars - max(len(s) for s in seq.params.stop) + 1)
-    hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i != -1]
+    start = max(0, text.length - new_chars - max(len(s) for s in seq.params.stop) + 1)
+    tail = text.tail(start)
+    hits = [i for i in (tail.find(s) for s in seq.params.stop) if i != -1]
     if hits:
-        seq.output_text = text[: min(hits)]
+        text.cut(start + min(hits))
     return bool(hits)
 
 
 def finish_text(seq: Sequence, flush: bool) -> None:
     """The sequence ends: the bytes held back for an unfinished character join its text."""
-    if flush:
-        seq.output_text += seq.detokenizer.flush()
+    if flush and (rest := seq.detokenizer.flush()):
+        seq.output_text.append(rest)
 
 
 # make_output passes RequestOutput's fields by position (keywords cost 3x the construction,
@@ -69,7 +70,7 @@ _OUTPUT_FIELDS = (
     "prompt_token_ids",
     "token_ids",
     "new_token_ids",
-    "text",
+    "text_so_far",
     "delta_text",
     "finished",
     "finish_reason",
@@ -98,7 +99,7 @@ def make_output(
     text = seq.output_text
     params = seq.params
     emitted = seq.num_emitted_chars
-    release = len(text)
+    release = text.length
     if not finished and params.stop:
         release = max(emitted, release - max(len(s) for s in params.stop) + 1)
     seq.num_emitted_chars = release
@@ -107,8 +108,8 @@ def make_output(
         seq.prompt_token_ids,
         seq.output_token_ids,
         new,
-        text[:release],
-        text[emitted:release],
+        text.prefix(release),
+        text.tail(emitted)[: release - emitted] if release > emitted else "",
         finished,
         seq.finish_reason,
         seq.metrics,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controlplane.engine.sampling_params import SamplingParams
-from controlplane.engine.types import RequestMetrics, TokenLogprobs
+from controlplane.engine.types import OutputText, RequestMetrics, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +76,7 @@ class Sequence:
     swap_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    output_text: str = ""
+    output_text: OutputText = field(default_factory=OutputText)
     num_emitted_chars: int = 0  # text already handed to the caller
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     # Prefix cache: hashes of the full blocks of token_ids (extended as tokens come), and how

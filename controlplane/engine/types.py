@@ -8,7 +8,7 @@ protocols that copy their fields. tests/test_architecture.py checks that it stay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["MemoryUse", "RequestMetrics", "RequestOutput", "StepStats", "TokenLogprobs"]
 
@@ -126,13 +126,58 @@ class StepStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
+class OutputText:
+    """A sequence's output text as it grows, a token's piece at a time, kept as its pieces:
+    `text += piece` copied the whole text every token, quadratic in the output's length (at
+    256 rows of 500-2,000 tokens, 1.7 µs a row every step: docs/benchmarks.md#host-overhead).
+    The pieces list is only ever appended to; `cut` and the compaction give the sequence a new
+    list, so a `prefix` taken earlier still reads what it read then."""
+
+    __slots__ = ("length", "parts")
+    COMPACT_AT = 64  # pieces joined into one past this many (memory: an object a piece)
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.length = 0
+
+    def __str__(self) -> str:
+        return "".join(self.parts)
+
+    def append(self, piece: str) -> None:
+        if len(self.parts) >= self.COMPACT_AT:
+            self.parts = ["".join(self.parts)]  # a new list: earlier prefixes keep theirs
+        self.parts.append(piece)
+        self.length += len(piece)
+
+    def tail(self, start: int) -> str:
+        """The text from `start` on (read from the last pieces: `start` is near the end)."""
+        parts, i, at = self.parts, len(self.parts), self.length
+        while i and at > start:
+            i -= 1
+            at -= len(parts[i])
+        text = parts[i] if i == len(parts) - 1 else "".join(parts[i:])
+        return text[start - at :] if start > at else text
+
+    def cut(self, end: int) -> None:
+        """Keep the text before `end`."""
+        self.parts = [str(self)[:end]]
+        self.length = end
+
+    def prefix(self, end: int) -> tuple[list[str], int, int]:
+        """What RequestOutput.text joins when read: the text up to `end`, as it is now."""
+        return (self.parts, len(self.parts), end)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # all output tokens so far (the live list: do not mutate)
     new_token_ids: list[int]  # produced by this step
-    text: str  # all output text released so far
+    # All output text released so far: read it as `text`. A string, or OutputText.prefix's
+    # (pieces, count, end) joined on the first read (most outputs are streamed as
+    # delta_text, and their whole text never read).
+    text_so_far: str | tuple[list[str], int, int] = field(repr=False)
     delta_text: (
         str  # released by this step (never a broken UTF-8 char, never part of a stop string)
     )
@@ -153,6 +198,14 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), complete
     # once the prompt is computed (every output from the first token on; the live list).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def text(self) -> str:
+        text = self.text_so_far
+        if not isinstance(text, str):
+            parts, count, end = text
+            text = self.text_so_far = "".join(parts[:count])[:end]
+        return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from controlplane.engine.attention.backend import (
 )
 from controlplane.engine.detokenizer import IncrementalDetokenizer
 from controlplane.engine.sequence import new_block_table
-from controlplane.engine.types import RequestOutput
+from controlplane.engine.types import OutputText, RequestOutput
 
 CPU = torch.device("cpu")
 
@@ -156,3 +156,25 @@ def test_request_output_fields_keep_the_order_make_output_passes():
 
     names = tuple(f.name for f in dataclasses.fields(RequestOutput))
     assert names[: len(output._OUTPUT_FIELDS)] == output._OUTPUT_FIELDS
+
+
+def test_output_text_reads_as_the_joined_string_did():
+    """OutputText (pieces, never the whole text copied a token) against a plain string: every
+    tail, every earlier prefix (across compactions and a cut), the cut."""
+    rng = random.Random(5)
+    text, plain, prefixes = OutputText(), "", []
+    for _ in range(3 * OutputText.COMPACT_AT + 7):
+        piece = "".join(rng.choice("ab é€\n") for _ in range(rng.randint(0, 4)))
+        text.append(piece)
+        plain += piece
+        assert text.length == len(plain) and str(text) == plain
+        for start in {0, len(plain) // 2, max(0, len(plain) - 5), len(plain)}:
+            assert text.tail(start) == plain[start:]
+        end = rng.randint(0, len(plain))
+        prefixes.append((text.prefix(end), plain[:end]))
+    text.cut(len(plain) // 3)
+    assert str(text) == plain[: len(plain) // 3] and text.length == len(plain) // 3
+    text.append("z")
+    for prefix, want in prefixes:  # read after later appends, compactions and the cut
+        out = RequestOutput("r", [], [], [], prefix, "", False, None, None, [])
+        assert out.text == want and out.text_so_far == want  # joined once, then kept
