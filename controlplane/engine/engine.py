@@ -676,9 +676,8 @@ class Engine:
         """Take each row's sampled token (`errors`: rows whose sampling failed): append it,
         detokenize it, check the stop conditions, and put the row's output (or its request's
         failure) onto `outputs`. A row whose sequence has finished is skipped (a sibling's
-        failure, or a stop earlier in a speculated run). One loop with the per-token work
-        inline: at 256 rows the calls a row cost as much as the work
-        (docs/benchmarks.md#host-overhead)."""
+        failure, or a stop earlier in a speculated run). The one loop of the synchronous
+        step, speculation's verification and the overlapped step."""
         finished = SequenceStatus.FINISHED
         eos_token_ids, max_model_len = self.tokenizer.eos_token_ids, self.max_model_len
         for j, seq in enumerate(seqs):
