@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MemoryUse", "RequestMetrics", "RequestOutput", "StepStats", "TokenLogprobs"]
+__all__ = [
+    "MemoryUse",
+    "OutputText",
+    "RequestMetrics",
+    "RequestOutput",
+    "StepStats",
+    "TokenLogprobs",
+]
 
 
 @dataclass(slots=True)
@@ -128,8 +135,8 @@ class StepStats:
 
 class OutputText:
     """A sequence's output text as it grows, a token's piece at a time, kept as its pieces:
-    `text += piece` copied the whole text every token, quadratic in the output's length (at
-    256 rows of 500-2,000 tokens, 1.7 µs a row every step: docs/benchmarks.md#host-overhead).
+    `text += piece` copied the whole text every token, quadratic in the output's length
+    (docs/benchmarks.md#host-overhead).
     The pieces list is only ever appended to; `cut` and the compaction give the sequence a new
     list, so a `prefix` taken earlier still reads what it read then."""
 

@@ -1,10 +1,10 @@
 """Python's cyclic garbage collector, kept from pausing the engine's steps.
 
 A full collection walks every object the collector tracks. Once the daemon has loaded its
-model and tokenizer and imported its libraries, that is some 335,000 objects (the tiny demo
-model; more with a real tokenizer's vocabulary), and a full collection, which the allocations
-of a busy engine trigger every few hundred steps, stops the step it falls in for about 160 ms:
-an inter-token latency spike for every request in the batch (docs/benchmarks.md#gc-pauses).
+model and tokenizer and imported its libraries, those are hundreds of thousands of objects,
+and a full collection, which the allocations of a busy engine trigger every few hundred
+steps, stops the step it falls in for as long as some tens of steps take: an inter-token
+latency spike for every request in the batch (docs/benchmarks.md#gc-pauses).
 Those objects live as long as the process, so they are frozen once the daemon is ready
 (`gc.freeze`: moved to a generation no collection visits), as vLLM's engine does after its
 start-up; what requests allocate afterwards is collected as before.
