@@ -10,8 +10,9 @@ step's statistics. For each ``--rows`` count R (1, 16, 64, 256) and each ``--bac
 attention backend (``torch``, and ``cpu``, our C++ decode kernel, where it builds): an eager
 engine (``compile = off``) with ``max_num_seqs = R``, a token budget that prefills all R at
 once, and a KV cache that holds them all; R requests of ``--prompt`` (8) distinct token ids,
-greedy (``--temperature`` to sample), EOS ignored, run to steady decode (every row decoding),
-then ``--warmup`` steps, then ``--steps`` timed steps, on ``--threads`` torch threads (1: the
+greedy (``--temperature`` to sample), EOS ignored, run to steady decode (every row decoding)
+and on until each has ``--decoded`` output tokens (0; long outputs cost more where the work
+grows with the text), then ``--warmup`` steps, then ``--steps`` timed steps, on ``--threads`` torch threads (1: the
 host work is single-threaded Python, and one thread keeps the forward steady on a CPU that
 other jobs share).
 
@@ -209,7 +210,8 @@ def measure(model_dir: Path, backend: str, rows: int, args: argparse.Namespace) 
     from controlplane.engine import Engine, SamplingParams
 
     steps = args.warmup + args.steps
-    new_tokens = 2 * steps + 8  # both passes, the ramp to steady decode, some slack
+    # Both passes, the ramp to steady decode, the outputs asked for before them, some slack.
+    new_tokens = 2 * steps + args.decoded + 8
     per_seq_blocks = -(-(args.prompt + new_tokens) // args.block_size)
     engine = Engine(
         model=str(model_dir),
@@ -230,8 +232,9 @@ def measure(model_dir: Path, backend: str, rows: int, args: argparse.Namespace) 
     for i in range(rows):
         prompt = [(97 * i + 13 * j) % (vocab - 16) + 8 for j in range(args.prompt)]
         engine.add_request(prompt, params)
-    # Prefill (one step fits all prompts) then a couple of steps: every row decoding.
-    for _ in range(3):
+    # Prefill (one step fits all prompts) then a couple of steps: every row decoding; then
+    # the outputs grow to --decoded tokens.
+    for _ in range(3 + args.decoded):
         engine.step()
     sch = engine.scheduler
     assert len(sch.running) == rows and not sch.waiting, (len(sch.running), len(sch.waiting))
@@ -328,6 +331,7 @@ def run_child(tree: Path, args: argparse.Namespace, backends: list[str]) -> list
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
         f"--prompt={args.prompt}",
+        f"--decoded={args.decoded}",
         f"--block-size={args.block_size}",
         f"--temperature={args.temperature}",
         f"--threads={args.threads}",
@@ -374,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps before each pass")
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (best kept)")
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens a request")
+    p.add_argument(
+        "--decoded",
+        type=int,
+        default=0,
+        help="output tokens each request has before the passes (untimed): long outputs",
+    )
     p.add_argument("--block-size", type=int, default=16, help="engine.block_size")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument(
