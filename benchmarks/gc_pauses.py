@@ -40,13 +40,9 @@ from benchmarks.host_overhead import (
     log,
     timed_steps,
 )
-from controlplane.common import cpu_name
+from controlplane.common import cpu_name, percentile
 
 MODES = ("default", "frozen")
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def measure(mode: str, rows: int, steps: int) -> dict[str, Any]:
@@ -88,8 +84,8 @@ def measure(mode: str, rows: int, steps: int) -> dict[str, Any]:
         "frozen_objects": frozen,
         "tracked_objects": len(gc.get_objects()),
         "collections": [b - a for a, b in zip(before, after, strict=True)],
-        "p50_us": percentile(host, 0.50),
-        "p99_us": percentile(host, 0.99),
+        "p50_us": percentile(host, 50),
+        "p99_us": percentile(host, 99),
         "max_us": host[-1],
     }
 

@@ -12,9 +12,9 @@ engine (``compile = off``) with ``max_num_seqs = R``, a token budget that prefil
 once, and a KV cache that holds them all; R requests of ``--prompt`` (8) distinct token ids,
 greedy (``--temperature`` to sample), EOS ignored, run to steady decode (every row decoding)
 and on until each has ``--decoded`` output tokens (0; long outputs cost more where the work
-grows with the text), then ``--warmup`` steps, then ``--steps`` timed steps, on ``--threads`` torch threads (1: the
-host work is single-threaded Python, and one thread keeps the forward steady on a CPU that
-other jobs share).
+grows with the text), then ``--warmup`` steps, then ``--steps`` timed steps, on
+``--threads`` torch threads (1: the host work is single-threaded Python, and one thread keeps
+the forward steady on a CPU that other jobs share).
 
 Two passes a configuration, one after the other on the same engine:
 

@@ -253,8 +253,10 @@ class Overlap:
             return e._fail_step(launched.sched, exc)
         now = time.time()
         outputs: list[RequestOutput] = []
-        if len(tokens) != len(launched.samplers):
-            raise RuntimeError(f"{len(tokens)} tokens for {len(launched.samplers)} rows")
+        if not len(tokens) == len(lps) == len(launched.samplers):
+            raise RuntimeError(
+                f"{len(tokens)} tokens and {len(lps)} logprobs for {len(launched.samplers)} rows"
+            )
         # A row whose sequence finished (aborted, or ended by its previous token) is dropped.
         e._take(launched.samplers, tokens, lps, now, outputs, sampled.errors)
         for seq in launched.samplers:

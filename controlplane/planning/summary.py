@@ -21,6 +21,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from controlplane.common import percentile
 from controlplane.planning.replay import ReplayRun
 from controlplane.planning.window import Window
 
@@ -74,16 +75,6 @@ class Figures:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation between closest ranks; None if empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def _ms(values: list[float], q: float) -> float | None:

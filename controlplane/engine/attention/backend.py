@@ -62,7 +62,7 @@ def padded_block_tables(spans: list[SeqSpan], block_size: int) -> list[list[int]
 def flat_block_tables(spans: list[SeqSpan], block_size: int, width: int) -> array:
     """The spans' padded block tables (padded_block_tables) as one int64 array, row after
     row: a memory copy a row for tables held as arrays (sequence.block_table), where a list's
-    ints were converted one by one, 13 ns each (docs/benchmarks.md#host-overhead)."""
+    ints are converted one by one (docs/benchmarks.md#host-overhead)."""
     flat = array("q")
     zeros = array("q", bytes(8 * width))
     for s in spans:
